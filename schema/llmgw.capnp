@@ -1,0 +1,177 @@
+@0xd3a1c5e7f9b20461;
+# llmgw's wire contract: control plane <-> agents, control plane <-> ctl/clients.
+# Capabilities carry authority: nothing is addressed by id when a capability can say it.
+# Field numbers are forever; add fields at the end of a struct with a new number.
+
+struct KeyValue {
+  key @0 :Text;
+  value @1 :Text;
+}
+
+struct Gpu {
+  index @0 :UInt32;
+  uuid @1 :Text;
+  name @2 :Text;
+  memoryTotalMb @3 :UInt64;
+  memoryFreeMb @4 :UInt64;
+}
+
+struct Hardware {
+  cpuCount @0 :UInt32;
+  memoryTotalMb @1 :UInt64;
+  memoryAvailableMb @2 :UInt64;
+  gpus @3 :List(Gpu);
+  gpuNote @4 :Text;        # why there are no GPUs, in words ("no GPUs: NVML library not found")
+}
+
+struct EngineInfo {
+  name @0 :Text;
+  installed @1 :Bool;
+  version @2 :Text;
+  installable @3 :Bool;
+  detail @4 :Text;
+}
+
+struct Profile {
+  replicas @0 :UInt32;
+  memoryMb @1 :UInt64;
+  cpuCores @2 :Float64;
+  gpus @3 :UInt32;
+  engineArgs @4 :List(Text);
+  engineEnv @5 :List(KeyValue);
+}
+
+struct Model {
+  name @0 :Text;
+  engine @1 :Text;
+  source @2 :Text;
+  profile @3 :Profile;
+}
+
+struct ShardSpec {
+  id @0 :Text;
+  model @1 :Text;
+  engine @2 :Text;
+  source @3 :Text;
+  args @4 :List(Text);
+  env @5 :List(KeyValue);
+  memoryMb @6 :UInt64;
+  cpuCores @7 :Float64;
+  gpus @8 :List(UInt32);
+}
+
+enum ShardState {
+  starting @0;
+  ready @1;
+  unhealthy @2;
+  restarting @3;
+  failed @4;
+  stopping @5;
+  stopped @6;
+}
+
+struct ShardStatus {
+  id @0 :Text;
+  state @1 :ShardState;
+  endpoint @2 :Text;       # "http://host:port" of the engine's OpenAI API
+  pid @3 :UInt32;
+  restarts @4 :UInt32;
+  message @5 :Text;
+  lastOutput @6 :List(Text);
+}
+
+struct RunningShard {
+  spec @0 :ShardSpec;
+  status @1 :ShardStatus;
+}
+
+struct Registration {
+  nodeId @0 :Text;         # must equal the name in the node's certificate
+  address @1 :Text;        # the node's address on the route to the control plane
+  hardware @2 :Hardware;
+  shards @3 :List(RunningShard);   # engines this agent runs now (adopted or started earlier)
+  engines @4 :List(EngineInfo);
+  features @5 :List(Text);
+  agent @6 :Agent;
+  version @7 :Text;        # llmgw version of the agent
+}
+
+interface Cluster {
+  # Bootstrap capability on the RPC port. The TLS client certificate names the caller and its role;
+  # each method checks it.
+  join @0 (registration :Registration) -> (desk :NodeDesk, heartbeatIntervalMs :UInt32);
+  # Nodes only. The session lasts as long as this connection; a second join for the same node replaces it.
+  admin @1 () -> (admin :Admin);
+  # Admin certificates only.
+}
+
+interface NodeDesk {
+  # The control plane's side of one node session.
+  heartbeat @0 (hardware :Hardware) -> ();
+}
+
+interface Agent {
+  # The agent's side of one node session, handed over in the registration.
+  startShard @0 (spec :ShardSpec, reporter :ShardReporter) -> (shard :Shard);
+  # Idempotent per spec.id: starting a shard that runs already re-binds it to this reporter.
+  adopt @1 (id :Text, reporter :ShardReporter) -> (shard :Shard);
+  # Re-binds a running shard (reported at registration) to a reporter of this session.
+  ping @2 () -> ();
+}
+
+interface ShardReporter {
+  # Handed by the control plane per shard: status flows up through it, for that shard only.
+  status @0 (status :ShardStatus) -> ();
+}
+
+interface Shard {
+  # Handed by the agent per shard: the control plane's handle on that engine.
+  stop @0 (graceMs :UInt32) -> ();
+  status @1 () -> (status :ShardStatus);
+  logs @2 (lines :UInt32) -> (lines :List(Text));
+}
+
+struct NodeView {
+  id @0 :Text;
+  address @1 :Text;
+  state @2 :Text;          # online | lost
+  hardware @3 :Hardware;
+  engines @4 :List(EngineInfo);
+  secondsSinceHeartbeat @5 :Float64;
+  shards @6 :UInt32;
+  version @7 :Text;
+}
+
+struct ReplicaView {
+  id @0 :Text;
+  model @1 :Text;
+  nodeId @2 :Text;
+  state @3 :Text;
+  endpoint @4 :Text;
+  pid @5 :UInt32;
+  restarts @6 :UInt32;
+  message @7 :Text;
+  lastOutput @8 :List(Text);
+}
+
+struct ClusterStatus {
+  version @0 :Text;
+  nodesOnline @1 :UInt32;
+  nodesLost @2 :UInt32;
+  replicasReady @3 :UInt32;
+  replicasTotal @4 :UInt32;
+  models @5 :UInt32;
+  gatewayUrl @6 :Text;
+  unplaceable @7 :List(Text);
+}
+
+interface Admin {
+  status @0 () -> (status :ClusterStatus);
+  listNodes @1 () -> (nodes :List(NodeView));
+  listReplicas @2 () -> (replicas :List(ReplicaView), unplaceable :List(Text));
+  listModels @3 () -> (models :List(Model));
+  addModel @4 (model :Model, replace :Bool) -> (model :Model);
+  # Fails with the validation error, naming the field, when the model is invalid.
+  removeModel @5 (name :Text) -> (removed :Bool);
+  replicaLogs @6 (id :Text, lines :UInt32) -> (lines :List(Text));
+}
