@@ -1,0 +1,151 @@
+"""Conversions between llmgw.spec values and Cap'n Proto structs.
+
+``to_*`` functions fill a capnp builder (or return a dict pycapnp accepts);
+``from_*`` functions copy a capnp reader into plain Python values, so a server
+method can copy its params before its first await.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+
+
+def _kv(mapping: Mapping[str, str]) -> list[dict[str, str]]:
+    return [{"key": k, "value": v} for k, v in sorted(mapping.items())]
+
+
+def _from_kv(items: Any) -> dict[str, str]:
+    return {item.key: item.value for item in items}
+
+
+def hardware_dict(hw: Hardware) -> dict[str, Any]:
+    return {
+        "cpuCount": hw.cpu_count,
+        "memoryTotalMb": hw.memory_total_mb,
+        "memoryAvailableMb": hw.memory_available_mb,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "memoryTotalMb": g.memory_total_mb,
+                "memoryFreeMb": g.memory_free_mb,
+            }
+            for g in hw.gpus
+        ],
+        "gpuNote": hw.gpu_note,
+    }
+
+
+def hardware_from(r: Any) -> Hardware:
+    return Hardware(
+        cpu_count=r.cpuCount,
+        memory_total_mb=r.memoryTotalMb,
+        memory_available_mb=r.memoryAvailableMb,
+        gpus=tuple(
+            GpuInfo(g.index, g.uuid, g.name, g.memoryTotalMb, g.memoryFreeMb) for g in r.gpus
+        ),
+        gpu_note=r.gpuNote,
+    )
+
+
+def engine_dict(e: EngineInfo) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "installed": e.installed,
+        "version": e.version,
+        "installable": e.installable,
+        "detail": e.detail,
+    }
+
+
+def engine_from(r: Any) -> EngineInfo:
+    return EngineInfo(r.name, r.installed, r.version, r.installable, r.detail)
+
+
+def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
+    return {
+        "id": s.id,
+        "model": s.model,
+        "engine": s.engine,
+        "source": s.source,
+        "args": list(s.args),
+        "env": _kv(s.env),
+        "memoryMb": s.memory_mb,
+        "cpuCores": s.cpu_cores,
+        "gpus": list(s.gpus),
+    }
+
+
+def shard_spec_from(r: Any) -> ShardSpec:
+    return ShardSpec(
+        id=r.id,
+        model=r.model,
+        engine=r.engine,
+        source=r.source,
+        args=tuple(r.args),
+        env=_from_kv(r.env),
+        memory_mb=r.memoryMb,
+        cpu_cores=r.cpuCores,
+        gpus=tuple(r.gpus),
+    )
+
+
+def shard_status_dict(s: ShardStatus) -> dict[str, Any]:
+    return {
+        "id": s.id,
+        "state": s.state.value,
+        "endpoint": s.endpoint,
+        "pid": s.pid,
+        "restarts": s.restarts,
+        "message": s.message,
+        "lastOutput": list(s.last_output),
+    }
+
+
+def shard_status_from(r: Any) -> ShardStatus:
+    return ShardStatus(
+        id=r.id,
+        state=ShardState(str(r.state)),
+        endpoint=r.endpoint,
+        pid=r.pid,
+        restarts=r.restarts,
+        message=r.message,
+        last_output=tuple(r.lastOutput),
+    )
+
+
+def model_dict(m: ModelSpec) -> dict[str, Any]:
+    p = m.profile
+    return {
+        "name": m.name,
+        "engine": m.engine,
+        "source": m.source,
+        "profile": {
+            "replicas": p.replicas,
+            "memoryMb": p.memory_mb,
+            "cpuCores": p.cpu_cores,
+            "gpus": p.gpus,
+            "engineArgs": list(p.engine_args),
+            "engineEnv": _kv(p.engine_env),
+        },
+    }
+
+
+def model_from(r: Any) -> ModelSpec:
+    p = r.profile
+    return ModelSpec(
+        name=r.name,
+        engine=r.engine,
+        source=r.source,
+        profile=Profile(
+            replicas=p.replicas,
+            memory_mb=p.memoryMb,
+            cpu_cores=p.cpuCores,
+            gpus=p.gpus,
+            engine_args=tuple(p.engineArgs),
+            engine_env=_from_kv(p.engineEnv),
+        ),
+    )
