@@ -1,0 +1,27 @@
+# llmgw: `make up` runs a one-machine cluster; `make test` runs every test. Both install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.llmgw-installed
+
+.PHONY: install up test bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "llmgw needs Python >= 3.11 (found %s): set PYTHON=python3.11" % sys.version.split()[0])'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## A one-machine cluster (control plane + gateway + agent, SQLite, its own CA) serving the demo model.
+up: install
+	$(BIN)/llmgw up $(UP_ARGS)
+
+## Every test: unit, component, system. Starts a throwaway PostgreSQL when none answers on 127.0.0.1:5432.
+test: install
+	LLMGW_TEST_PG="$$(scripts/ensure-postgres.sh)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
