@@ -1,0 +1,118 @@
+"""Mutual-TLS connections for the RPC port: listen, dial, and say clearly why a connection failed."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import ssl
+from typing import Awaitable, Callable
+
+import trio
+
+from llmgw.rpc.tls import Identity, explain_tls_error, peer_identity
+
+log = logging.getLogger(__name__)
+
+#: A TCP connect on a LAN takes milliseconds; a dead or black-holed address must not stall a failover list.
+CONNECT_TIMEOUT = 5.0
+#: Two round trips plus certificate checks; a peer that cannot finish in this time is not worth waiting for.
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class ConnectError(ConnectionError):
+    """Could not reach or authenticate a peer; the message says why and what to do."""
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` or ``[v6]:port``. Raises ``ValueError`` naming the bad address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected host:port, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+async def connect(address: str, context: ssl.SSLContext, *, timeout: float = CONNECT_TIMEOUT) -> trio.SSLStream:
+    """Dial ``address`` (host:port) and complete the TLS handshake.
+
+    Returns the handshaken stream (the caller closes it). Raises
+    :class:`ConnectError` with an operator-facing message when the address cannot be
+    reached within ``timeout`` or TLS fails. With TLS 1.3 a server that refuses this
+    client's certificate is only noticed on the first read: treat the first call as
+    part of connecting.
+    """
+    host, port = split_address(address)
+    try:
+        with trio.fail_after(timeout):
+            tcp = await trio.open_tcp_stream(host, port)
+    except trio.TooSlowError:
+        raise ConnectError(f"cannot reach {address}: no answer within {timeout:g}s") from None
+    except OSError as exc:
+        raise ConnectError(f"cannot reach {address}: {exc.strerror or exc}") from None
+    stream = trio.SSLStream(tcp, context, server_hostname=host)
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            await stream.do_handshake()
+    except trio.TooSlowError:
+        await trio.aclose_forcefully(stream)
+        raise ConnectError(f"{address}: TLS handshake did not finish within {HANDSHAKE_TIMEOUT:g}s") from None
+    except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
+        await trio.aclose_forcefully(stream)
+        raise ConnectError(explain_tls_error(exc, side="client", peer=address)) from None
+    return stream
+
+
+Handler = Callable[[trio.SSLStream, Identity], Awaitable[None]]
+
+
+async def _accept(handler: Handler, context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
+    try:
+        peer = "%s:%s" % tcp.socket.getpeername()[:2]
+    except OSError:
+        peer = "?"
+    stream = trio.SSLStream(tcp, context, server_side=True)
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            await stream.do_handshake()
+        identity = peer_identity(stream)
+    except trio.TooSlowError:
+        log.warning("rpc: %s did not finish the TLS handshake within %gs", peer, HANDSHAKE_TIMEOUT)
+        await trio.aclose_forcefully(stream)
+        return
+    except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
+        log.warning("rpc: refused a connection: %s", explain_tls_error(exc, side="server", peer=peer))
+        await trio.aclose_forcefully(stream)
+        return
+    except PermissionError as exc:
+        log.warning("rpc: refused %s: %s", peer, exc)
+        await trio.aclose_forcefully(stream)
+        return
+    try:
+        await handler(stream, identity)
+    except Exception:  # noqa: BLE001 - one broken connection must not take down the listener
+        log.exception("rpc: connection from %s (%s) failed", peer, identity)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def listen(
+    handler: Handler,
+    host: str,
+    port: int,
+    context: ssl.SSLContext,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept mutual-TLS connections on exactly ``host:port`` until cancelled.
+
+    Each connection runs ``handler(stream, identity)`` in its own task once the
+    handshake succeeded and the client certificate named an llmgw identity;
+    refused connections are logged with the reason. Signals the bound port as
+    started value (``port=0`` picks a free one).
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, functools.partial(_accept, handler, context), listeners)
+        task_status.started(bound)
