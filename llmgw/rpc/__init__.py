@@ -1,0 +1,1 @@
+"""Cap'n Proto RPC on trio: the pycapnp backend, TLS, connections, wire conversions."""
