@@ -1,0 +1,230 @@
+"""Catalog validation: user input (YAML, JSON, CLI flags) -> ModelSpec, with precise errors.
+
+:func:`validate_model` is the only way a model enters the catalog; every error names the
+field path and the reason (``profile.replicas: must be an integer >= 0, got -1``).
+:func:`model_to_dict` is its inverse. :func:`check_engine_args` is the hook for engine
+argument/environment policy; the node calls it again before it starts an engine.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+from llmgw.spec import ModelSpec, Profile
+
+#: Engines a model may name; each has an adapter in llmgw/node/engines.
+KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
+#: Engines whose ``source`` is free-form (may be empty): nothing is loaded from disk.
+FREE_SOURCE_ENGINES = frozenset({"sim"})
+
+NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
+_NAME_RE = re.compile(NAME_PATTERN)
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+_TOP_KEYS = ("name", "engine", "source", "profile")
+_PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env")
+
+#: Engine options refused everywhere, with the reason. Matched after normalising ``_`` to
+#: ``-`` and also as unambiguous prefixes, because vLLM/SGLang's argparse accepts both.
+DENIED_ARGS: Mapping[str, str] = {
+    "--trust-remote-code": "it runs Python code shipped with the model weights",
+    "--log-file": "it writes a file anywhere the engine's user can",
+    "--slot-save-path": "it lets API clients write files under a chosen directory",
+}
+#: Shortest option prefix (after the dashes) treated as an abbreviation of a denied option.
+#: argparse (vLLM, SGLang) accepts any unambiguous prefix, so this is deliberately short;
+#: ``--t``/``--l``/``--s`` alone are left to the engine (ambiguous for argparse, and never
+#: exact denied names).
+_MIN_ABBREVIATION = 2
+#: Environment variables refused everywhere, with the reason; plus any name ending in _PLUGIN.
+DENIED_ENV: Mapping[str, str] = {
+    "LD_PRELOAD": "it injects a shared library into the engine",
+    "LD_LIBRARY_PATH": "it changes which shared libraries the engine loads",
+    "CUDA_INJECTION64_PATH": "it injects a library into the CUDA runtime",
+}
+_DENIED_ENV_SUFFIX = "_PLUGIN"
+
+
+class CatalogError(ValueError):
+    """Invalid catalog input. ``path`` is the field (e.g. ``profile.replicas``), ``reason`` why."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def _check_keys(data: Mapping[Any, Any], allowed: Sequence[str], prefix: str) -> None:
+    for key in data:
+        if key in allowed:
+            continue
+        path = f"{prefix}{key}"
+        if not isinstance(key, str):
+            raise CatalogError(path, "unknown key")
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(allowed))})"
+        raise CatalogError(path, f"unknown key{hint}")
+
+
+def _integer(data: Mapping[str, Any], key: str, default: int, path: str) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CatalogError(path, f"must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _number(data: Mapping[str, Any], key: str, default: float, path: str) -> float:
+    value = data.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise CatalogError(path, f"must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _string(data: Mapping[str, Any], key: str, path: str, *, required: bool) -> str:
+    if key not in data:
+        if required:
+            raise CatalogError(path, "required")
+        return ""
+    value = data[key]
+    if not isinstance(value, str):
+        raise CatalogError(path, f"must be a string, got {value!r}")
+    return value
+
+
+def _args(value: Any, path: str) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise CatalogError(path, f"must be a list of strings, got {value!r}")
+    for i, arg in enumerate(value):
+        if not isinstance(arg, str):
+            raise CatalogError(f"{path}[{i}]", f"must be a string, got {arg!r}")
+    return tuple(value)
+
+
+def _env(value: Any, path: str) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise CatalogError(path, f"must be a mapping of variable names to strings, got {value!r}")
+    for name, val in value.items():
+        if not isinstance(name, str) or not _ENV_NAME_RE.fullmatch(name):
+            raise CatalogError(f"{path}.{name}", "not a valid environment variable name")
+        if not isinstance(val, str):
+            raise CatalogError(f"{path}.{name}", f"must be a string, got {val!r}")
+    return dict(value)
+
+
+def _option_name(arg: str) -> str | None:
+    """Return the normalised option name of ``arg`` (``--a_b=1`` -> ``--a-b``), or None."""
+    if not arg.startswith("--"):
+        return None
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
+def check_engine_args(
+    engine: str, args: Sequence[str], env: Mapping[str, str], *, path: str = "profile"
+) -> None:
+    """Refuse engine arguments and environment that are dangerous for any engine.
+
+    Returns None if ``args`` and ``env`` are acceptable for ``engine``; otherwise raises
+    CatalogError naming the offending argument (``{path}.engine_args[i]``) or variable
+    (``{path}.engine_env.NAME``). This is the hook for the per-engine allowlist; for now it
+    only denies what is obviously dangerous (code execution, library injection, writing
+    arbitrary files), including ``_`` spellings and argparse abbreviations of the options.
+    """
+    del engine  # the per-engine allowlist will use it
+    for i, arg in enumerate(args):
+        option = _option_name(arg)
+        if option is None:
+            continue
+        for denied, reason in DENIED_ARGS.items():
+            abbreviation = (
+                len(option) - 2 >= _MIN_ABBREVIATION and denied.startswith(option)
+            )
+            if option == denied or abbreviation:
+                shown = denied if option == denied else f"{option} (an abbreviation of {denied})"
+                raise CatalogError(f"{path}.engine_args[{i}]", f"{shown} is not allowed: {reason}")
+    for name in env:
+        if name in DENIED_ENV:
+            raise CatalogError(f"{path}.engine_env.{name}", f"not allowed: {DENIED_ENV[name]}")
+        if name.upper().endswith(_DENIED_ENV_SUFFIX):
+            raise CatalogError(
+                f"{path}.engine_env.{name}",
+                "not allowed: *_PLUGIN variables make the engine load code from a path",
+            )
+
+
+def _profile(engine: str, data: Any) -> Profile:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise CatalogError("profile", f"must be a mapping, got {data!r}")
+    _check_keys(data, _PROFILE_KEYS, "profile.")
+    replicas = _integer(data, "replicas", 1, "profile.replicas")
+    memory_mb = _integer(data, "memory_mb", 0, "profile.memory_mb")
+    cpu_cores = _number(data, "cpu_cores", 0.0, "profile.cpu_cores")
+    gpus = _integer(data, "gpus", 0, "profile.gpus")
+    args = _args(data.get("engine_args", ()), "profile.engine_args")
+    env = _env(data.get("engine_env", {}), "profile.engine_env")
+    check_engine_args(engine, args, env)
+    return Profile(
+        replicas=replicas,
+        memory_mb=memory_mb,
+        cpu_cores=cpu_cores,
+        gpus=gpus,
+        engine_args=args,
+        engine_env=env,
+    )
+
+
+def validate_model(data: Mapping[str, Any]) -> ModelSpec:
+    """Return the ModelSpec that ``data`` describes.
+
+    ``data`` has ``name``, ``engine``, ``source`` (an absolute local path; free-form and
+    optional for the sim engine) and an optional ``profile`` mapping (Profile's fields;
+    missing ones take Profile's defaults). Raises CatalogError naming the first field that
+    is missing, unknown or invalid, and why. Types are not coerced: ``"2"`` is not an integer.
+    """
+    if not isinstance(data, Mapping):
+        raise CatalogError("model", f"must be a mapping, got {data!r}")
+    _check_keys(data, _TOP_KEYS, "")
+    name = _string(data, "name", "name", required=True)
+    if not _NAME_RE.fullmatch(name):
+        raise CatalogError("name", f"must match {NAME_PATTERN}, got {name!r}")
+    engine = _string(data, "engine", "engine", required=True)
+    if engine not in KNOWN_ENGINES:
+        raise CatalogError(
+            "engine", f"unknown engine {engine!r} (known: {', '.join(sorted(KNOWN_ENGINES))})"
+        )
+    source = _string(data, "source", "source", required=engine not in FREE_SOURCE_ENGINES)
+    if engine not in FREE_SOURCE_ENGINES:
+        if not source.startswith("/"):
+            raise CatalogError(
+                "source", f"must be an absolute local path for engine {engine!r}, got {source!r}"
+            )
+        if "\0" in source:
+            raise CatalogError("source", "must not contain a NUL character")
+    return ModelSpec(name=name, engine=engine, source=source, profile=_profile(engine, data.get("profile")))
+
+
+def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    """Return ``spec`` as plain JSON-friendly data; ``validate_model`` of it gives ``spec`` back."""
+    profile = spec.profile
+    return {
+        "name": spec.name,
+        "engine": spec.engine,
+        "source": spec.source,
+        "profile": {
+            "replicas": profile.replicas,
+            "memory_mb": profile.memory_mb,
+            "cpu_cores": profile.cpu_cores,
+            "gpus": profile.gpus,
+            "engine_args": list(profile.engine_args),
+            "engine_env": dict(profile.engine_env),
+        },
+    }

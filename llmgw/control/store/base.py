@@ -1,0 +1,184 @@
+"""The control plane's store: the one interface both backends implement.
+
+``Store`` is what the rest of the control plane calls. Every method is async and safe to
+call from any number of trio tasks at once; the backends run the blocking database driver
+in a worker thread and serialise access to their single connection.
+
+Cancellation: a call that is cancelled while its statement runs in the worker thread
+waits for that statement to finish (every statement is bounded by the backend's
+timeouts, so this wait is bounded too); a transaction that did not commit is rolled
+back. Nothing is half-written.
+"""
+
+from __future__ import annotations
+
+import abc
+from types import TracebackType
+from typing import Any, Mapping, Self
+
+import attrs
+
+from llmgw.spec import ModelSpec
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises."""
+
+
+class ConflictError(StoreError):
+    """The write would overwrite something that already exists (e.g. a duplicate model name)."""
+
+
+class StoreUnavailableError(StoreError):
+    """The database cannot be reached or opened; the message names it and what to check."""
+
+
+class StoreTimeoutError(StoreUnavailableError):
+    """A statement or lock wait ran past the store's timeout; the message says which database."""
+
+
+class SchemaTooNewError(StoreError):
+    """The database was migrated by a newer llmgw than this one."""
+
+
+class StoreClosedError(StoreError):
+    """The store was used after ``close()``."""
+
+
+@attrs.frozen
+class NodeRecord:
+    """A node that has joined at least once. Times are Unix seconds."""
+
+    id: str
+    address: str
+    first_seen: float
+    last_seen: float
+    labels: Mapping[str, str] = attrs.field(factory=dict, converter=lambda d: dict(d))
+
+
+@attrs.frozen
+class AuditEntry:
+    """One audit record. ``id`` grows with insertion order; ``ts`` is Unix seconds."""
+
+    id: int
+    ts: float
+    actor: str
+    action: str
+    target: str
+    detail: Mapping[str, Any] = attrs.field(factory=dict, converter=lambda d: dict(d))
+
+
+@attrs.frozen
+class SettingVersion:
+    """One version of a cluster setting. Versions of a key count up from 1 without gaps."""
+
+    key: str
+    value: Any
+    version: int
+    updated_at: float
+    actor: str
+
+
+class Store(abc.ABC):
+    """The control plane's persistent state, behind one interface for SQLite and PostgreSQL.
+
+    Get one with :func:`llmgw.control.store.open_store`; it is an async context manager
+    that closes the store on exit. Every method raises :class:`StoreUnavailableError`
+    (or its subclass :class:`StoreTimeoutError`) when the database cannot be reached or
+    a statement times out, and :class:`StoreClosedError` after :meth:`close`.
+    """
+
+    #: Where the data lives, for messages and logs (a path, or a DSN without the password).
+    description: str
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close the connection. Idempotent; waits for an operation in flight to finish."""
+
+    @abc.abstractmethod
+    async def schema_version(self) -> int:
+        """Return the highest migration version applied to the database."""
+
+    # -- models (the catalog) ------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def put_model(self, spec: ModelSpec, *, create_only: bool) -> ModelSpec:
+        """Store a catalog entry and return it as stored.
+
+        With ``create_only`` an existing entry of the same name raises :class:`ConflictError`;
+        without it the entry is replaced (its ``created_at`` is kept). The spec is expected
+        to have passed :func:`llmgw.control.catalog.validate_model` already.
+        """
+
+    @abc.abstractmethod
+    async def get_model(self, name: str) -> ModelSpec | None:
+        """Return the catalog entry named ``name``, or None if there is none."""
+
+    @abc.abstractmethod
+    async def list_models(self) -> list[ModelSpec]:
+        """Return every catalog entry, ordered by name."""
+
+    @abc.abstractmethod
+    async def delete_model(self, name: str) -> bool:
+        """Delete the entry named ``name``; return whether there was one."""
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def record_node_seen(self, node_id: str, address: str) -> NodeRecord:
+        """Record that ``node_id`` is (or was just) connected from ``address``; return the record.
+
+        The first call sets ``first_seen``; every call updates ``last_seen`` and the address.
+        """
+
+    @abc.abstractmethod
+    async def list_known_nodes(self) -> list[NodeRecord]:
+        """Return every node that has ever joined, ordered by id."""
+
+    # -- audit ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def audit(
+        self, actor: str, action: str, target: str, detail: Mapping[str, Any] | None = None
+    ) -> AuditEntry:
+        """Append one audit record and return it.
+
+        ``detail`` must be JSON data; anything else raises TypeError or ValueError and
+        writes nothing.
+        """
+
+    @abc.abstractmethod
+    async def list_audit(self, limit: int = 100) -> list[AuditEntry]:
+        """Return the newest ``limit`` audit records, newest first."""
+
+    # -- settings ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def get_setting(self, key: str) -> SettingVersion | None:
+        """Return the current version of setting ``key``, or None if it was never set."""
+
+    @abc.abstractmethod
+    async def set_setting(self, key: str, value: Any, actor: str) -> int:
+        """Set ``key`` to ``value`` and return the new version number.
+
+        ``value`` must be JSON data (None, bool, int, finite float, str, lists, string-keyed
+        dicts); anything else raises TypeError or ValueError and writes nothing.
+
+        Concurrent writers (tasks or whole control planes) each get a distinct version;
+        the history keeps every value.
+        """
+
+    @abc.abstractmethod
+    async def setting_history(self, key: str) -> list[SettingVersion]:
+        """Return every version of ``key``, oldest first (empty if it was never set)."""

@@ -1,0 +1,136 @@
+"""Versioned schema migrations, the same logical schema on SQLite and PostgreSQL.
+
+Each :class:`Migration` is applied at most once, in its own transaction, and recorded in
+``schema_migrations``. Statements are written once with type placeholders (``{json}``,
+``{ts}``, ``{id_pk}``) that each dialect fills in; everything else is SQL both accept.
+
+To change the schema, append a migration with the next version number. Never edit or
+reorder one that has shipped: databases in the field have already applied it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Migration:
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+@attrs.frozen
+class Dialect:
+    """How one backend spells the column types the schema uses."""
+
+    name: str
+    json: str  # a JSON document; the store always reads and writes it as JSON text
+    ts: str  # Unix seconds as a float (the same on both backends; no time-zone surprises)
+    id_pk: str  # an integer primary key the database assigns in insertion order
+
+    def render(self, statement: str) -> str:
+        """Return ``statement`` with this dialect's types in place of the placeholders."""
+        return statement.format(json=self.json, ts=self.ts, id_pk=self.id_pk)
+
+
+SQLITE = Dialect(
+    name="sqlite",
+    json="TEXT",
+    ts="REAL",
+    # AUTOINCREMENT: ids are never reused, even after the newest rows are deleted.
+    id_pk="INTEGER PRIMARY KEY AUTOINCREMENT",
+)
+POSTGRES = Dialect(
+    name="postgres",
+    json="JSONB",
+    ts="DOUBLE PRECISION",
+    id_pk="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+)
+
+#: Created before anything else, outside the numbered migrations.
+SCHEMA_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version INTEGER PRIMARY KEY,
+    name TEXT NOT NULL,
+    applied_at {ts} NOT NULL
+)
+"""
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        version=1,
+        name="catalog, nodes, audit, settings",
+        statements=(
+            """
+            CREATE TABLE models (
+                name TEXT PRIMARY KEY,
+                engine TEXT NOT NULL,
+                source TEXT NOT NULL,
+                profile {json} NOT NULL,
+                created_at {ts} NOT NULL,
+                updated_at {ts} NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE nodes (
+                id TEXT PRIMARY KEY,
+                address TEXT NOT NULL,
+                first_seen {ts} NOT NULL,
+                last_seen {ts} NOT NULL,
+                labels {json} NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE audit (
+                id {id_pk},
+                ts {ts} NOT NULL,
+                actor TEXT NOT NULL,
+                action TEXT NOT NULL,
+                target TEXT NOT NULL,
+                detail {json} NOT NULL
+            )
+            """,
+            "CREATE INDEX audit_ts ON audit (ts)",
+            # The current value of each setting; its row lock is what hands out versions.
+            """
+            CREATE TABLE settings (
+                key TEXT PRIMARY KEY,
+                value {json} NOT NULL,
+                version INTEGER NOT NULL,
+                updated_at {ts} NOT NULL,
+                actor TEXT NOT NULL
+            )
+            """,
+            """
+            CREATE TABLE setting_history (
+                key TEXT NOT NULL,
+                version INTEGER NOT NULL,
+                value {json} NOT NULL,
+                updated_at {ts} NOT NULL,
+                actor TEXT NOT NULL,
+                PRIMARY KEY (key, version)
+            )
+            """,
+        ),
+    ),
+)
+
+
+def latest_version(migrations: Sequence[Migration]) -> int:
+    """Return the highest version in ``migrations`` (0 for none)."""
+    return max((m.version for m in migrations), default=0)
+
+
+def check_migrations(migrations: Sequence[Migration]) -> None:
+    """Raise ValueError unless ``migrations`` are numbered 1, 2, 3, ... in order."""
+    for expected, migration in enumerate(migrations, start=1):
+        if migration.version != expected:
+            raise ValueError(
+                f"migration {migration.name!r} has version {migration.version}, expected {expected}"
+            )
+
+
+check_migrations(MIGRATIONS)

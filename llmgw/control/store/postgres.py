@@ -1,0 +1,174 @@
+"""PostgreSQL backend: psycopg 3's *sync* API in worker threads, one connection.
+
+psycopg's async API is asyncio-only, so :class:`PostgresDriver` is blocking and is only
+called from worker threads, one call at a time. The connection runs in autocommit mode and
+every store operation is one explicit ``conn.transaction()``. A connection that broke (server
+restart, Patroni failover) is replaced at the start of the next operation; the operation
+that saw the break fails with StoreUnavailableError and is not retried (it may not be
+idempotent), so the caller decides.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any, Callable, Sequence, TypeVar
+
+import psycopg
+import psycopg.errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.types.string import TextLoader
+
+from llmgw.control.store.base import StoreError, StoreTimeoutError, StoreUnavailableError
+from llmgw.control.store.migrations import POSTGRES
+from llmgw.control.store.sql import Row, Tx
+
+T = TypeVar("T")
+
+#: Seconds to wait for the server to accept a connection (libpq's minimum is 2).
+PG_CONNECT_TIMEOUT_S = 5
+#: Longest any one statement may run, and longest it may wait for a lock. Store operations
+#: touch a few rows; anything slower is a sick server, and failing beats hanging forever.
+PG_STATEMENT_TIMEOUT_S = 15.0
+#: A transaction left open this long (a stuck client) is ended by the server.
+PG_IDLE_IN_TRANSACTION_TIMEOUT_S = 60.0
+#: TCP keepalives and a TCP user timeout, so a server that vanished from the network (no
+#: RST ever arrives) is noticed within about 20 s instead of the kernel's ~15 minutes.
+PG_KEEPALIVES = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "20000",  # milliseconds
+}
+#: Key of the advisory lock held while migrating (any fixed 64-bit value unique to this use;
+#: these are the bytes b"llmgwmig").
+MIGRATION_LOCK_KEY = int.from_bytes(b"llmgwmig", "big")
+
+_CHECK = (
+    "check that PostgreSQL is running and reachable from this machine, the DSN's host, "
+    "port, database and user, and the credentials (password, pg_hba.conf)"
+)
+
+
+def redact_dsn(dsn: str) -> str:
+    """Return ``dsn`` (a URL or key=value conninfo) with any password removed."""
+    if "://" in dsn:
+        parts = urllib.parse.urlsplit(dsn)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, hosts = netloc.rsplit("@", 1)
+            netloc = f"{userinfo.split(':', 1)[0]}@{hosts}"
+        query = urllib.parse.urlencode(
+            [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "password"]
+        )
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparseable DSN>"
+    params.pop("password", None)
+    return make_conninfo(**{k: str(v) for k, v in params.items()})
+
+
+class _PostgresTx:
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        # The store writes '?' placeholders and never a literal '?' or '%'.
+        cur = self._conn.execute(sql.replace("?", "%s"), tuple(params))  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description is not None else []
+
+
+class PostgresDriver:
+    """One psycopg connection; see :class:`llmgw.control.store.sql.Driver`."""
+
+    dialect = POSTGRES
+
+    def __init__(self, dsn: str, timeout_s: float = PG_STATEMENT_TIMEOUT_S) -> None:
+        self._dsn = dsn
+        self._timeout_s = timeout_s
+        self._conn: psycopg.Connection[Any] | None = None
+        self._closed = False
+        self.description = f"PostgreSQL database {redact_dsn(dsn)}"
+
+    @classmethod
+    def open(cls, dsn: str, timeout_s: float = PG_STATEMENT_TIMEOUT_S) -> PostgresDriver:
+        """Connect to ``dsn``; return the driver. Blocking.
+
+        Raises StoreUnavailableError naming the DSN (without its password) and what to check
+        if the server does not accept the connection within PG_CONNECT_TIMEOUT_S. The caller
+        owns the result and must ``close()`` it.
+        """
+        driver = cls(dsn, timeout_s)
+        driver._connect()
+        return driver
+
+    def _connect(self) -> None:
+        try:
+            params = conninfo_to_dict(self._dsn)
+        except psycopg.ProgrammingError as exc:
+            raise StoreUnavailableError(f"invalid PostgreSQL DSN {redact_dsn(self._dsn)}: {exc}") from exc
+        # Settings the operator put in the DSN win over our defaults.
+        options: dict[str, Any] = {"connect_timeout": str(PG_CONNECT_TIMEOUT_S), "application_name": "llmgw"}
+        options.update(PG_KEEPALIVES)
+        for key in list(options):
+            if key in params:
+                del options[key]
+        try:
+            conn = psycopg.connect(self._dsn, autocommit=True, **options)
+        except psycopg.Error as exc:
+            raise StoreUnavailableError(
+                f"cannot connect to {self.description}: {str(exc).strip()}; {_CHECK}"
+            ) from exc
+        try:
+            # JSON columns are read as text, exactly like SQLite's, and parsed by the store.
+            conn.adapters.register_loader("jsonb", TextLoader)
+            timeout_ms = str(max(1, int(self._timeout_s * 1000)))
+            for name, value in (
+                ("statement_timeout", timeout_ms),
+                ("lock_timeout", timeout_ms),
+                ("idle_in_transaction_session_timeout", str(int(PG_IDLE_IN_TRANSACTION_TIMEOUT_S * 1000))),
+            ):
+                conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+        except psycopg.Error as exc:
+            conn.close()
+            raise self._error(exc) from exc
+        self._conn = conn
+
+    def _error(self, exc: psycopg.Error) -> StoreError:
+        message = str(exc).strip()
+        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
+            return StoreTimeoutError(
+                f"{self.description}: statement or lock wait exceeded {self._timeout_s:g}s "
+                f"({message}); check the server's load and for long-running transactions "
+                "holding locks (pg_stat_activity)"
+            )
+        if isinstance(exc, psycopg.OperationalError):
+            return StoreUnavailableError(f"{self.description}: {message}; {_CHECK}")
+        return StoreError(f"{self.description}: {message}")
+
+    def transaction(self, fn: Callable[[Tx], T], *, write: bool) -> T:
+        if self._closed:
+            raise StoreError(f"{self.description} is closed")
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self._connect()
+        conn = self._conn
+        assert conn is not None
+        try:
+            with conn.transaction():
+                return fn(_PostgresTx(conn))
+        except psycopg.Error as exc:
+            raise self._error(exc) from exc
+
+    def lock_migrations(self, tx: Tx) -> None:
+        tx.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK_KEY,))
+
+    def close(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

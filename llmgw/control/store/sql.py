@@ -1,0 +1,366 @@
+"""The store's logic, written once against a small synchronous driver interface.
+
+:class:`SqlStore` implements :class:`~llmgw.control.store.base.Store` with SQL both SQLite
+and PostgreSQL accept (``?`` placeholders; the PostgreSQL driver rewrites them). A
+:class:`Driver` owns one database connection and runs a function inside one transaction;
+it is only ever called from a worker thread, one call at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
+
+import attrs
+import trio
+
+from llmgw.control.store.base import (
+    AuditEntry,
+    ConflictError,
+    NodeRecord,
+    SchemaTooNewError,
+    SettingVersion,
+    Store,
+    StoreClosedError,
+)
+from llmgw.control.store.migrations import (
+    SCHEMA_MIGRATIONS_TABLE,
+    Dialect,
+    Migration,
+    check_migrations,
+    latest_version,
+)
+from llmgw.spec import ModelSpec, Profile
+
+T = TypeVar("T")
+Row = tuple[Any, ...]
+
+
+class Tx(Protocol):
+    """One open transaction."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Run one statement (``?`` placeholders); return its rows (empty if it has none)."""
+        ...
+
+
+class Driver(Protocol):
+    """One connection to one database, used from worker threads one call at a time."""
+
+    dialect: Dialect
+    description: str  # the path, or the DSN without its password
+
+    def transaction(self, fn: Callable[[Tx], T], *, write: bool) -> T:
+        """Run ``fn`` in a transaction and commit; roll back and re-raise if it raises.
+
+        Driver errors come out as StoreError subclasses naming the database.
+        """
+        ...
+
+    def lock_migrations(self, tx: Tx) -> None:
+        """Inside ``tx``, wait until no other process is migrating the same database."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection. Idempotent."""
+        ...
+
+
+def _dump_json(value: Any) -> str:
+    """Return ``value`` as JSON text; TypeError/ValueError if it is not JSON (NaN is not)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _profile_to_json(profile: Profile) -> str:
+    data = attrs.asdict(profile, recurse=False)
+    data["engine_args"] = list(profile.engine_args)
+    data["engine_env"] = dict(profile.engine_env)
+    return _dump_json(data)
+
+
+_PROFILE_FIELDS = {f.name for f in attrs.fields(Profile)}
+
+
+def _profile_from_json(text: str) -> Profile:
+    """Rebuild a Profile from stored JSON.
+
+    Lenient on purpose: the data was validated when it was written, and keys this version
+    does not know (written by a newer llmgw at the same schema version) are ignored rather
+    than making the whole catalog unreadable.
+    """
+    data = json.loads(text)
+    known = {k: v for k, v in data.items() if k in _PROFILE_FIELDS}
+    if "engine_args" in known:
+        known["engine_args"] = tuple(known["engine_args"])
+    return Profile(**known)
+
+
+def _model(row: Row) -> ModelSpec:
+    name, engine, source, profile = row
+    return ModelSpec(name=name, engine=engine, source=source, profile=_profile_from_json(profile))
+
+
+def _node(row: Row) -> NodeRecord:
+    node_id, address, first_seen, last_seen, labels = row
+    return NodeRecord(
+        id=node_id,
+        address=address,
+        first_seen=first_seen,
+        last_seen=last_seen,
+        labels=json.loads(labels),
+    )
+
+
+def _audit(row: Row) -> AuditEntry:
+    entry_id, ts, actor, action, target, detail = row
+    return AuditEntry(
+        id=entry_id, ts=ts, actor=actor, action=action, target=target, detail=json.loads(detail)
+    )
+
+
+def _setting(row: Row) -> SettingVersion:
+    key, value, version, updated_at, actor = row
+    return SettingVersion(
+        key=key, value=json.loads(value), version=version, updated_at=updated_at, actor=actor
+    )
+
+
+_MODEL_COLUMNS = "name, engine, source, profile"
+_NODE_COLUMNS = "id, address, first_seen, last_seen, labels"
+_AUDIT_COLUMNS = "id, ts, actor, action, target, detail"
+
+
+def apply_migrations(driver: Driver, migrations: Sequence[Migration]) -> int:
+    """Bring the database up to the last of ``migrations``; return the resulting version.
+
+    Blocking: call from a worker thread. Each pending migration runs in its own transaction
+    under the driver's migration lock and is recorded in ``schema_migrations`` in that same
+    transaction, so it is applied exactly once even when several processes start together.
+    Raises SchemaTooNewError if the database is ahead of ``migrations``; a migration that
+    fails is rolled back and its error propagates.
+    """
+    check_migrations(migrations)
+    known = latest_version(migrations)
+    dialect = driver.dialect
+
+    def ensure_table(tx: Tx) -> int:
+        driver.lock_migrations(tx)
+        tx.execute(dialect.render(SCHEMA_MIGRATIONS_TABLE))
+        (current,) = tx.execute("SELECT MAX(version) FROM schema_migrations")[0]
+        return current or 0
+
+    current = driver.transaction(ensure_table, write=True)
+    if current > known:
+        raise SchemaTooNewError(
+            f"{driver.description}: database schema version {current} is newer than this llmgw "
+            f"(knows up to {known}): upgrade llmgw"
+        )
+
+    for migration in migrations[current:]:
+
+        def apply(tx: Tx, migration: Migration = migration) -> None:
+            driver.lock_migrations(tx)
+            if tx.execute("SELECT 1 FROM schema_migrations WHERE version = ?", (migration.version,)):
+                return  # another process applied it while we waited for the lock
+            for statement in migration.statements:
+                tx.execute(dialect.render(statement))
+            tx.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                (migration.version, migration.name, time.time()),
+            )
+
+        driver.transaction(apply, write=True)
+    return max(current, known)
+
+
+class SqlStore(Store):
+    """A Store over one :class:`Driver`; all access to it is serialised by a trio.Lock."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        self._lock = trio.Lock()
+        self._closed = False
+        self.description = driver.description
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.description}>"
+
+    async def _run(self, fn: Callable[[Tx], T], *, write: bool) -> T:
+        """Run ``fn`` in one transaction in a worker thread; return what it returns."""
+        async with self._lock:
+            if self._closed:
+                raise StoreClosedError(f"store {self.description} is closed")
+            return await trio.to_thread.run_sync(
+                lambda: self._driver.transaction(fn, write=write)
+            )
+
+    async def migrate(self, migrations: Sequence[Migration]) -> int:
+        """Apply pending ``migrations`` (see :func:`apply_migrations`); return the version."""
+        async with self._lock:
+            if self._closed:
+                raise StoreClosedError(f"store {self.description} is closed")
+            return await trio.to_thread.run_sync(apply_migrations, self._driver, migrations)
+
+    async def close(self) -> None:
+        # Shielded: closing must happen even when the caller is being cancelled, and the
+        # wait for an operation in flight is bounded by the driver's timeouts.
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                await trio.to_thread.run_sync(self._driver.close)
+
+    async def schema_version(self) -> int:
+        def read(tx: Tx) -> int:
+            (version,) = tx.execute("SELECT MAX(version) FROM schema_migrations")[0]
+            return version or 0
+
+        return await self._run(read, write=False)
+
+    # -- models --------------------------------------------------------------------------
+
+    async def put_model(self, spec: ModelSpec, *, create_only: bool) -> ModelSpec:
+        now = time.time()
+        params = (spec.name, spec.engine, spec.source, _profile_to_json(spec.profile), now, now)
+        insert = (
+            "INSERT INTO models (name, engine, source, profile, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?) "
+        )
+
+        def write(tx: Tx) -> ModelSpec:
+            if create_only:
+                rows = tx.execute(
+                    insert + f"ON CONFLICT (name) DO NOTHING RETURNING {_MODEL_COLUMNS}", params
+                )
+                if not rows:
+                    raise ConflictError(
+                        f"model {spec.name!r} already exists in the catalog: "
+                        "choose another name, or update or delete the existing entry"
+                    )
+            else:
+                rows = tx.execute(
+                    insert + "ON CONFLICT (name) DO UPDATE SET engine = excluded.engine, "
+                    "source = excluded.source, profile = excluded.profile, "
+                    f"updated_at = excluded.updated_at RETURNING {_MODEL_COLUMNS}",
+                    params,
+                )
+            return _model(rows[0])
+
+        return await self._run(write, write=True)
+
+    async def get_model(self, name: str) -> ModelSpec | None:
+        def read(tx: Tx) -> ModelSpec | None:
+            rows = tx.execute(f"SELECT {_MODEL_COLUMNS} FROM models WHERE name = ?", (name,))
+            return _model(rows[0]) if rows else None
+
+        return await self._run(read, write=False)
+
+    async def list_models(self) -> list[ModelSpec]:
+        def read(tx: Tx) -> list[ModelSpec]:
+            return [_model(r) for r in tx.execute(f"SELECT {_MODEL_COLUMNS} FROM models ORDER BY name")]
+
+        return await self._run(read, write=False)
+
+    async def delete_model(self, name: str) -> bool:
+        def write(tx: Tx) -> bool:
+            return bool(tx.execute("DELETE FROM models WHERE name = ? RETURNING name", (name,)))
+
+        return await self._run(write, write=True)
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    async def record_node_seen(self, node_id: str, address: str) -> NodeRecord:
+        now = time.time()
+
+        def write(tx: Tx) -> NodeRecord:
+            rows = tx.execute(
+                "INSERT INTO nodes (id, address, first_seen, last_seen, labels) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "address = excluded.address, last_seen = excluded.last_seen "
+                f"RETURNING {_NODE_COLUMNS}",
+                (node_id, address, now, now, "{}"),
+            )
+            return _node(rows[0])
+
+        return await self._run(write, write=True)
+
+    async def list_known_nodes(self) -> list[NodeRecord]:
+        def read(tx: Tx) -> list[NodeRecord]:
+            return [_node(r) for r in tx.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY id")]
+
+        return await self._run(read, write=False)
+
+    # -- audit ---------------------------------------------------------------------------
+
+    async def audit(
+        self, actor: str, action: str, target: str, detail: Mapping[str, Any] | None = None
+    ) -> AuditEntry:
+        detail_json = _dump_json(dict(detail or {}))  # raises TypeError before touching the DB
+        now = time.time()
+
+        def write(tx: Tx) -> AuditEntry:
+            rows = tx.execute(
+                "INSERT INTO audit (ts, actor, action, target, detail) VALUES (?, ?, ?, ?, ?) "
+                f"RETURNING {_AUDIT_COLUMNS}",
+                (now, actor, action, target, detail_json),
+            )
+            return _audit(rows[0])
+
+        return await self._run(write, write=True)
+
+    async def list_audit(self, limit: int = 100) -> list[AuditEntry]:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
+
+        def read(tx: Tx) -> list[AuditEntry]:
+            rows = tx.execute(f"SELECT {_AUDIT_COLUMNS} FROM audit ORDER BY id DESC LIMIT ?", (limit,))
+            return [_audit(r) for r in rows]
+
+        return await self._run(read, write=False)
+
+    # -- settings ------------------------------------------------------------------------
+
+    async def get_setting(self, key: str) -> SettingVersion | None:
+        def read(tx: Tx) -> SettingVersion | None:
+            rows = tx.execute(
+                "SELECT key, value, version, updated_at, actor FROM settings WHERE key = ?", (key,)
+            )
+            return _setting(rows[0]) if rows else None
+
+        return await self._run(read, write=False)
+
+    async def set_setting(self, key: str, value: Any, actor: str) -> int:
+        value_json = _dump_json(value)  # raises TypeError before touching the DB
+        now = time.time()
+
+        def write(tx: Tx) -> int:
+            # The upsert takes the row lock, so concurrent writers (even other control
+            # planes on PostgreSQL) are handed versions one after another.
+            ((version,),) = tx.execute(
+                "INSERT INTO settings (key, value, version, updated_at, actor) "
+                "VALUES (?, ?, 1, ?, ?) ON CONFLICT (key) DO UPDATE SET "
+                "value = excluded.value, version = settings.version + 1, "
+                "updated_at = excluded.updated_at, actor = excluded.actor RETURNING version",
+                (key, value_json, now, actor),
+            )
+            tx.execute(
+                "INSERT INTO setting_history (key, version, value, updated_at, actor) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (key, version, value_json, now, actor),
+            )
+            return version
+
+        return await self._run(write, write=True)
+
+    async def setting_history(self, key: str) -> list[SettingVersion]:
+        def read(tx: Tx) -> list[SettingVersion]:
+            rows = tx.execute(
+                "SELECT key, value, version, updated_at, actor FROM setting_history "
+                "WHERE key = ? ORDER BY version",
+                (key,),
+            )
+            return [_setting(r) for r in rows]
+
+        return await self._run(read, write=False)

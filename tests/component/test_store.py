@@ -1,0 +1,350 @@
+"""The store against both backends: the same tests on SQLite (tmp_path) and PostgreSQL (pg_dsn)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sqlite3
+from typing import Any, Iterator, Sequence
+
+import psycopg
+import pytest
+import trio
+
+from llmgw.control.store import (
+    MIGRATIONS,
+    ConflictError,
+    Migration,
+    SchemaTooNewError,
+    Store,
+    StoreClosedError,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    open_store,
+    parse_target,
+    redact_dsn,
+)
+from llmgw.spec import ModelSpec, Profile
+from tests.pg import pg_dsn  # noqa: F401  (fixture)
+
+LATEST = MIGRATIONS[-1].version
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    """The URL of an empty database on each backend."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/llmgw.db"
+    return request.getfixturevalue("pg_dsn")
+
+
+@contextlib.contextmanager
+def raw_connection(url: str) -> Iterator[Any]:
+    """A direct driver connection to the store's database (autocommit), bypassing the store."""
+    backend, location = parse_target(url)
+    if backend == "sqlite":
+        db = sqlite3.connect(location, isolation_level=None)
+        try:
+            yield db
+        finally:
+            db.close()
+    else:
+        with psycopg.connect(location, autocommit=True, connect_timeout=3) as conn:
+            yield conn
+
+
+def raw_query(url: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """Run one statement (``?`` placeholders) outside the store; return its rows."""
+    with raw_connection(url) as conn:
+        if isinstance(conn, sqlite3.Connection):
+            return conn.execute(sql, params).fetchall()
+        cur = conn.execute(sql.replace("?", "%s"), params)
+        return cur.fetchall() if cur.description is not None else []
+
+
+def model(name: str = "tiny", **profile: Any) -> ModelSpec:
+    return ModelSpec(name=name, engine="llama.cpp", source=f"/models/{name}.gguf", profile=Profile(**profile))
+
+
+# -- schema and migrations -----------------------------------------------------------------
+
+
+async def test_migrations_apply_once_and_are_recorded(db_url: str) -> None:
+    async with open_store(db_url) as store:
+        assert await store.schema_version() == LATEST
+    first = raw_query(db_url, "SELECT version, name, applied_at FROM schema_migrations ORDER BY version")
+    assert [(v, n) for v, n, _ in first] == [(m.version, m.name) for m in MIGRATIONS]
+
+    store = await open_store(db_url)  # the awaited form; reopening applies nothing again
+    try:
+        assert await store.schema_version() == LATEST
+    finally:
+        await store.close()
+    again = raw_query(db_url, "SELECT version, name, applied_at FROM schema_migrations ORDER BY version")
+    assert again == first
+
+
+async def test_failing_migration_is_rolled_back_and_not_recorded(db_url: str) -> None:
+    bad = Migration(2, "half-done", ("CREATE TABLE extra (x INTEGER)", "INSERT INTO missing VALUES (1)"))
+    with pytest.raises(StoreError):
+        await open_store(db_url, migrations=(*MIGRATIONS, bad))
+    async with open_store(db_url) as store:
+        assert await store.schema_version() == 1
+    # Had the failed migration's CREATE TABLE survived, this one would fail.
+    good = Migration(2, "extra", ("CREATE TABLE extra (x INTEGER)",))
+    async with open_store(db_url, migrations=(*MIGRATIONS, good)) as store:
+        assert await store.schema_version() == 2
+    assert raw_query(db_url, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+
+
+async def test_newer_schema_is_refused(db_url: str) -> None:
+    async with open_store(db_url):
+        pass
+    raw_query(
+        db_url,
+        "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+        (LATEST + 6, "from the future", 0.0),
+    )
+    with pytest.raises(SchemaTooNewError) as info:
+        await open_store(db_url)
+    assert (
+        f"database schema version {LATEST + 6} is newer than this llmgw (knows up to {LATEST}): "
+        "upgrade llmgw" in str(info.value)
+    )
+
+
+async def test_reopen_keeps_data(db_url: str) -> None:
+    async with open_store(db_url) as store:
+        await store.put_model(model("kept", replicas=3), create_only=True)
+        await store.record_node_seen("node-a", "10.0.0.1")
+        await store.audit("alice", "model.add", "kept", {"why": "test"})
+        await store.set_setting("serving.stopped", True, "alice")
+    async with open_store(db_url) as store:
+        assert await store.get_model("kept") == model("kept", replicas=3)
+        assert [n.id for n in await store.list_known_nodes()] == ["node-a"]
+        assert [(e.actor, e.detail) for e in await store.list_audit()] == [("alice", {"why": "test"})]
+        setting = await store.get_setting("serving.stopped")
+        assert setting is not None and (setting.value, setting.version) == (True, 1)
+
+
+# -- contents ------------------------------------------------------------------------------
+
+
+async def test_models_crud_and_conflict(db_url: str) -> None:
+    spec = ModelSpec(
+        name="qwen-0.5b",
+        engine="vllm",
+        source="/models/qwen",
+        profile=Profile(
+            replicas=2,
+            memory_mb=4096,
+            cpu_cores=1.5,
+            gpus=1,
+            engine_args=("--max-model-len", "4096"),
+            engine_env={"VLLM_X": "1"},
+        ),
+    )
+    async with open_store(db_url) as store:
+        assert await store.get_model("qwen-0.5b") is None
+        assert await store.put_model(spec, create_only=True) == spec
+        assert await store.get_model("qwen-0.5b") == spec
+
+        with pytest.raises(ConflictError, match="model 'qwen-0.5b' already exists"):
+            await store.put_model(model("qwen-0.5b"), create_only=True)
+        assert await store.get_model("qwen-0.5b") == spec  # the conflict changed nothing
+
+        replaced = model("qwen-0.5b", replicas=0)
+        assert await store.put_model(replaced, create_only=False) == replaced
+        await store.put_model(model("a-first"), create_only=False)  # upsert creates too
+        assert await store.list_models() == [model("a-first"), replaced]
+
+        assert await store.delete_model("qwen-0.5b") is True
+        assert await store.delete_model("qwen-0.5b") is False
+        assert await store.list_models() == [model("a-first")]
+
+
+async def test_nodes_keep_first_seen_and_follow_address(db_url: str) -> None:
+    async with open_store(db_url) as store:
+        first = await store.record_node_seen("node-b", "10.0.0.2")
+        await store.record_node_seen("node-a", "10.0.0.1")
+        again = await store.record_node_seen("node-b", "10.0.0.99")
+        assert again.first_seen == first.first_seen
+        assert again.last_seen >= first.last_seen
+        assert again.address == "10.0.0.99"
+        nodes = await store.list_known_nodes()
+        assert [(n.id, n.address, n.labels) for n in nodes] == [
+            ("node-a", "10.0.0.1", {}),
+            ("node-b", "10.0.0.99", {}),
+        ]
+
+
+async def test_audit_is_newest_first_with_detail(db_url: str) -> None:
+    async with open_store(db_url) as store:
+        assert await store.list_audit() == []
+        for i in range(3):
+            await store.audit("bob", "settings.set", f"key{i}", {"n": i, "nested": {"list": [i, None]}})
+        entries = await store.list_audit(2)
+        assert [e.target for e in entries] == ["key2", "key1"]
+        assert entries[0].detail == {"n": 2, "nested": {"list": [2, None]}}
+        assert entries[0].id > entries[1].id
+        assert len(await store.list_audit()) == 3
+        with pytest.raises(TypeError):
+            await store.audit("bob", "x", "y", {"bad": object()})
+        assert len(await store.list_audit()) == 3
+
+
+async def test_settings_history(db_url: str) -> None:
+    async with open_store(db_url) as store:
+        assert await store.get_setting("serving.stopped") is None
+        assert await store.setting_history("serving.stopped") == []
+        assert await store.set_setting("serving.stopped", False, "alice") == 1
+        assert await store.set_setting("serving.stopped", True, "bob") == 2
+        assert await store.set_setting("other", {"a": [1, "two"]}, "carol") == 1
+        assert await store.set_setting("serving.stopped", None, "carol") == 3
+
+        current = await store.get_setting("serving.stopped")
+        assert current is not None
+        assert (current.value, current.version, current.actor) == (None, 3, "carol")
+        history = await store.setting_history("serving.stopped")
+        assert [(h.version, h.value, h.actor) for h in history] == [
+            (1, False, "alice"),
+            (2, True, "bob"),
+            (3, None, "carol"),
+        ]
+        other = await store.get_setting("other")
+        assert other is not None and other.value == {"a": [1, "two"]}
+        with pytest.raises(TypeError):
+            await store.set_setting("serving.stopped", {1, 2}, "dave")
+        with pytest.raises(ValueError):
+            await store.set_setting("serving.stopped", float("nan"), "dave")
+        assert len(await store.setting_history("serving.stopped")) == 3
+
+
+async def test_concurrent_writers_lose_no_updates(db_url: str) -> None:
+    """Tasks on two stores (like two control planes on one database) write the same rows."""
+    writers_per_store = 8
+    async with open_store(db_url) as one, open_store(db_url) as two:
+        versions: list[int] = []
+
+        async def writer(store: Store, n: int) -> None:
+            versions.append(await store.set_setting("shared", n, f"writer-{n}"))
+            await store.audit(f"writer-{n}", "write", "shared", {})
+            await store.record_node_seen("node", f"10.0.0.{n}")
+
+        async with trio.open_nursery() as nursery:
+            for n in range(writers_per_store * 2):
+                nursery.start_soon(writer, one if n % 2 else two, n)
+
+        total = writers_per_store * 2
+        assert sorted(versions) == list(range(1, total + 1))
+        history = await one.setting_history("shared")
+        assert [h.version for h in history] == list(range(1, total + 1))
+        assert sorted(h.value for h in history) == list(range(total))
+        current = await two.get_setting("shared")
+        assert current is not None and current.version == total
+        assert {e.actor for e in await one.list_audit(100)} == {f"writer-{n}" for n in range(total)}
+        assert len(await two.list_known_nodes()) == 1
+
+
+# -- failure modes -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def holding_write_lock(url: str) -> Iterator[None]:
+    """Hold a lock that blocks the store's settings writes until the block exits."""
+    with raw_connection(url) as conn:
+        if isinstance(conn, sqlite3.Connection):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            finally:
+                conn.execute("ROLLBACK")
+        else:
+            with conn.transaction():
+                conn.execute("LOCK TABLE settings IN EXCLUSIVE MODE")
+                yield
+
+
+async def test_a_blocked_write_times_out(db_url: str) -> None:
+    async with open_store(db_url, timeout_s=0.3) as store:
+        with holding_write_lock(db_url):
+            with pytest.raises(StoreTimeoutError):
+                await store.set_setting("k", 1, "alice")
+        assert await store.set_setting("k", 2, "alice") == 1  # the failed write left nothing
+
+
+async def test_closed_store_refuses_work(db_url: str) -> None:
+    store = await open_store(db_url)
+    await store.close()
+    await store.close()  # idempotent
+    with pytest.raises(StoreClosedError):
+        await store.list_models()
+
+
+@pytest.mark.postgres
+async def test_postgres_reconnects_after_losing_its_connection(pg_dsn: str) -> None:  # noqa: F811
+    async with open_store(pg_dsn) as store:
+        await store.set_setting("k", 1, "alice")
+        dbname = pg_dsn.rsplit("/", 1)[1]
+        killed = raw_query(
+            pg_dsn,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = ? AND application_name = 'llmgw'",
+            (dbname,),
+        )
+        assert killed == [(True,)]
+        with pytest.raises(StoreUnavailableError, match="PostgreSQL database postgresql://"):
+            await store.get_setting("k")
+        setting = await store.get_setting("k")  # the next call reconnects
+        assert setting is not None and setting.value == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_dead_postgres_is_named_without_password() -> None:
+    port = _closed_port()
+    with pytest.raises(StoreUnavailableError) as info:
+        await open_store(f"postgresql://llmgw:s3cret@127.0.0.1:{port}/llmgw")
+    message = str(info.value)
+    assert f"postgresql://llmgw@127.0.0.1:{port}/llmgw" in message
+    assert "s3cret" not in message
+    assert "check that PostgreSQL is running" in message
+
+
+async def test_sqlite_in_a_missing_directory_is_named(tmp_path: Any) -> None:
+    path = tmp_path / "no-such-dir" / "llmgw.db"
+    with pytest.raises(StoreUnavailableError, match="directory exists") as info:
+        await open_store(path)
+    assert str(path) in str(info.value)
+
+
+async def test_sqlite_file_that_is_not_a_database(tmp_path: Any) -> None:
+    path = tmp_path / "llmgw.db"
+    path.write_bytes(b"this is not an SQLite file, just some text that is long enough" * 20)
+    with pytest.raises(StoreUnavailableError, match="not a database"):
+        await open_store(f"sqlite:{path}")
+
+
+def test_parse_target() -> None:
+    assert parse_target("sqlite:///var/lib/llmgw/llmgw.db") == ("sqlite", "/var/lib/llmgw/llmgw.db")
+    assert parse_target("sqlite:rel.db") == ("sqlite", "rel.db")
+    assert parse_target("/state/llmgw.db") == ("sqlite", "/state/llmgw.db")
+    assert parse_target("postgresql://u@h/db") == ("postgres", "postgresql://u@h/db")
+    assert parse_target("postgres://u@h/db") == ("postgres", "postgres://u@h/db")
+    with pytest.raises(ValueError, match="unsupported store URL scheme 'mysql'"):
+        parse_target("mysql://u@h/db")
+    with pytest.raises(ValueError, match="names no file"):
+        parse_target("sqlite://")
+
+
+def test_redact_dsn() -> None:
+    assert redact_dsn("postgresql://u:pw@h1:5432,h2:5433/db?sslmode=require&password=x") == (
+        "postgresql://u@h1:5432,h2:5433/db?sslmode=require"
+    )
+    assert "pw" not in redact_dsn("host=h user=u password=pw dbname=db")
+    assert "host=h" in redact_dsn("host=h user=u password=pw dbname=db")

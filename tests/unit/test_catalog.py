@@ -1,0 +1,217 @@
+"""Catalog validation: valid inputs, each error message, and the round trip through model_to_dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.control.catalog import CatalogError, check_engine_args, model_to_dict, validate_model
+from llmgw.spec import ModelSpec, Profile
+
+
+def base(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": "qwen-0.5b", "engine": "llama.cpp", "source": "/models/qwen.gguf"}
+    data.update(overrides)
+    return data
+
+
+def error_of(data: Any) -> str:
+    with pytest.raises(CatalogError) as info:
+        validate_model(data)
+    return str(info.value)
+
+
+# -- valid input ---------------------------------------------------------------------------
+
+
+def test_minimal_model_takes_profile_defaults() -> None:
+    assert validate_model(base()) == ModelSpec("qwen-0.5b", "llama.cpp", "/models/qwen.gguf", Profile())
+
+
+def test_full_model() -> None:
+    spec = validate_model(
+        base(
+            engine="vllm",
+            profile={
+                "replicas": 0,
+                "memory_mb": 8192,
+                "cpu_cores": 2,
+                "gpus": 1,
+                "engine_args": ["--max-model-len", "4096"],
+                "engine_env": {"VLLM_USE_V1": "1"},
+            },
+        )
+    )
+    assert spec.profile == Profile(
+        replicas=0,
+        memory_mb=8192,
+        cpu_cores=2.0,
+        gpus=1,
+        engine_args=("--max-model-len", "4096"),
+        engine_env={"VLLM_USE_V1": "1"},
+    )
+    assert isinstance(spec.profile.cpu_cores, float)
+
+
+@pytest.mark.parametrize("source", [None, "", "anything at all", "relative/path"])
+def test_sim_source_is_free_form(source: str | None) -> None:
+    data = {"name": "sim-1", "engine": "sim"}
+    if source is not None:
+        data["source"] = source
+    assert validate_model(data).source == (source or "")
+
+
+@pytest.mark.parametrize("name", ["a", "0", "qwen2.5-7b_instruct", "a" * 63])
+def test_valid_names(name: str) -> None:
+    assert validate_model(base(name=name)).name == name
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "model: must be a mapping, got []"),
+        ({"engine": "sim"}, "name: required"),
+        (base(name="Qwen"), "name: must match [a-z0-9][a-z0-9._-]{0,62}, got 'Qwen'"),
+        (base(name="-x"), "name: must match [a-z0-9][a-z0-9._-]{0,62}, got '-x'"),
+        (base(name="a" * 64), "name: must match [a-z0-9][a-z0-9._-]{0,62}"),
+        (base(name=7), "name: must be a string, got 7"),
+        ({"name": "x"}, "engine: required"),
+        (base(engine="vlm"), "engine: unknown engine 'vlm' (known: llama.cpp, sglang, sim, vllm)"),
+        ({"name": "x", "engine": "vllm"}, "source: required"),
+        (base(source="models/q.gguf"), "source: must be an absolute local path for engine 'llama.cpp', got 'models/q.gguf'"),
+        (base(source=""), "source: must be an absolute local path for engine 'llama.cpp', got ''"),
+        (base(sorce="/x"), "sorce: unknown key (did you mean 'source'?)"),
+        (base(colour="red"), "colour: unknown key (known: engine, name, profile, source)"),
+        (base(profile=[1]), "profile: must be a mapping, got [1]"),
+        (base(profile={"replica": 2}), "profile.replica: unknown key (did you mean 'replicas'?)"),
+        (base(profile={"replicas": -1}), "profile.replicas: must be an integer >= 0, got -1"),
+        (base(profile={"replicas": "2"}), "profile.replicas: must be an integer >= 0, got '2'"),
+        (base(profile={"replicas": True}), "profile.replicas: must be an integer >= 0, got True"),
+        (base(profile={"replicas": 1.5}), "profile.replicas: must be an integer >= 0, got 1.5"),
+        (base(profile={"memory_mb": -5}), "profile.memory_mb: must be an integer >= 0, got -5"),
+        (base(profile={"gpus": None}), "profile.gpus: must be an integer >= 0, got None"),
+        (base(profile={"cpu_cores": -0.5}), "profile.cpu_cores: must be a number >= 0, got -0.5"),
+        (base(profile={"cpu_cores": float("nan")}), "profile.cpu_cores: must be a number >= 0, got nan"),
+        (base(profile={"engine_args": "--ctx 4096"}), "profile.engine_args: must be a list of strings, got '--ctx 4096'"),
+        (base(profile={"engine_args": ["-c", 4096]}), "profile.engine_args[1]: must be a string, got 4096"),
+        (base(profile={"engine_env": ["A=1"]}), "profile.engine_env: must be a mapping of variable names to strings, got ['A=1']"),
+        (base(profile={"engine_env": {"A-B": "1"}}), "profile.engine_env.A-B: not a valid environment variable name"),
+        (base(profile={"engine_env": {"A": 1}}), "profile.engine_env.A: must be a string, got 1"),
+    ],
+)
+def test_error_messages(data: Any, message: str) -> None:
+    assert error_of(data).startswith(message)
+
+
+def test_catalog_error_carries_path_and_reason() -> None:
+    with pytest.raises(CatalogError) as info:
+        validate_model(base(profile={"gpus": -2}))
+    assert (info.value.path, info.value.reason) == ("profile.gpus", "must be an integer >= 0, got -2")
+    assert isinstance(info.value, ValueError)
+
+
+# -- dangerous engine arguments and environment ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trust-remote-code"], "profile.engine_args[0]: --trust-remote-code is not allowed"),
+        (["-c", "4096", "--trust-remote-code=true"], "profile.engine_args[2]: --trust-remote-code is not allowed"),
+        (["--trust_remote_code"], "profile.engine_args[0]: --trust-remote-code is not allowed"),
+        (["--trust-remote"], "profile.engine_args[0]: --trust-remote (an abbreviation of --trust-remote-code) is not allowed"),
+        (["--log-file", "/etc/passwd"], "profile.engine_args[0]: --log-file is not allowed"),
+        (["--tr"], "profile.engine_args[0]: --tr (an abbreviation of --trust-remote-code) is not allowed"),
+        (["--log-f=x"], "profile.engine_args[0]: --log-f (an abbreviation of --log-file) is not allowed"),
+        (["--slot-save-path=/tmp"], "profile.engine_args[0]: --slot-save-path is not allowed"),
+    ],
+)
+def test_dangerous_args_are_refused(args: list[str], message: str) -> None:
+    assert error_of(base(profile={"engine_args": args})).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("LD_PRELOAD", "profile.engine_env.LD_PRELOAD: not allowed"),
+        ("LD_LIBRARY_PATH", "profile.engine_env.LD_LIBRARY_PATH: not allowed"),
+        ("CUDA_INJECTION64_PATH", "profile.engine_env.CUDA_INJECTION64_PATH: not allowed"),
+        ("VLLM_PLUGIN", "profile.engine_env.VLLM_PLUGIN: not allowed"),
+        ("GGML_BACKEND_PLUGIN", "profile.engine_env.GGML_BACKEND_PLUGIN: not allowed"),
+    ],
+)
+def test_dangerous_env_is_refused(name: str, message: str) -> None:
+    assert error_of(base(profile={"engine_env": {name: "/x.so"}})).startswith(message)
+
+
+def test_harmless_args_pass() -> None:
+    check_engine_args(
+        "vllm",
+        ["--log-level", "debug", "--logits-processors", "-t", "4", "--tensor-parallel-size", "2", "--"],
+        {"HF_HOME": "/h", "PLUGIN_DIR": "/p"},
+    )
+
+
+def test_check_engine_args_path_prefix() -> None:
+    with pytest.raises(CatalogError, match=r"^shard\.engine_args\[0\]: --log-file"):
+        check_engine_args("llama.cpp", ["--log-file=x"], {}, path="shard")
+
+
+# -- round trip ----------------------------------------------------------------------------
+
+
+def test_model_to_dict_is_plain_data() -> None:
+    spec = validate_model(base(profile={"engine_args": ["-c", "2048"], "engine_env": {"A": "1"}}))
+    assert model_to_dict(spec) == {
+        "name": "qwen-0.5b",
+        "engine": "llama.cpp",
+        "source": "/models/qwen.gguf",
+        "profile": {
+            "replicas": 1,
+            "memory_mb": 0,
+            "cpu_cores": 0.0,
+            "gpus": 0,
+            "engine_args": ["-c", "2048"],
+            "engine_env": {"A": "1"},
+        },
+    }
+
+
+_names = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)
+_counts = st.integers(min_value=0, max_value=10**6)
+_safe_text = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-=./ ", max_size=20)
+
+
+@given(
+    name=_names,
+    engine=st.sampled_from(["sim", "llama.cpp", "vllm", "sglang"]),
+    path=_safe_text,
+    replicas=_counts,
+    memory_mb=_counts,
+    cpu_cores=st.floats(min_value=0, max_value=512, allow_nan=False),
+    gpus=st.integers(min_value=0, max_value=8),
+    args=st.lists(_safe_text.filter(lambda a: not a.startswith("--")), max_size=4),
+    env=st.dictionaries(st.from_regex(r"[A-Z][A-Z0-9]{0,8}", fullmatch=True), _safe_text, max_size=3),
+)
+def test_round_trip(
+    name: str,
+    engine: str,
+    path: str,
+    replicas: int,
+    memory_mb: int,
+    cpu_cores: float,
+    gpus: int,
+    args: list[str],
+    env: dict[str, str],
+) -> None:
+    source = path if engine == "sim" else "/" + path
+    spec = ModelSpec(name, engine, source, Profile(replicas, memory_mb, cpu_cores, gpus, tuple(args), env))
+    data = model_to_dict(spec)
+    assert validate_model(data) == spec
+    assert model_to_dict(validate_model(data)) == data
