@@ -1,0 +1,348 @@
+"""The OpenAI-compatible gateway: a Quart-Trio app that routes each request to a replica.
+
+Endpoints: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` are
+forwarded to one READY replica of the requested model (body bytes unchanged);
+``GET /v1/models`` and ``GET /v1/models/<name>`` answer from the catalog;
+``GET /healthz`` says the gateway is up.
+
+Per request: parse just enough of the body to learn ``model`` and ``stream``, pick a
+replica with the :class:`~llmgw.router.replicas.RoutingPolicy`, count the request on
+that replica for as long as it is in flight, and relay the answer. Event streams
+(``text/event-stream``) are relayed chunk by chunk as the engine sends them; other
+answers are read whole and returned. A client that disconnects cancels the handler,
+which closes the upstream connection, so the engine sees the disconnect too.
+
+Every error is OpenAI-shaped JSON (:mod:`llmgw.router.errors`), including routing
+errors (404/405/413) and bugs (500), and every response carries ``x-request-id``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import re
+import uuid
+from typing import Any, AsyncIterator
+
+import httpx
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from . import errors
+from .errors import GatewayError
+from .replicas import LeastOutstanding, Lease, LoadTracker, ReplicaTable, RequestInfo, RoutingPolicy
+from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly
+
+log = logging.getLogger(__name__)
+
+# Attempts per request: the chosen replica plus one other if the first refused the
+# connection. More would add latency for little gain: the control plane takes a dead
+# replica out of the table within a heartbeat.
+MAX_ATTEMPTS = 2
+
+# Largest request body accepted (413 above it). Long-context prompts are well under
+# 1 MB of JSON; 16 MiB leaves room for big embedding batches.
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+# Seconds allowed to receive the request body from the client.
+BODY_TIMEOUT_S = 60.0
+
+# A client-supplied x-request-id is kept if it looks like an id (it ends up in logs and
+# upstream headers), otherwise a fresh one is generated.
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+# Paths forwarded to replicas, as Quart routes.
+FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+_EVENT_STREAM = "text/event-stream"
+
+# The per-request exit stack (see _RequestCleanup); None outside an HTTP request.
+_cleanup_stack: contextvars.ContextVar[contextlib.AsyncExitStack | None] = contextvars.ContextVar(
+    "llmgw_router_cleanup", default=None
+)
+
+
+class _RequestCleanup:
+    """ASGI middleware that gives each HTTP request an exit stack run when the request ends.
+
+    Leases and upstream responses are registered on it so they are released even when
+    the request ends in a way the view never sees: the client disconnecting before the
+    streaming body was started, a cancellation between the view returning and Quart
+    iterating the body, or a failure while sending headers.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._inner(scope, receive, send)
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            token = _cleanup_stack.set(stack)
+            try:
+                await self._inner(scope, receive, send)
+            finally:
+                _cleanup_stack.reset(token)
+
+
+def _request_stack() -> contextlib.AsyncExitStack:
+    stack = _cleanup_stack.get()
+    if stack is None:  # only possible if the middleware was removed
+        raise RuntimeError("gateway request cleanup middleware is not installed")
+    return stack
+
+
+class Gateway:
+    """The gateway's state (replica table, load, policy, upstream client) and its app.
+
+    ``table`` is shared with whoever updates it (the control plane). ``load`` and
+    ``policy`` default to a fresh :class:`LoadTracker` and :class:`LeastOutstanding` on
+    it. The upstream client is created when the app starts serving and closed when it
+    stops.
+    """
+
+    def __init__(
+        self,
+        table: ReplicaTable,
+        *,
+        load: LoadTracker | None = None,
+        policy: RoutingPolicy | None = None,
+        timeouts: UpstreamTimeouts = UpstreamTimeouts(),
+    ) -> None:
+        self.table = table
+        self.load = load if load is not None else LoadTracker()
+        self.policy = policy if policy is not None else LeastOutstanding(self.load)
+        self.timeouts = timeouts
+        self.upstream: UpstreamClient | None = None
+        self.app = self._build_app()
+
+    # -- app wiring ---------------------------------------------------------------------
+
+    def _build_app(self) -> QuartTrio:
+        app = QuartTrio(__name__)
+        app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
+        app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
+        # Streams last as long as generation does; they are bounded by the upstream
+        # read deadline between chunks instead of a total response timeout.
+        app.config["RESPONSE_TIMEOUT"] = None
+        app.extensions["llmgw.gateway"] = self
+        app.asgi_app = _RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
+
+        app.before_serving(self._start)
+        app.after_serving(self._stop)
+        app.before_request(self._assign_request_id)
+        app.after_request(self._tag_response)
+        app.register_error_handler(GatewayError, self._on_gateway_error)
+        app.register_error_handler(HTTPException, self._on_http_exception)
+        app.register_error_handler(Exception, self._on_unexpected)
+
+        app.add_url_rule("/healthz", "healthz", self._healthz, methods=["GET"])
+        app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
+        app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])
+        for path in FORWARDED_PATHS:
+            app.add_url_rule(path, path, self._forward, methods=["POST"])
+        return app
+
+    async def _start(self) -> None:
+        self.upstream = UpstreamClient(self.timeouts)
+
+    async def _stop(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            await upstream.aclose()
+
+    async def _assign_request_id(self) -> None:
+        given = request.headers.get("x-request-id", "")
+        g.request_id = given if _REQUEST_ID_RE.fullmatch(given) else uuid.uuid4().hex
+
+    async def _tag_response(self, response: Response) -> Response:
+        request_id = getattr(g, "request_id", None)
+        if request_id and "x-request-id" not in response.headers:
+            response.headers["x-request-id"] = request_id
+        return response
+
+    async def _on_gateway_error(self, error: GatewayError) -> Response:
+        return errors.error_response(error, getattr(g, "request_id", None))
+
+    async def _on_http_exception(self, error: HTTPException) -> Response:
+        status = error.code or 500
+        message = error.description or error.name
+        if status == 404:
+            message = f"No such endpoint: {request.method} {request.path}. The gateway serves /v1/*."
+        return errors.error_response(errors.http_error(status, message), getattr(g, "request_id", None))
+
+    async def _on_unexpected(self, error: Exception) -> Response:
+        request_id = getattr(g, "request_id", None)
+        log.error("gateway request %s failed", request_id, exc_info=error)
+        return errors.error_response(errors.internal_error(request_id), request_id)
+
+    # -- local endpoints ------------------------------------------------------------------
+
+    async def _healthz(self) -> Response:
+        return _json({"status": "ok"})
+
+    async def _list_models(self) -> Response:
+        data = [_model_object(m.name, m.created) for m in self.table.models()]
+        return _json({"object": "list", "data": data})
+
+    async def _get_model(self, model: str) -> Response:
+        for entry in self.table.models():
+            if entry.name == model:
+                return _json(_model_object(entry.name, entry.created))
+        raise errors.model_not_found(model)
+
+    # -- forwarding -----------------------------------------------------------------------
+
+    async def _forward(self) -> Response:
+        """Route the request to a replica and return its answer (see the module docstring).
+
+        Raises GatewayError for anything the client should see as an error.
+        """
+        body = await request.get_data(cache=False)
+        assert isinstance(body, bytes)
+        info = _parse_request(request.path, body)
+        candidates = self.table.replicas(info.model)
+        if candidates is None:
+            raise errors.model_not_found(info.model)
+        if not candidates:
+            raise errors.no_ready_replica(info.model)
+        upstream = self.upstream
+        if upstream is None:
+            raise GatewayError(503, "The gateway is shutting down.", "service_unavailable")
+
+        stack = _request_stack()
+        tried: set[str] = set()
+        for _ in range(MAX_ATTEMPTS):
+            remaining = [r for r in candidates if r.id not in tried]
+            if not remaining:
+                break
+            replica = self.policy.choose(remaining, info)
+            lease = self.load.acquire(replica.id)
+            stack.callback(lease.release)
+            try:
+                response = await upstream.open(
+                    replica,
+                    "POST",
+                    request.path,
+                    query=request.query_string,
+                    headers=request.headers,
+                    body=body,
+                    request_id=g.request_id,
+                )
+            except UpstreamConnectError as error:
+                lease.release()
+                tried.add(replica.id)
+                log.warning("request %s: %s", g.request_id, error)
+                continue
+            except httpx.TimeoutException as error:
+                lease.release()
+                raise errors.upstream_timeout(info.model, _describe(error)) from error
+            except httpx.HTTPError as error:
+                lease.release()
+                raise errors.upstream_failed(info.model, _describe(error)) from error
+            stack.push_async_callback(close_quietly, response)
+            return await self._relay(response, lease, info)
+        raise errors.replicas_unreachable(info.model, len(tried))
+
+    async def _relay(self, upstream: httpx.Response, lease: Lease, info: RequestInfo) -> Response:
+        """Return the client response for ``upstream``; releases ``lease`` when the body is done."""
+        content_type = upstream.headers.get("content-type", "application/json")
+        headers = {"content-type": content_type, "x-request-id": g.request_id}
+        if content_type.split(";")[0].strip().lower() == _EVENT_STREAM:
+            headers["cache-control"] = "no-cache"
+            headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
+            return Response(
+                _relay_stream(upstream, lease, info.model, g.request_id),
+                status=upstream.status_code,
+                headers=headers,
+            )
+        try:
+            content = await upstream.aread()
+        except httpx.TimeoutException as error:
+            raise errors.upstream_timeout(info.model, _describe(error)) from error
+        except httpx.HTTPError as error:
+            raise errors.upstream_failed(info.model, _describe(error)) from error
+        finally:
+            lease.release()
+            await close_quietly(upstream)
+        return Response(content, status=upstream.status_code, headers=headers)
+
+
+async def _relay_stream(
+    upstream: httpx.Response, lease: Lease, model: str, request_id: str
+) -> AsyncIterator[bytes]:
+    """Yield the upstream body's bytes as they arrive; release ``lease`` and close at the end.
+
+    If the replica breaks the stream (closes it early, goes silent past the read
+    deadline) the client gets one final SSE event ``data: {"error": {...}}`` (which
+    OpenAI clients raise as an error) instead of a silently truncated answer.
+    Cancellation (client gone) closes the upstream connection and propagates.
+    """
+    try:
+        try:
+            async with contextlib.aclosing(upstream.aiter_raw()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except httpx.TimeoutException as error:
+            failure = errors.upstream_timeout(model, _describe(error))
+        except httpx.HTTPError as error:
+            failure = errors.upstream_failed(model, _describe(error))
+        else:
+            return
+        log.warning("request %s: stream from replica broke: %s", request_id, failure.message)
+        yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
+    finally:
+        lease.release()
+        await close_quietly(upstream)
+
+
+def _parse_request(path: str, body: bytes) -> RequestInfo:
+    """Return what routing needs from a JSON request body; raise a 400 GatewayError if unusable."""
+    try:
+        parsed = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise errors.invalid_request(
+            f"The request body is not valid JSON ({error}). Send a JSON object with at least a 'model' field."
+        ) from error
+    if not isinstance(parsed, dict):
+        raise errors.invalid_request("The request body must be a JSON object with at least a 'model' field.")
+    model = parsed.get("model")
+    if model is None:
+        raise errors.invalid_request(
+            "You must provide a model parameter (GET /v1/models lists the models).", param="model"
+        )
+    if not isinstance(model, str) or not model:
+        raise errors.invalid_request("'model' must be a non-empty string.", param="model")
+    return RequestInfo(path=path, model=model, stream=parsed.get("stream") is True, body=parsed)
+
+
+def _model_object(name: str, created: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+
+
+def _json(value: object, status: int = 200) -> Response:
+    return Response(json.dumps(value), status=status, content_type="application/json")
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def create_app(
+    table: ReplicaTable,
+    *,
+    load: LoadTracker | None = None,
+    policy: RoutingPolicy | None = None,
+    timeouts: UpstreamTimeouts = UpstreamTimeouts(),
+) -> QuartTrio:
+    """Return the gateway's Quart-Trio app routing over ``table`` (see :class:`Gateway`)."""
+    return Gateway(table, load=load, policy=policy, timeouts=timeouts).app
+
+
+def gateway_of(app: QuartTrio) -> Gateway:
+    """Return the :class:`Gateway` behind an app made by :func:`create_app`."""
+    return app.extensions["llmgw.gateway"]

@@ -1,0 +1,222 @@
+"""What the gateway routes to: the replica table, per-replica load, and the routing policy.
+
+* :class:`ReplicaTable` is the control plane's view pushed into the gateway: which models
+  are in the catalog and which READY replicas each has. The control plane (or a standby's
+  mirror of the leader) calls :meth:`ReplicaTable.set_model_replicas` /
+  :meth:`ReplicaTable.replace_all`; the gateway only reads it.
+* :class:`LoadTracker` counts requests in flight per replica. The gateway takes a
+  :class:`Lease` for every request it sends to a replica and releases it when the
+  response is finished, failed or cancelled (streams count until their last byte).
+* :class:`RoutingPolicy` is the one-method interface that picks a replica;
+  :class:`LeastOutstanding` is the first policy. KV-aware policies implement the same
+  ``choose`` and receive the parsed request in :class:`RequestInfo`.
+
+Everything here is synchronous and runs on the trio thread; nothing does I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+import attrs
+import trio
+
+
+@attrs.frozen
+class Replica:
+    """One READY replica of a catalog model.
+
+    ``endpoint`` is the base URL of the engine's OpenAI API (``http://host:port``, no
+    ``/v1``); ``id`` is the shard id; ``node_id`` the node it runs on.
+    """
+
+    id: str
+    model: str
+    endpoint: str
+    node_id: str = ""
+
+
+@attrs.frozen
+class CatalogModel:
+    """A catalog model as the gateway lists it; ``created`` is a Unix time in seconds."""
+
+    name: str
+    created: int
+
+
+class ReplicaTable:
+    """Catalog models and their READY replicas, as the gateway sees them.
+
+    A model may be in the catalog with no ready replica (the gateway answers 503), which
+    is different from a model that is not in the catalog (404). Updates replace whole
+    entries, so a reader never sees a half-applied change.
+    """
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, tuple[Replica, ...]] = {}
+        self._created: dict[str, int] = {}
+
+    def set_model_replicas(self, model: str, replicas: Sequence[Replica]) -> None:
+        """Set the ready replicas of ``model``, adding ``model`` to the catalog if new.
+
+        An empty ``replicas`` keeps the model in the catalog with nothing to route to.
+        Raises ``ValueError`` if a replica belongs to another model or ids repeat.
+        """
+        self._replicas[model] = _checked(model, replicas)
+        self._created.setdefault(model, int(time.time()))
+
+    def replace_all(self, mapping: Mapping[str, Sequence[Replica]]) -> None:
+        """Make the catalog exactly ``mapping``'s keys, each with its ready replicas.
+
+        Models absent from ``mapping`` leave the catalog. Validates everything before
+        changing anything (``ValueError`` as in :meth:`set_model_replicas`).
+        """
+        checked = {model: _checked(model, replicas) for model, replicas in mapping.items()}
+        now = int(time.time())
+        self._created = {model: self._created.get(model, now) for model in checked}
+        self._replicas = checked
+
+    def remove_model(self, model: str) -> None:
+        """Take ``model`` out of the catalog (requests for it then get 404); no-op if absent."""
+        self._replicas.pop(model, None)
+        self._created.pop(model, None)
+
+    def models(self) -> list[CatalogModel]:
+        """Return the catalog models, sorted by name."""
+        return [CatalogModel(name, self._created[name]) for name in sorted(self._replicas)]
+
+    def has_model(self, model: str) -> bool:
+        """Return whether ``model`` is in the catalog (ready replicas or not)."""
+        return model in self._replicas
+
+    def replicas(self, model: str) -> tuple[Replica, ...] | None:
+        """Return the ready replicas of ``model``, or None if it is not in the catalog."""
+        return self._replicas.get(model)
+
+
+def _checked(model: str, replicas: Sequence[Replica]) -> tuple[Replica, ...]:
+    """Return ``replicas`` as a tuple after checking they all belong to ``model``, once each."""
+    result = tuple(replicas)
+    seen: set[str] = set()
+    for replica in result:
+        if replica.model != model:
+            raise ValueError(f"replica {replica.id!r} serves {replica.model!r}, not {model!r}")
+        if replica.id in seen:
+            raise ValueError(f"replica id {replica.id!r} appears twice for model {model!r}")
+        seen.add(replica.id)
+    return result
+
+
+class Lease:
+    """One request in flight on one replica; :meth:`release` ends it (idempotent)."""
+
+    def __init__(self, tracker: LoadTracker, replica_id: str) -> None:
+        self._tracker = tracker
+        self.replica_id = replica_id
+        self._released = False
+
+    def release(self) -> None:
+        """Stop counting this request; calling it again does nothing."""
+        if not self._released:
+            self._released = True
+            self._tracker._release(self.replica_id)
+
+
+class LoadTracker:
+    """Counts requests in flight per replica id.
+
+    Counts live here rather than on :class:`Replica` so that they survive table updates
+    (a replica that stays in the table keeps its count).
+    """
+
+    def __init__(self) -> None:
+        self._outstanding: dict[str, int] = {}
+        self._changed = trio.Event()
+
+    def acquire(self, replica_id: str) -> Lease:
+        """Count one more request on ``replica_id``; return the lease that un-counts it."""
+        self._outstanding[replica_id] = self._outstanding.get(replica_id, 0) + 1
+        self._notify()
+        return Lease(self, replica_id)
+
+    def outstanding(self, replica_id: str) -> int:
+        """Return the number of requests in flight on ``replica_id`` (0 if unknown)."""
+        return self._outstanding.get(replica_id, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """Return a copy of the non-zero in-flight counts by replica id."""
+        return dict(self._outstanding)
+
+    def total(self) -> int:
+        """Return the number of requests in flight on all replicas together."""
+        return sum(self._outstanding.values())
+
+    async def wait_until(self, predicate: Callable[[LoadTracker], bool]) -> None:
+        """Return once ``predicate(self)`` is true, re-checking after every count change.
+
+        Has no deadline of its own: wrap it in ``trio.fail_after``/``move_on_after``.
+        Cancellation simply abandons the wait.
+        """
+        while not predicate(self):
+            await self._changed.wait()
+
+    def _release(self, replica_id: str) -> None:
+        count = self._outstanding.get(replica_id, 0) - 1
+        if count > 0:
+            self._outstanding[replica_id] = count
+        else:
+            self._outstanding.pop(replica_id, None)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+@attrs.frozen
+class RequestInfo:
+    """What a routing policy may look at: the endpoint path, the model, and the parsed body."""
+
+    path: str
+    model: str
+    stream: bool = False
+    body: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+class RoutingPolicy(Protocol):
+    """Picks the replica for one request."""
+
+    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
+        """Return one of ``candidates`` (never empty) for ``request``."""
+        ...
+
+
+class LeastOutstanding:
+    """Picks the replica with the fewest requests in flight; ties go round-robin per model.
+
+    Round-robin on ties matters when the fleet is idle: sequential requests would
+    otherwise all land on the first replica.
+    """
+
+    def __init__(self, load: LoadTracker) -> None:
+        self._load = load
+        self._turns: dict[str, itertools.count[int]] = {}
+
+    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
+        """Return the least-loaded candidate, rotating among equally loaded ones."""
+        if not candidates:
+            raise ValueError("choose() needs at least one candidate replica")
+        fewest = min(self._load.outstanding(r.id) for r in candidates)
+        tied = [r for r in candidates if self._load.outstanding(r.id) == fewest]
+        turn = next(self._turns.setdefault(request.model, itertools.count()))
+        return tied[turn % len(tied)]
+
+
+def replicas_by_model(replicas: Iterable[Replica]) -> dict[str, list[Replica]]:
+    """Return ``replicas`` grouped by model, for :meth:`ReplicaTable.replace_all`."""
+    grouped: dict[str, list[Replica]] = {}
+    for replica in replicas:
+        grouped.setdefault(replica.model, []).append(replica)
+    return grouped

@@ -1,0 +1,130 @@
+"""Run the gateway app under Hypercorn's trio server, as a task in the caller's nursery.
+
+The gateway binds its listening socket itself and hands it to Hypercorn
+(``hypercorn.trio.run.worker_serve(..., sockets=...)``, the entry point Hypercorn's own
+trio worker uses). That way a bind failure is a plain ``OSError`` raised before anything
+starts, the bound port is read from the socket (port 0 works), and the socket has
+exactly one owner, which closes it on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+log = logging.getLogger(__name__)
+
+# Seconds open connections get to finish (e.g. a stream in progress) once shutdown
+# starts; after that they are cancelled. Short, because an LLM stream could otherwise
+# hold shutdown for minutes; clients of a stopped gateway retry elsewhere.
+GRACEFUL_SHUTDOWN_S = 3.0
+
+# Seconds on top of the graceful period for the app's own shutdown (closing the
+# upstream client). Past it the server task is cancelled outright.
+SHUTDOWN_SLACK_S = 5.0
+
+# Seconds an idle client keep-alive connection is kept open.
+KEEP_ALIVE_S = 5.0
+
+# Pending connections the kernel queues before the server accepts them; bursts of
+# clients opening connections at once are normal for an inference endpoint.
+LISTEN_BACKLOG = 1024
+
+
+def _config(graceful_timeout: float) -> Config:
+    config = Config()
+    config.graceful_timeout = graceful_timeout
+    config.keep_alive_timeout = KEEP_ALIVE_S
+    config.backlog = LISTEN_BACKLOG
+    config.accesslog = None
+    config.errorlog = logging.getLogger("llmgw.router.hypercorn")
+    config.include_server_header = False
+    return config
+
+
+async def _bind(host: str, port: int) -> socket.socket:
+    """Return a non-blocking TCP socket bound to ``host``:``port`` and listening.
+
+    Raises ``OSError`` with the address in the message if it cannot be bound.
+    """
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    if not infos:
+        raise OSError(f"cannot resolve gateway address {host!r}")
+    family, type_, proto, _, address = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE chunks go out at once
+        try:
+            sock.bind(address)
+        except OSError as error:
+            raise OSError(
+                error.errno, f"cannot bind the gateway to {host}:{port}: {error.strerror} "
+                "(is another server using this port? choose another in server.yaml)"
+            ) from error
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def serve_gateway(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    graceful_timeout: float = GRACEFUL_SHUTDOWN_S,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` (an ASGI app, normally from :func:`~llmgw.router.app.create_app`) on host:port.
+
+    Binds exactly ``host``:``port`` (``port`` 0 picks a free port) and reports the bound
+    port with ``task_status.started(port)`` once the socket is listening and the app's
+    startup hooks have run; use it as ``port = await nursery.start(serve_gateway, app,
+    host, 0)``. Runs until cancelled.
+
+    Cancellation shuts down cleanly: no new connections are accepted, open requests get
+    ``graceful_timeout`` seconds to finish and are then cancelled, the app's shutdown
+    hooks run (closing the upstream client), and the listening socket is closed before
+    this returns. That shutdown is shielded from the cancellation and bounded by
+    ``graceful_timeout +`` :data:`SHUTDOWN_SLACK_S`.
+
+    Raises ``OSError`` (before ``started``) if the address cannot be bound, e.g. the
+    port is in use.
+    """
+    config = _config(graceful_timeout)
+    sock = await _bind(host, port)
+    bound_port: int = sock.getsockname()[1]
+    shutdown = trio.Event()
+    server_scope = trio.CancelScope(shield=True)
+
+    async def run_server(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        # Shielded: the caller's cancellation reaches the server as `shutdown` instead,
+        # so Hypercorn runs its graceful shutdown and the app's lifespan shutdown.
+        with server_scope:
+            await worker_serve(
+                wrap_app(app, config.wsgi_max_body_size, "asgi"),
+                config,
+                sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
+                shutdown_trigger=shutdown.wait,
+                task_status=task_status,
+            )
+
+    with sock:
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(run_server)
+                log.info("gateway listening on %s:%d", host, bound_port)
+                task_status.started(bound_port)
+                await trio.sleep_forever()
+            finally:
+                shutdown.set()
+                server_scope.deadline = trio.current_time() + graceful_timeout + SHUTDOWN_SLACK_S
