@@ -1,1 +1,212 @@
-"""llmgw.client."""
+"""llmgw's public client library: drive a cluster over Cap'n Proto with an admin certificate.
+
+Example::
+
+    import trio
+    from llmgw.client import connect
+
+    async def main():
+        async with connect("10.0.0.1:7070", tls_dir="/etc/llmgw/admin") as cluster:
+            for node in await cluster.nodes():
+                print(node.id, node.state)
+
+    trio.run(main)
+
+Every call has a deadline (:data:`CALL_TIMEOUT`) and raises :class:`ClientError`
+with the control plane's own message when it refuses or fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+import attrs
+import capnp
+import trio
+
+from llmgw.rpc import convert, net, schema
+from llmgw.rpc.connection import open_client
+from llmgw.rpc.kjtrio import capnp_runtime, runtime_active
+from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
+from llmgw.spec import EngineInfo, Hardware, ModelSpec
+
+__all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "connect"]
+
+#: Admin calls read in-memory state or do one small store write.
+CALL_TIMEOUT = 30.0
+
+
+class ClientError(Exception):
+    """The control plane could not be reached, refused the call, or the call failed."""
+
+
+@attrs.frozen
+class NodeRow:
+    id: str
+    address: str
+    state: str
+    hardware: Hardware
+    engines: tuple[EngineInfo, ...]
+    seconds_since_heartbeat: float
+    shards: int
+    version: str
+
+
+@attrs.frozen
+class ReplicaRow:
+    id: str
+    model: str
+    node_id: str
+    state: str
+    endpoint: str
+    pid: int
+    restarts: int
+    message: str
+    last_output: tuple[str, ...]
+
+
+@attrs.frozen
+class ClusterStatus:
+    version: str
+    nodes_online: int
+    nodes_lost: int
+    replicas_ready: int
+    replicas_total: int
+    models: int
+    gateway_url: str
+    unplaceable: tuple[str, ...]
+
+
+def remote_message(exc: capnp.KjException) -> str:
+    """The operator-facing line of a remote error (the remote exception's own message)."""
+    text = (exc.description or "").strip()
+    last = text.splitlines()[-1].strip() if text else exc.type
+    # "remote exception: ... SomeError: message" -> "message"
+    for prefix in ("remote exception:",):
+        if last.startswith(prefix):
+            last = last[len(prefix):].strip()
+    head, sep, rest = last.partition(": ")
+    if sep and head.replace(".", "").replace("_", "").isalnum() and head[:1].isalpha() and " " not in head:
+        return rest
+    return last
+
+
+class ClusterClient:
+    """An admin session with one control plane. Create it with :func:`connect`."""
+
+    def __init__(self, admin: Any, address: str) -> None:
+        self._admin = admin
+        self.address = address
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            with trio.fail_after(CALL_TIMEOUT):
+                return await getattr(self._admin, method)(*args)
+        except trio.TooSlowError:
+            raise ClientError(f"{self.address} did not answer {method} within {CALL_TIMEOUT:g}s") from None
+        except capnp.KjException as exc:
+            if exc.type == "DISCONNECTED":
+                raise ClientError(f"lost the connection to {self.address}: {remote_message(exc)}") from None
+            raise ClientError(remote_message(exc)) from None
+
+    async def status(self) -> ClusterStatus:
+        r = (await self._call("status")).status
+        return ClusterStatus(
+            r.version, r.nodesOnline, r.nodesLost, r.replicasReady, r.replicasTotal, r.models, r.gatewayUrl,
+            tuple(r.unplaceable),
+        )
+
+    async def nodes(self) -> list[NodeRow]:
+        result = await self._call("listNodes")
+        return [
+            NodeRow(
+                n.id, n.address, n.state, convert.hardware_from(n.hardware),
+                tuple(convert.engine_from(e) for e in n.engines), n.secondsSinceHeartbeat, n.shards, n.version,
+            )
+            for n in result.nodes
+        ]
+
+    async def replicas(self) -> tuple[list[ReplicaRow], list[str]]:
+        """Return every replica the cluster knows, and why any wanted replica could not be placed."""
+        result = await self._call("listReplicas")
+        rows = [
+            ReplicaRow(r.id, r.model, r.nodeId, r.state, r.endpoint, r.pid, r.restarts, r.message,
+                       tuple(r.lastOutput))
+            for r in result.replicas
+        ]
+        return rows, list(result.unplaceable)
+
+    async def models(self) -> list[ModelSpec]:
+        result = await self._call("listModels")
+        return [convert.model_from(m) for m in result.models]
+
+    async def add_model(self, model: ModelSpec, *, replace: bool = False) -> ModelSpec:
+        """Add (or with ``replace``, update) a catalog model; the control plane validates it."""
+        result = await self._call("addModel", convert.model_dict(model), replace)
+        return convert.model_from(result.model)
+
+    async def remove_model(self, name: str) -> bool:
+        return bool((await self._call("removeModel", name)).removed)
+
+    async def replica_logs(self, replica_id: str, lines: int = 100) -> list[str]:
+        return list((await self._call("replicaLogs", replica_id, lines)).lines)
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    addresses: str | Sequence[str], *, tls_dir: str | Path | None = None, credentials: Any = None
+) -> AsyncIterator[ClusterClient]:
+    """Connect to the first reachable control plane of ``addresses`` as an admin.
+
+    ``tls_dir`` holds ``ca.pem``, ``cert.pem`` and ``key.pem`` of an admin
+    certificate (or pass ``credentials`` read with ``llmgw.rpc.tls.read_credentials``).
+    Starts a capnp runtime for the block when none runs in this thread. Raises
+    :class:`ClientError` when no address answers or the certificate is refused;
+    the connection is closed on exit.
+    """
+    if isinstance(addresses, str):
+        addresses = [addresses]
+    if credentials is None:
+        if tls_dir is None:
+            raise ClientError("no admin credentials: pass tls_dir (ca.pem, cert.pem, key.pem)")
+        try:
+            credentials = read_credentials(tls_dir)
+        except TLSFileError as exc:
+            raise ClientError(str(exc)) from None
+    context = client_ssl_context(credentials.ca_pem, credentials.cert_pem, credentials.key_pem)
+    async with contextlib.AsyncExitStack() as stack:
+        if not runtime_active():
+            await stack.enter_async_context(capnp_runtime())
+        errors = []
+        for address in addresses:
+            try:
+                stream = await net.connect(address, context)
+            except net.ConnectError as exc:
+                errors.append(str(exc))
+                continue
+            client = await stack.enter_async_context(open_client(stream))
+            cluster = client.bootstrap().cast_as(schema.load().Cluster)
+            try:
+                with trio.fail_after(CALL_TIMEOUT):
+                    admin = (await cluster.admin()).admin
+            except trio.TooSlowError:
+                raise ClientError(f"{address} did not answer within {CALL_TIMEOUT:g}s") from None
+            except capnp.KjException as exc:
+                if exc.type == "DISCONNECTED":
+                    raise ClientError(
+                        f"{address} closed the connection on the first call: it refused this certificate "
+                        "(issued by another cluster's CA, expired, or not an admin certificate)"
+                    ) from None
+                raise ClientError(remote_message(exc)) from None
+            yield ClusterClient(admin, address)
+            return
+        raise ClientError("; ".join(errors) or "no control plane address given")
+
+
+def model_from_mapping(data: Mapping[str, Any]) -> ModelSpec:
+    """Validate user input (CLI flags, YAML) into a ModelSpec, as the control plane will."""
+    from llmgw.control.catalog import validate_model
+
+    return validate_model(data)

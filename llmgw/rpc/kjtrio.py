@@ -39,7 +39,7 @@ import logging
 import threading
 import types
 import warnings
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
 
 import trio
 
@@ -402,6 +402,23 @@ def install() -> None:
         _installed = True
 
 
+@contextlib.contextmanager
+def unwrap_single_group() -> Iterator[None]:
+    """Re-raise a lone exception out of a trio ExceptionGroup as itself.
+
+    For context managers whose ``yield`` sits inside a nursery: an error of the
+    caller's block should reach the caller as it was raised, not wrapped.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+            group = group.exceptions[0]  # type: ignore[assignment]
+        if isinstance(group, BaseExceptionGroup):
+            raise
+        raise group from group.__cause__
+
+
 @contextlib.asynccontextmanager
 async def capnp_runtime() -> AsyncIterator[TrioLoop]:
     """Run pycapnp's KJ event loop inside the current trio run.
@@ -416,18 +433,19 @@ async def capnp_runtime() -> AsyncIterator[TrioLoop]:
     install()
     if _current_loop() is not None:
         raise RuntimeError("a capnp runtime is already running in this thread")
-    async with trio.open_nursery() as nursery:
-        loop = TrioLoop(nursery)
-        _thread_state.loop = loop
-        try:
-            await nursery.start(loop._drain)
-            async with capnp.kj_loop():
-                yield loop
+    with unwrap_single_group():
+        async with trio.open_nursery() as nursery:
+            loop = TrioLoop(nursery)
+            _thread_state.loop = loop
+            try:
+                await nursery.start(loop._drain)
+                async with capnp.kj_loop():
+                    yield loop
+                    loop._closed = True
+            finally:
                 loop._closed = True
-        finally:
-            loop._closed = True
-            _thread_state.loop = None
-            nursery.cancel_scope.cancel()
+                _thread_state.loop = None
+                nursery.cancel_scope.cancel()
 
 
 def runtime_active() -> bool:

@@ -49,7 +49,8 @@ async def connect(address: str, context: ssl.SSLContext, *, timeout: float = CON
     except trio.TooSlowError:
         raise ConnectError(f"cannot reach {address}: no answer within {timeout:g}s") from None
     except OSError as exc:
-        raise ConnectError(f"cannot reach {address}: {exc.strerror or exc}") from None
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        raise ConnectError(f"cannot reach {address}: {cause.strerror or cause}") from None
     stream = trio.SSLStream(tcp, context, server_hostname=host)
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):

@@ -190,11 +190,12 @@ async def open_capnp_stream(stream: trio.abc.Stream) -> AsyncIterator[Any]:
     protocol = capnp.AsyncIoStream._connect(created.append)
     transport = StreamTransport(stream, protocol)
     protocol.connection_made(transport)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(transport.run)
-        try:
-            yield created[0]
-        finally:
-            transport.close()
-            with trio.CancelScope(shield=True):
-                await transport.finished.wait()
+    with kjtrio.unwrap_single_group():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(transport.run)
+            try:
+                yield created[0]
+            finally:
+                transport.close()
+                with trio.CancelScope(shield=True):
+                    await transport.finished.wait()

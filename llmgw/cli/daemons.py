@@ -1,0 +1,139 @@
+"""``llmgw server`` and ``llmgw agent``: the two long-running daemons (see systemd/)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import click
+import trio
+
+from llmgw.cli.main import run_trio, setup_logging
+from llmgw.cli.output import fail
+from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
+from llmgw.config import ConfigError, load_agent_config, load_server_config
+from llmgw.control.store import StoreError
+from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials, server_ssl_context
+
+log = logging.getLogger(__name__)
+
+
+def _server_config(path: Path | None):  # type: ignore[no-untyped-def]
+    try:
+        return load_server_config(path)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+@click.group(invoke_without_command=True)
+@click.option("--config", "-c", "config_path", type=click.Path(path_type=Path), default=None,
+              help="server.yaml [/etc/llmgw/server.yaml when present, else defaults].")
+@click.pass_context
+def server(ctx: click.Context, config_path: Path | None) -> None:
+    """Run the control plane and gateway (`llmgw server init` first)."""
+    ctx.ensure_object(dict)
+    ctx.obj["config_path"] = config_path
+    if ctx.invoked_subcommand is not None:
+        return
+    config = _server_config(config_path)
+    setup_logging(config.log_level)
+    try:
+        creds = read_credentials(config.state_dir / SERVER_DIR)
+    except TLSFileError as exc:
+        fail(f"{exc}\n(first run? create the cluster CA and certificates with `llmgw server init`)")
+    from llmgw.control.plane import run_control_plane
+    from llmgw.rpc.kjtrio import capnp_runtime
+
+    async def main() -> None:
+        async with capnp_runtime(), trio.open_nursery() as nursery:
+            plane = await nursery.start(
+                lambda task_status: run_control_plane(
+                    store_url=config.store.url,
+                    rpc_host=config.rpc_listen.host,
+                    rpc_port=config.rpc_listen.port,
+                    http_host=config.http_listen.host,
+                    http_port=config.http_listen.port,
+                    server_context=server_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
+                    heartbeat_interval=config.heartbeat_interval,
+                    lost_after=config.node_lost_after,
+                    replace_grace=config.replace_grace,
+                    task_status=task_status,
+                )
+            )
+            click.echo(f"llmgw server: rpc {config.rpc_listen.host}:{plane.rpc_port}, "
+                       f"gateway {plane.gateway_url}/v1", err=True)
+
+    try:
+        run_trio(main)
+    except StoreError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot start: {exc}")
+
+
+@server.command("init")
+@click.option("--name", default=None, help="This control plane's name in its certificate [hostname].")
+@click.pass_context
+def server_init(ctx: click.Context, name: str | None) -> None:
+    """Create the cluster CA, this server's certificate and a local admin certificate."""
+    config = _server_config(ctx.obj["config_path"])
+    state = config.state_dir
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        ca, created = ensure_cluster_pki(
+            state, server_name=name or socket.gethostname(),
+            sans=[*config.advertise_hosts, config.rpc_listen.host],
+        )
+    except (TLSFileError, ValueError, OSError) as exc:
+        fail(str(exc))
+    click.echo(("created" if created else "kept existing") + f" cluster CA in {state / CA_DIR}")
+    click.echo(f"  CA fingerprint: {ca.fingerprint}")
+    click.echo(f"  server certificate: {state / SERVER_DIR}")
+    click.echo(f"  admin certificate for `llmgw ctl --tls-dir`: {state / ADMIN_DIR}")
+    click.echo("For each node: llmgw ctl certs issue --state-dir "
+               f"{state} --role node --name NODE_ID --out DIR, then copy DIR to the node's tls directory.")
+
+
+@click.command()
+@click.option("--config", "-c", "config_path", type=click.Path(path_type=Path), default=None,
+              help="agent.yaml [/etc/llmgw/agent.yaml when present, else defaults].")
+def agent(config_path: Path | None) -> None:
+    """Run the node agent: join the control plane and supervise engines."""
+    try:
+        config = load_agent_config(config_path)
+    except ConfigError as exc:
+        fail(str(exc))
+    setup_logging(config.log_level)
+    try:
+        creds = read_credentials(config.tls.ca, config.tls.cert, config.tls.key)
+    except TLSFileError as exc:
+        fail(str(exc))
+    if creds.identity.name != config.node_id:
+        fail(f"the certificate in {config.tls.cert} is for {creds.identity}, but node_id is {config.node_id!r}: "
+             "set node_id to match, or issue a certificate for this node id")
+    from llmgw.node import discovery
+    from llmgw.node.agent import Agent
+    from llmgw.node.supervisor import Supervisor
+    from llmgw.rpc.kjtrio import capnp_runtime
+
+    planes = [str(a) for a in config.control_planes]
+    engine_host = config.engine_host or discovery.route_address(config.control_planes[0].host)
+    try:
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"cannot create the state directory {config.state_dir}: {exc.strerror or exc}")
+
+    async def main() -> None:
+        async with capnp_runtime():
+            node = Agent(
+                node_id=config.node_id,
+                control_planes=planes,
+                context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
+                supervisor=Supervisor(config.state_dir / "shards", host=engine_host),
+                engine_host=engine_host,
+                backoff_max=config.reconnect_backoff_max,
+            )
+            await node.run()
+
+    run_trio(main)

@@ -1,0 +1,45 @@
+"""Printing for the llmgw command: aligned tables for people, JSON for programs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Sequence
+
+import attrs
+import click
+
+
+def to_jsonable(value: Any) -> Any:
+    """attrs classes, enums, tuples and mappings as plain JSON values."""
+    if attrs.has(type(value)):
+        return {k: to_jsonable(v) for k, v in attrs.asdict(value, recurse=False).items()}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if hasattr(value, "value") and value.__class__.__module__ != "builtins":
+        return value.value
+    return value
+
+
+def print_json(value: Any) -> None:
+    click.echo(json.dumps(to_jsonable(value), indent=2, sort_keys=True))
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, empty: str = "(none)") -> None:
+    """Print ``rows`` under ``headers``, columns aligned; ``empty`` when there are no rows."""
+    if not rows:
+        click.echo(empty)
+        return
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        line = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        click.echo(click.style(line, bold=True) if n == 0 and sys.stdout.isatty() else line)
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print ``message`` as an error on stderr and exit with ``code``."""
+    click.echo(click.style("error: ", fg="red", bold=True) + message, err=True)
+    sys.exit(code)

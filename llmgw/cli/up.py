@@ -1,0 +1,157 @@
+"""``llmgw up``: a one-machine cluster in one process, serving a model in seconds.
+
+Control plane (SQLite store, its own CA, gateway) and an agent share one trio
+run and talk over the real mutual-TLS RPC port on loopback, exactly as a
+multi-node cluster does. The first run adds a demo model on the simulated
+engine, so it works on any machine; `llmgw ctl` finds this cluster without flags.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+
+import click
+import trio
+
+from llmgw.cli.main import default_up_dir, run_trio, setup_logging
+from llmgw.cli.output import fail
+from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
+from llmgw.control.catalog import CatalogError, validate_model
+from llmgw.control.plane import ControlPlane, run_control_plane
+from llmgw.node.agent import Agent
+from llmgw.node.supervisor import Supervisor
+from llmgw.rpc.kjtrio import capnp_runtime
+from llmgw.rpc.tls import client_ssl_context, read_credentials, server_ssl_context
+
+log = logging.getLogger(__name__)
+
+#: The file through which `llmgw ctl` finds a running `llmgw up` cluster.
+UP_FILE = "up.json"
+#: The simulated engine is ready in about a second; a real engine may take minutes.
+READY_TIMEOUT = 120.0
+#: Engines get this long to finish in-flight requests when `up` exits.
+STOP_GRACE = 5.0
+
+
+async def wait_for_ready(plane: ControlPlane, model: str, timeout: float) -> list[str]:
+    """Wait until ``model`` has a ready replica; return their endpoints. Raises TooSlowError."""
+    version = -1
+    with trio.fail_after(timeout):
+        while True:
+            ready = plane.registry.replicas_of(model)
+            if ready:
+                return [r.endpoint for r in ready]
+            version = await plane.registry.wait_changed(version)
+
+
+@click.command()
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the cluster keeps its CA, database and engine state [~/.local/share/llmgw/up].")
+@click.option("--http-port", type=int, default=8080, show_default=True, help="Gateway port on 127.0.0.1 (0: any).")
+@click.option("--rpc-port", type=int, default=7070, show_default=True, help="RPC port on 127.0.0.1 (0: any).")
+@click.option("--model", "model_name", default="demo", show_default=True,
+              help="Name of the demo model added on first run (simulated engine).")
+@click.option("--replicas", type=int, default=1, show_default=True, help="Replicas of the demo model.")
+@click.option("--keep-engines", is_flag=True,
+              help="Leave engines running on exit (the next `llmgw up` adopts them).")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, replicas: int,
+       keep_engines: bool, log_level: str) -> None:
+    """Start a one-machine cluster: control plane, gateway and an agent, on 127.0.0.1."""
+    setup_logging(log_level)
+    state_dir = (state_dir or default_up_dir()).expanduser().resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    node_id = socket.gethostname().split(".")[0] or "local"
+    ca, created = ensure_cluster_pki(state_dir, server_name="llmgw-up")
+    if not (state_dir / "node" / "cert.pem").exists():
+        issue_to(ca, "node", node_id, state_dir / "node")
+    server_creds = read_credentials(state_dir / SERVER_DIR)
+    node_creds = read_credentials(state_dir / "node")
+    node_id = node_creds.identity.name
+    try:
+        demo = validate_model({"name": model_name, "engine": "sim", "profile": {"replicas": replicas}})
+    except CatalogError as exc:
+        fail(f"--model/--replicas: {exc}")
+
+    async def main() -> None:
+        async with capnp_runtime(), trio.open_nursery() as nursery:
+            try:
+                plane: ControlPlane = await nursery.start(
+                    lambda task_status: run_control_plane(
+                        store_url=str(state_dir / "llmgw.db"),
+                        rpc_host="127.0.0.1",
+                        rpc_port=rpc_port,
+                        http_host="127.0.0.1",
+                        http_port=http_port,
+                        server_context=server_ssl_context(server_creds.ca_pem, server_creds.cert_pem,
+                                                          server_creds.key_pem),
+                        task_status=task_status,
+                    )
+                )
+            except OSError as exc:
+                fail(f"cannot listen on 127.0.0.1 ({exc.strerror or exc}): another llmgw up or server running? "
+                     "Stop it, or pick other ports with --http-port/--rpc-port.")
+            (state_dir / UP_FILE).write_text(json.dumps({
+                "rpc": f"127.0.0.1:{plane.rpc_port}", "gateway": plane.gateway_url,
+                "tls_dir": str(state_dir / ADMIN_DIR)}))
+            supervisor = Supervisor(state_dir / "agent", host="127.0.0.1")
+            agent = Agent(
+                node_id=node_id,
+                control_planes=[f"127.0.0.1:{plane.rpc_port}"],
+                context=client_ssl_context(node_creds.ca_pem, node_creds.cert_pem, node_creds.key_pem),
+                supervisor=supervisor,
+                engine_host="127.0.0.1",
+            )
+            try:
+                await nursery.start(agent.run)
+                models = await plane.store.list_models()
+                if not models:
+                    await plane.store.put_model(demo, create_only=True)
+                    await plane.store.audit("llmgw-up", "model.add", demo.name, {"engine": "sim"})
+                    plane.catalog_changed()
+                    models = [demo]
+                click.echo(f"llmgw up: cluster in {state_dir}" + (" (new CA)" if created else ""), err=True)
+                first = models[0].name
+                click.echo(f"llmgw up: waiting for a ready replica of {first!r} ...", err=True)
+                try:
+                    endpoints = await wait_for_ready(plane, first, READY_TIMEOUT)
+                except trio.TooSlowError:
+                    click.echo(f"llmgw up: {first!r} has no ready replica after {READY_TIMEOUT:g}s; "
+                               "see `llmgw ctl replicas`", err=True)
+                    endpoints = []
+                _print_banner(plane, first, endpoints, state_dir)
+                await trio.sleep_forever()
+            finally:
+                if not keep_engines:
+                    with trio.CancelScope(shield=True):
+                        await _stop_all(supervisor)
+                nursery.cancel_scope.cancel()
+
+    run_trio(main)
+
+
+async def _stop_all(supervisor: Supervisor) -> None:
+    async with trio.open_nursery() as nursery:
+        for spec, _ in supervisor.shards():
+            nursery.start_soon(supervisor.stop_shard, spec.id, STOP_GRACE)
+
+
+def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_dir: Path) -> None:
+    url = plane.gateway_url
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    click.echo(f"""
+llmgw is up.
+  OpenAI endpoint : {url}/v1   (model {model!r}, {len(endpoints)} ready replica(s))
+  RPC (mutual TLS): 127.0.0.1:{plane.rpc_port}
+  state           : {state_dir}
+
+Try:
+  curl -s {url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'
+  llmgw ctl nodes
+  llmgw ctl replicas
+
+Ctrl-C stops the cluster.""")

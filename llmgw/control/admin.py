@@ -1,0 +1,118 @@
+"""The ``Admin`` capability: what ``llmgw ctl`` and ``llmgw.client`` programs may do.
+
+Handed out by ``Cluster.admin`` to admin certificates only. Methods copy their
+params into Python values before the first await, and raise plain exceptions
+whose message is for the operator (the client shows the last line).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from llmgw import __version__
+from llmgw.control.catalog import model_to_dict, validate_model
+from llmgw.control.registry import NodeState
+from llmgw.rpc import convert, schema
+from llmgw.spec import ShardState
+
+if TYPE_CHECKING:
+    from llmgw.control.plane import ControlPlane
+
+log = logging.getLogger(__name__)
+
+
+def make_admin(plane: ControlPlane, actor: str) -> Any:
+    """Return an ``Admin`` server object acting for ``actor`` (the certificate's name)."""
+    s = schema.load()
+
+    class AdminServer(s.Admin.Server):
+        async def status(self, _context: Any, **_: Any) -> None:
+            fleet = plane.registry.snapshot()
+            shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]
+            models = await plane.store.list_models()
+            _context.results.status = {
+                "version": __version__,
+                "nodesOnline": sum(1 for n in fleet.nodes.values() if n.state is NodeState.ONLINE),
+                "nodesLost": sum(1 for n in fleet.nodes.values() if n.state is NodeState.LOST),
+                "replicasReady": sum(1 for sh in shards if sh.state is ShardState.READY),
+                "replicasTotal": len(shards),
+                "models": len(models),
+                "gatewayUrl": plane.gateway_url,
+                "unplaceable": plane.unplaceable_reasons(),
+            }
+
+        async def listNodes(self, _context: Any, **_: Any) -> None:
+            fleet = plane.registry.snapshot()
+            now = trio.current_time()
+            _context.results.nodes = [
+                {
+                    "id": node.id,
+                    "address": node.address,
+                    "state": node.state.value,
+                    "hardware": convert.hardware_dict(node.hardware),
+                    "engines": [convert.engine_dict(e) for e in node.engines],
+                    "secondsSinceHeartbeat": max(0.0, now - node.last_heartbeat),
+                    "shards": len(node.shards),
+                    "version": plane.node_versions.get(node.id, ""),
+                }
+                for node in sorted(fleet.nodes.values(), key=lambda n: n.id)
+            ]
+
+        async def listReplicas(self, _context: Any, **_: Any) -> None:
+            fleet = plane.registry.snapshot()
+            rows = []
+            for node in sorted(fleet.nodes.values(), key=lambda n: n.id):
+                for shard in sorted(node.shards.values(), key=lambda sh: (sh.model, sh.id)):
+                    st = shard.status
+                    state = st.state.value if node.state is NodeState.ONLINE else f"{st.state.value} (node lost)"
+                    rows.append(
+                        {
+                            "id": shard.id,
+                            "model": shard.model,
+                            "nodeId": node.id,
+                            "state": state,
+                            "endpoint": st.endpoint,
+                            "pid": st.pid,
+                            "restarts": st.restarts,
+                            "message": st.message,
+                            "lastOutput": list(st.last_output),
+                        }
+                    )
+            _context.results.replicas = rows
+            _context.results.unplaceable = plane.unplaceable_reasons()
+
+        async def listModels(self, _context: Any, **_: Any) -> None:
+            models = await plane.store.list_models()
+            _context.results.models = [convert.model_dict(m) for m in models]
+
+        async def addModel(self, model: Any, replace: bool, _context: Any, **_: Any) -> None:
+            spec = validate_model(model_to_dict(convert.model_from(model)))
+            replace = bool(replace)
+            saved = await plane.store.put_model(spec, create_only=not replace)
+            await plane.store.audit(actor, "model.replace" if replace else "model.add", spec.name,
+                                    model_to_dict(saved))
+            plane.catalog_changed()
+            _context.results.model = convert.model_dict(saved)
+
+        async def removeModel(self, name: str, _context: Any, **_: Any) -> None:
+            name = str(name)
+            removed = await plane.store.delete_model(name)
+            if removed:
+                await plane.store.audit(actor, "model.remove", name, {})
+                plane.catalog_changed()
+            _context.results.removed = removed
+
+        async def replicaLogs(self, id: str, lines: int, _context: Any, **_: Any) -> None:
+            shard_id, count = str(id), int(lines) or 100
+            try:
+                session = plane.sessions.find_shard(shard_id)
+            except KeyError:
+                raise LookupError(
+                    f"no replica {shard_id!r} on a connected node (see `llmgw ctl replicas`)"
+                ) from None
+            _context.results.lines = await session.logs(shard_id, count)
+
+    return AdminServer()

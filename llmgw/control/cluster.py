@@ -1,0 +1,99 @@
+"""The bootstrap ``Cluster`` capability of the RPC port, one per connection.
+
+The TLS client certificate says who is calling: ``join`` is for the node named
+in the certificate, ``admin`` for admin certificates. A refused call raises
+``PermissionError`` with a message naming both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from llmgw.control.admin import make_admin
+from llmgw.control.sessions import NodeSession, watch_heartbeats
+from llmgw.rpc import convert, schema
+from llmgw.rpc.connection import serve_stream
+from llmgw.rpc.tls import Identity, Role, require_role
+
+if TYPE_CHECKING:
+    from llmgw.control.plane import ControlPlane
+
+log = logging.getLogger(__name__)
+
+#: Recording a join in the store is one small write; a store that cannot take it in this
+#: time is reported in the log, and the node joins anyway (the live view does not need it).
+STORE_WRITE_TIMEOUT = 5.0
+
+
+async def handle_connection(plane: ControlPlane, stream: trio.abc.Stream, identity: Identity) -> None:
+    """Serve the RPC port's bootstrap on one connection until it closes.
+
+    A node session started on this connection ends with it: the registry is told
+    (the node becomes LOST) and the session's tasks are cancelled.
+    """
+    async with trio.open_nursery() as nursery:
+        state: dict[str, NodeSession] = {}
+        bootstrap = _make_cluster(plane, identity, nursery, state)
+        await serve_stream(stream, bootstrap)
+        nursery.cancel_scope.cancel()
+    session = state.get("session")
+    if session is not None:
+        plane.sessions.detach(session)
+
+
+def _make_cluster(
+    plane: ControlPlane, identity: Identity, nursery: trio.Nursery, state: dict[str, NodeSession]
+) -> Any:
+    s = schema.load()
+
+    class ClusterServer(s.Cluster.Server):
+        async def join(self, registration: Any, _context: Any, **_: Any) -> None:
+            node_id = str(registration.nodeId)
+            require_role(identity, Role.NODE, name=node_id)
+            if "session" in state:
+                raise RuntimeError("this connection has joined already")
+            address = str(registration.address)
+            hardware = convert.hardware_from(registration.hardware)
+            engines = [convert.engine_from(e) for e in registration.engines]
+            shards = [
+                (convert.shard_spec_from(r.spec), convert.shard_status_from(r.status)) for r in registration.shards
+            ]
+            agent = registration.agent
+            version = str(registration.version)
+
+            epoch = plane.registry.node_joined(node_id, address, hardware, engines, shards)
+            session = NodeSession(plane.registry, node_id, epoch, agent, nursery.cancel_scope.cancel)
+            state["session"] = session
+            plane.sessions.attach(session)
+            plane.node_versions[node_id] = version
+            nursery.start_soon(watch_heartbeats, session, plane.registry.lost_after)
+            nursery.start_soon(_adopt_all, session, [spec.id for spec, _ in shards])
+            nursery.start_soon(_record_seen, plane, node_id, address)
+            log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
+            _context.results.desk = session.desk()
+            _context.results.heartbeatIntervalMs = int(plane.heartbeat_interval * 1000)
+
+        async def admin(self, _context: Any, **_: Any) -> None:
+            require_role(identity, Role.ADMIN)
+            _context.results.admin = make_admin(plane, identity.name)
+
+    return ClusterServer()
+
+
+async def _adopt_all(session: NodeSession, shard_ids: list[str]) -> None:
+    for shard_id in shard_ids:
+        try:
+            await session.adopt(shard_id)
+        except Exception as exc:  # noqa: BLE001 - one shard must not stop the others being re-bound
+            log.warning("node %s: could not re-bind shard %s: %s", session.node_id, shard_id, exc)
+
+
+async def _record_seen(plane: ControlPlane, node_id: str, address: str) -> None:
+    try:
+        with trio.fail_after(STORE_WRITE_TIMEOUT):
+            await plane.store.record_node_seen(node_id, address)
+    except Exception as exc:  # noqa: BLE001 - the live view does not depend on this record
+        log.warning("could not record node %s in the store: %s", node_id, exc)

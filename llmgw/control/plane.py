@@ -1,0 +1,167 @@
+"""The control plane process: store, live registry, reconciler, RPC port and gateway.
+
+Nursery tree::
+
+    run_control_plane
+    ├── registry watchdog (marks silent nodes LOST)
+    ├── reconciler (catalog vs fleet, one placement pass at a time)
+    ├── gateway feed (registry changes -> the gateway's replica table)
+    ├── gateway (hypercorn + quart-trio)
+    └── rpc listener ── per connection: Cluster bootstrap ── node session / admin
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import Any
+
+import attrs
+import trio
+
+from llmgw.control.cluster import handle_connection
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.registry import Registry
+from llmgw.control.sessions import NodeSessions
+from llmgw.control.store import Store, open_store
+from llmgw.rpc import net
+from llmgw.rpc.kjtrio import unwrap_single_group
+from llmgw.rpc.tls import Identity
+from llmgw.router.app import create_app
+from llmgw.router.replicas import Replica, ReplicaTable
+from llmgw.router.serve import serve_gateway
+
+log = logging.getLogger(__name__)
+
+#: Reading the catalog for the gateway's model list; on failure the old list stays.
+CATALOG_READ_TIMEOUT = 10.0
+
+
+@attrs.define
+class ControlPlane:
+    """Everything the RPC handlers and the admin API need, for one running control plane."""
+
+    store: Store
+    registry: Registry
+    sessions: NodeSessions
+    table: ReplicaTable
+    heartbeat_interval: float
+    reconciler: Reconciler | None = None
+    gateway_url: str = ""
+    rpc_port: int = 0
+    http_port: int = 0
+    node_versions: dict[str, str] = attrs.field(factory=dict)
+    _catalog_version: int = 0
+    _catalog_event: trio.Event = attrs.field(factory=trio.Event)
+
+    def catalog_changed(self) -> None:
+        """The catalog changed: wake the reconciler and refresh the gateway's model list."""
+        if self.reconciler is not None:
+            self.reconciler.catalog_changed()
+        self._catalog_version += 1
+        self._catalog_event.set()
+        self._catalog_event = trio.Event()
+
+    def unplaceable_reasons(self) -> list[str]:
+        if self.reconciler is None:
+            return []
+        return [u.reason for u in self.reconciler.last_unplaceable] + [
+            w.reason for w in self.reconciler.last_waiting
+        ]
+
+    async def _catalog(self) -> list[Any]:
+        return await self.store.list_models()
+
+    async def feed_gateway(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the gateway's replica table equal to catalog models x ready replicas.
+
+        Runs until cancelled. A store that cannot be read keeps the previous model
+        list (the gateway goes on routing) and is retried on the next change.
+        """
+        models: list[str] = []
+        seen_registry = -1
+        seen_catalog = -1
+        started = False
+        while True:
+            if seen_catalog != self._catalog_version:
+                seen_catalog = self._catalog_version
+                try:
+                    with trio.fail_after(CATALOG_READ_TIMEOUT):
+                        models = [m.name for m in await self.store.list_models()]
+                except Exception as exc:  # noqa: BLE001 - keep serving with the last good list
+                    log.warning("gateway: could not read the catalog: %s", exc)
+            seen_registry = self.registry.version
+            self.table.replace_all(
+                {
+                    model: [Replica(r.id, r.model, r.endpoint, r.node_id) for r in self.registry.replicas_of(model)]
+                    for model in models
+                }
+            )
+            if not started:
+                task_status.started()
+                started = True
+            async with trio.open_nursery() as waiters:
+                catalog_event = self._catalog_event
+
+                async def registry_changed() -> None:
+                    await self.registry.wait_changed(seen_registry)
+                    waiters.cancel_scope.cancel()
+
+                async def catalog_changed() -> None:
+                    await catalog_event.wait()
+                    waiters.cancel_scope.cancel()
+
+                waiters.start_soon(registry_changed)
+                waiters.start_soon(catalog_changed)
+
+
+async def run_control_plane(
+    *,
+    store_url: str,
+    rpc_host: str,
+    rpc_port: int,
+    http_host: str,
+    http_port: int,
+    server_context: ssl.SSLContext,
+    heartbeat_interval: float = 2.0,
+    lost_after: float = 10.0,
+    replace_grace: float = 30.0,
+    task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a control plane until cancelled.
+
+    Signals the :class:`ControlPlane` as started value once the store is open,
+    the gateway and the RPC port are listening (``rpc_port``/``http_port`` of the
+    returned object are the bound ports; 0 asks for free ones). Raises the
+    store's error if the database cannot be opened, and ``OSError`` if a port
+    is taken. Cancellation closes every connection and the store; engines on
+    the nodes are not touched.
+    """
+    with unwrap_single_group():
+        async with open_store(store_url) as store, trio.open_nursery() as nursery:
+            registry = Registry(lost_after=lost_after, replace_grace=replace_grace)
+            sessions = NodeSessions(registry)
+            plane = ControlPlane(
+                store=store,
+                registry=registry,
+                sessions=sessions,
+                table=ReplicaTable(),
+                heartbeat_interval=heartbeat_interval,
+            )
+            await nursery.start(registry.watchdog)
+            plane.reconciler = Reconciler(registry, plane._catalog, sessions)
+            await nursery.start(plane.reconciler.run)
+            await nursery.start(plane.feed_gateway)
+            plane.http_port = await nursery.start(serve_gateway, create_app(plane.table), http_host, http_port)
+            plane.gateway_url = f"http://{_url_host(http_host)}:{plane.http_port}"
+
+            async def handler(stream: trio.SSLStream, identity: Identity) -> None:
+                await handle_connection(plane, stream, identity)
+
+            plane.rpc_port = await nursery.start(net.listen, handler, rpc_host, rpc_port, server_context)
+            log.info("control plane: rpc on %s:%d, gateway on %s", rpc_host, plane.rpc_port, plane.gateway_url)
+            task_status.started(plane)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

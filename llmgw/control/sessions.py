@@ -1,0 +1,186 @@
+"""Node sessions on the control plane: the ``Cluster.join`` side of the RPC port.
+
+One session is one agent connection. It owns, for its node:
+
+* the ``Agent`` capability the agent handed over in its registration;
+* a ``ShardReporter`` capability per shard (handed to the agent), through which
+  that shard's status reaches the registry;
+* a ``Shard`` capability per shard (handed back by the agent), through which the
+  control plane stops it or reads its logs;
+* a watchdog that closes the connection when the agent goes silent (Cap'n Proto
+  has no keepalive: a hung agent would otherwise hold the session forever).
+
+:class:`NodeSessions` keeps the current session per node and is the reconciler's
+executor: it turns placement actions into calls on the right session.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import trio
+
+from llmgw.control.registry import Registry
+from llmgw.rpc import convert, schema
+from llmgw.spec import ShardSpec
+
+log = logging.getLogger(__name__)
+
+#: Starting a shard on the agent is local bookkeeping plus a process spawn; the engine
+#: becoming ready is reported later through the shard's reporter, not awaited here.
+START_CALL_TIMEOUT = 30.0
+#: Extra time allowed on top of the stop grace period for the agent to answer.
+STOP_CALL_MARGIN = 10.0
+#: Stop grace for replicas the reconciler removes: engines finish in-flight requests.
+#: Below the reconciler's per-action timeout, so a slow stop is not cut short.
+DEFAULT_STOP_GRACE = 10.0
+#: Re-binding one running shard at join is a local lookup on the agent.
+ADOPT_TIMEOUT = 10.0
+#: Logs are read from a file on the node.
+LOGS_TIMEOUT = 10.0
+
+
+class NoSession(LookupError):
+    """The node has no live session (never joined, disconnected or lost)."""
+
+
+class NodeSession:
+    """The control plane's side of one agent connection."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        node_id: str,
+        epoch: int,
+        agent: Any,
+        close: Callable[[], None],
+    ) -> None:
+        self.registry = registry
+        self.node_id = node_id
+        self.epoch = epoch
+        self.agent = agent
+        self.shards: dict[str, Any] = {}
+        self._close = close
+        self.last_heartbeat = trio.current_time()
+        self.closed = False
+
+    def close(self) -> None:
+        """End the session: cancels the connection it runs on."""
+        self.closed = True
+        self._close()
+
+    def reporter(self, shard_id: str) -> Any:
+        """A fresh ``ShardReporter`` capability for ``shard_id`` bound to this session."""
+        s = schema.load()
+        session = self
+
+        class ShardReporterServer(s.ShardReporter.Server):
+            async def status(self, status: Any, **_: Any) -> None:
+                report = convert.shard_status_from(status)
+                if report.id != shard_id:
+                    raise PermissionError(f"reporter of shard {shard_id!r} cannot report for {report.id!r}")
+                session.registry.shard_status(session.node_id, report, epoch=session.epoch)
+
+        return ShardReporterServer()
+
+    def desk(self) -> Any:
+        """The ``NodeDesk`` capability handed back by ``join``."""
+        s = schema.load()
+        session = self
+
+        class NodeDeskServer(s.NodeDesk.Server):
+            async def heartbeat(self, hardware: Any, **_: Any) -> None:
+                hw = convert.hardware_from(hardware)
+                session.last_heartbeat = trio.current_time()
+                session.registry.heartbeat(session.node_id, hw, epoch=session.epoch)
+
+        return NodeDeskServer()
+
+    async def adopt(self, shard_id: str) -> None:
+        """Re-bind a shard the agent reported at join to a reporter of this session."""
+        with trio.fail_after(ADOPT_TIMEOUT):
+            result = await self.agent.adopt(shard_id, self.reporter(shard_id))
+            self.shards[shard_id] = result.shard
+
+    async def start_shard(self, spec: ShardSpec) -> None:
+        """Ask the agent to start ``spec``; its progress arrives through the shard's reporter."""
+        with trio.fail_after(START_CALL_TIMEOUT):
+            result = await self.agent.startShard(convert.shard_spec_dict(spec), self.reporter(spec.id))
+            self.shards[spec.id] = result.shard
+
+    async def stop_shard(self, shard_id: str, grace: float = DEFAULT_STOP_GRACE) -> None:
+        """Stop one shard (SIGTERM, grace, SIGKILL on the node) and drop its handle."""
+        shard = self.shards.get(shard_id)
+        with trio.fail_after(grace + STOP_CALL_MARGIN):
+            if shard is None:
+                shard = (await self.agent.adopt(shard_id, self.reporter(shard_id))).shard
+            await shard.stop(int(grace * 1000))
+        self.shards.pop(shard_id, None)
+
+    async def logs(self, shard_id: str, lines: int) -> list[str]:
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            raise KeyError(shard_id)
+        with trio.fail_after(LOGS_TIMEOUT):
+            result = await shard.logs(lines)
+            return list(result.lines)
+
+
+class NodeSessions:
+    """The current session of every connected node; the reconciler's executor."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._sessions: dict[str, NodeSession] = {}
+
+    def attach(self, session: NodeSession) -> None:
+        """Make ``session`` the node's current one; an older session of that node is closed."""
+        old = self._sessions.get(session.node_id)
+        self._sessions[session.node_id] = session
+        if old is not None and old is not session:
+            log.info("node %s joined again; closing its previous session", session.node_id)
+            old.close()
+
+    def detach(self, session: NodeSession) -> None:
+        """The connection of ``session`` ended: forget it and tell the registry."""
+        if self._sessions.get(session.node_id) is session:
+            del self._sessions[session.node_id]
+        self.registry.node_disconnected(session.node_id, session.epoch)
+
+    def get(self, node_id: str) -> NodeSession:
+        session = self._sessions.get(node_id)
+        if session is None:
+            raise NoSession(f"node {node_id!r} has no live session")
+        return session
+
+    def find_shard(self, shard_id: str) -> NodeSession:
+        for session in self._sessions.values():
+            if shard_id in session.shards:
+                return session
+        raise KeyError(shard_id)
+
+    # -- the reconciler's executor ----------------------------------------------------
+
+    async def start_replica(self, node_id: str, spec: ShardSpec) -> None:
+        await self.get(node_id).start_shard(spec)
+
+    async def stop_replica(self, node_id: str, shard_id: str) -> None:
+        await self.get(node_id).stop_shard(shard_id)
+
+
+async def watch_heartbeats(session: NodeSession, lost_after: float) -> None:
+    """Close ``session`` once its agent has been silent for ``lost_after`` seconds.
+
+    Runs until the session closes or this task is cancelled. The registry's own
+    watchdog marks the node LOST; this ends the stuck connection behind it.
+    """
+    while not session.closed:
+        silent_until = session.last_heartbeat + lost_after
+        now = trio.current_time()
+        if now >= silent_until:
+            log.warning("node %s sent no heartbeat for %.1fs; closing its session", session.node_id, lost_after)
+            session.close()
+            return
+        await trio.sleep_until(silent_until)
+

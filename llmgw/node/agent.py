@@ -1,0 +1,209 @@
+"""The node agent: joins the control plane and serves its ``Agent`` capability.
+
+Nursery tree::
+
+    Agent.run
+    ├── supervisor (engines outlive sessions)
+    └── session loop ── per session: join, heartbeats; Agent/Shard capabilities for that session
+
+A session is one connection to one control plane. When it ends (the control
+plane died, the network broke, a heartbeat went unanswered) the engines keep
+serving; the loop reconnects to the first reachable control plane of the list,
+with a backoff that starts small again after a session that worked, and the
+new registration lists the running shards so the control plane re-binds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+from typing import Any, Sequence
+
+import attrs
+import capnp
+import trio
+
+from llmgw import __version__
+from llmgw.node import discovery
+from llmgw.node.supervisor import Supervisor
+from llmgw.rpc import convert, net, schema
+from llmgw.spec import ShardStatus
+
+log = logging.getLogger(__name__)
+
+#: First pause after a failed connection attempt; doubles up to ``backoff_max``.
+RECONNECT_BACKOFF_MIN = 0.2
+#: A join does a registration round trip plus certificate checks on a possibly busy control plane.
+JOIN_TIMEOUT = 15.0
+#: A status report is one small message; a control plane that cannot take it in this time is in trouble.
+REPORT_TIMEOUT = 10.0
+#: Heartbeats missed in a row before the agent gives up on a session and reconnects.
+HEARTBEAT_MISSES = 3
+
+
+class RemoteReporter:
+    """A shard's ``ShardReporter`` capability, as the supervisor's reporter protocol."""
+
+    def __init__(self, cap: Any) -> None:
+        self._cap = cap
+
+    async def status(self, status: ShardStatus) -> None:
+        with trio.fail_after(REPORT_TIMEOUT):
+            await self._cap.status(convert.shard_status_dict(status))
+
+
+def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
+    s = schema.load()
+
+    class ShardServer(s.Shard.Server):
+        """The control plane's handle on one engine of this node."""
+
+        async def stop(self, graceMs: int, **_: Any) -> None:
+            await supervisor.stop_shard(shard_id, grace=graceMs / 1000 if graceMs else 10.0)
+
+        async def status(self, _context: Any, **_: Any) -> None:
+            status = supervisor.status(shard_id)
+            _context.results.status = convert.shard_status_dict(status)
+
+        async def logs(self, lines: int, _context: Any, **_: Any) -> None:
+            _context.results.lines = supervisor.logs(shard_id, lines or 100)
+
+    return ShardServer()
+
+
+def _make_agent_server(supervisor: Supervisor) -> Any:
+    s = schema.load()
+
+    class AgentServer(s.Agent.Server):
+        """This node, as handed to the control plane in the registration of one session."""
+
+        async def startShard(self, spec: Any, reporter: Any, _context: Any, **_: Any) -> None:
+            shard_spec = convert.shard_spec_from(spec)
+            await supervisor.start_shard(shard_spec, RemoteReporter(reporter))
+            _context.results.shard = _make_shard_server(supervisor, shard_spec.id)
+
+        async def adopt(self, id: str, reporter: Any, _context: Any, **_: Any) -> None:
+            shard_id = str(id)
+            supervisor.bind_reporter(shard_id, RemoteReporter(reporter))
+            _context.results.shard = _make_shard_server(supervisor, shard_id)
+
+        async def ping(self, **_: Any) -> None:
+            return None
+
+    return AgentServer()
+
+
+@attrs.define
+class Agent:
+    """One node agent.
+
+    ``control_planes`` is the failover list of ``host:port`` RPC addresses;
+    ``context`` the client TLS context holding this node's certificate.
+    """
+
+    node_id: str
+    control_planes: Sequence[str]
+    context: ssl.SSLContext
+    supervisor: Supervisor
+    engine_host: str | None = None
+    backoff_max: float = 30.0
+    #: Set while a session is joined; tests and ``up`` wait on it.
+    joined: trio.Event = attrs.field(factory=trio.Event)
+    sessions: int = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Supervise engines and keep a session with a control plane until cancelled.
+
+        Cancellation ends the session and leaves engines running (their state
+        stays on disk for the next agent to adopt).
+        """
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.supervisor.run)
+            task_status.started()
+            await self._session_loop()
+
+    async def _session_loop(self) -> None:
+        backoff = RECONNECT_BACKOFF_MIN
+        while True:
+            worked = False
+            for address in self.control_planes:
+                try:
+                    stream = await net.connect(address, self.context)
+                except net.ConnectError as exc:
+                    log.warning("agent: %s", exc)
+                    continue
+                try:
+                    worked = await self._session(address, stream)
+                finally:
+                    await trio.aclose_forcefully(stream)
+                break
+            if worked:
+                backoff = RECONNECT_BACKOFF_MIN
+            # Jitter keeps a fleet of agents from reconnecting in lockstep after a control plane restart.
+            await trio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, self.backoff_max)
+
+    def _registration(self, address: str) -> dict[str, Any]:
+        host, _ = net.split_address(address)
+        shards = [
+            {"spec": convert.shard_spec_dict(spec), "status": convert.shard_status_dict(status)}
+            for spec, status in self.supervisor.shards()
+        ]
+        engines = [convert.engine_dict(e.probe()) for e in self.supervisor.engines.values()]
+        return {
+            "nodeId": self.node_id,
+            "address": self.engine_host or discovery.route_address(host),
+            "hardware": convert.hardware_dict(discovery.read_hardware()),
+            "shards": shards,
+            "engines": engines,
+            "features": ["adopt", "stop-grace"],
+            "agent": _make_agent_server(self.supervisor),
+            "version": __version__,
+        }
+
+    async def _session(self, address: str, stream: trio.SSLStream) -> bool:
+        """Run one session on a connected stream. Returns True if the join succeeded."""
+        from llmgw.rpc.connection import open_client
+
+        s = schema.load()
+        joined = False
+        try:
+            async with open_client(stream) as client:
+                cluster = client.bootstrap().cast_as(s.Cluster)
+                registration = await trio.to_thread.run_sync(self._registration, address)
+                with trio.fail_after(JOIN_TIMEOUT):
+                    result = await cluster.join(registration)
+                desk = result.desk
+                interval = max(result.heartbeatIntervalMs, 100) / 1000
+                joined = True
+                self.sessions += 1
+                self.joined.set()
+                log.info("agent: joined %s as node %r (%d shards)", address, self.node_id,
+                         len(registration["shards"]))
+                while True:
+                    await trio.sleep(interval)
+                    hardware = convert.hardware_dict(await trio.to_thread.run_sync(discovery.read_hardware))
+                    with trio.fail_after(interval * HEARTBEAT_MISSES):
+                        await desk.heartbeat(hardware)
+        except trio.TooSlowError:
+            log.warning("agent: %s stopped answering; reconnecting", address)
+        except capnp.KjException as exc:
+            log.warning("agent: session with %s ended: %s", address, _describe(exc, joined))
+        finally:
+            if joined:
+                self.joined = trio.Event()
+        return joined
+
+
+def _describe(exc: capnp.KjException, joined: bool) -> str:
+    text = (exc.description or str(exc)).strip()
+    last = text.splitlines()[-1] if text else exc.type
+    if not joined and exc.type == "DISCONNECTED":
+        return (
+            f"the control plane closed the connection on the first call ({last}): it refused this "
+            "node's certificate (another cluster's CA, expired, or issued for another node id)"
+        )
+    if "PermissionError" in text:
+        return f"refused: {last.split(': ', 1)[-1]}"
+    return last
