@@ -1,0 +1,126 @@
+"""vLLM's ``sha256_cbor`` prefix-cache block hashing, reproduced exactly.
+
+vLLM names every *full* block of a request's tokens by a chained hash::
+
+    NONE_HASH = sha256_cbor(seed)                       # seed: PYTHONHASHSEED or "vllm-none-hash"
+    block[i]  = sha256_cbor((parent, tuple(tokens_i), extra_keys_i))
+    parent    = NONE_HASH for block 0, else block[i-1]
+
+where ``sha256_cbor(x) = sha256(cbor2.dumps(x, canonical=True)).digest()`` and
+``extra_keys_i`` is ``None`` or a tuple of keys: ``("lora", name, path)`` on every
+block of a LoRA request, then ``("cache_salt", salt)`` on block 0 only.
+
+KV events carry each digest folded to a uint64 (:func:`event_hash`). The simulated
+engine (``llmgw.sim``) and the router both use these functions, so the router's
+hashes match what any vLLM started with ``--prefix-caching-hash-algo sha256_cbor``
+and the same seed publishes. Everything here is pure: no I/O, no global state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable, Sequence
+
+import cbor2
+
+#: The seed vLLM hashes when ``PYTHONHASHSEED`` is not set.
+DEFAULT_SEED = "vllm-none-hash"
+
+#: Mask applied by vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default)
+#: to turn a 32-byte digest into the uint64 it puts in KV events.
+_UINT64_MASK = (1 << 64) - 1
+
+ExtraKeys = tuple[tuple[object, ...], ...] | None
+
+
+def sha256_cbor(value: object) -> bytes:
+    """Return the 32-byte SHA-256 digest of ``value`` encoded as canonical CBOR."""
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def seed_from_env(environ: "os._Environ[str] | dict[str, str] | None" = None) -> str | None:
+    """Return the hash seed vLLM would use from the environment (``PYTHONHASHSEED``), or None.
+
+    ``None`` means "not set", for which :func:`none_hash` uses :data:`DEFAULT_SEED`.
+    """
+    env = os.environ if environ is None else environ
+    return env.get("PYTHONHASHSEED")
+
+
+def none_hash(seed: str | None = None) -> bytes:
+    """Return vLLM's ``NONE_HASH``: the parent digest of block 0.
+
+    ``seed`` is the ``PYTHONHASHSEED`` string as vLLM sees it; ``None`` (unset)
+    selects :data:`DEFAULT_SEED`.
+    """
+    return sha256_cbor(DEFAULT_SEED if seed is None else seed)
+
+
+def block_extra_keys(
+    block_index: int,
+    *,
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+) -> ExtraKeys:
+    """Return the ``extra_keys`` vLLM hashes into block ``block_index``, or None when empty.
+
+    ``lora`` is ``(lora_name, lora_path)`` as given to ``load_lora_adapter``; it is
+    keyed into every block. ``cache_salt`` is keyed into block 0 only.
+    """
+    keys: list[tuple[object, ...]] = []
+    if lora is not None:
+        keys.append(("lora", lora[0], lora[1]))
+    if cache_salt is not None and block_index == 0:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def hash_block(parent: bytes, tokens: Sequence[int], extra_keys: ExtraKeys = None) -> bytes:
+    """Return the digest of one full block given its parent's digest, tokens and extra keys."""
+    return sha256_cbor((parent, tuple(tokens), extra_keys))
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    seed: str | None = None,
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+    parent: bytes | None = None,
+    first_block_index: int = 0,
+) -> list[bytes]:
+    """Return the 32-byte digests of every full block of ``token_ids``, in order.
+
+    A trailing partial block is not hashed (vLLM never caches it). ``seed``,
+    ``lora`` and ``cache_salt`` are as for :func:`none_hash` and
+    :func:`block_extra_keys`.
+
+    ``parent`` and ``first_block_index`` continue an existing chain: pass the
+    digest of block ``first_block_index - 1`` and the tokens from that block on
+    (used to hash the blocks a decode fills without re-hashing the prompt).
+
+    Raises ValueError if ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = none_hash(seed) if parent is None else parent
+    out: list[bytes] = []
+    full = len(token_ids) // block_size
+    for i in range(full):
+        index = first_block_index + i
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        prev = hash_block(prev, chunk, block_extra_keys(index, lora=lora, cache_salt=cache_salt))
+        out.append(prev)
+    return out
+
+
+def event_hash(digest: bytes) -> int:
+    """Return the uint64 vLLM publishes in KV events for ``digest`` (its low 64 bits, big-endian)."""
+    return int.from_bytes(digest, "big") & _UINT64_MASK
+
+
+def event_hashes(digests: Iterable[bytes]) -> list[int]:
+    """Return :func:`event_hash` of each digest, in order."""
+    return [event_hash(d) for d in digests]
