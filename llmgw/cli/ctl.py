@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 import click
 import yaml
 
-from llmgw.cli.main import default_up_dir, run_trio
+from llmgw.cli.common import default_up_dir, run_trio
 from llmgw.cli.output import fail, print_json, print_table
 from llmgw.client import ClientError, ClusterClient, connect
 from llmgw.control.catalog import CatalogError, model_to_dict, validate_model

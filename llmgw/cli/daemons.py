@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import trio
 
-from llmgw.cli.main import run_trio, setup_logging
+from llmgw.cli.common import run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
 from llmgw.config import ConfigError, load_agent_config, load_server_config
@@ -19,9 +19,20 @@ from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials, se
 log = logging.getLogger(__name__)
 
 
+#: Where the daemons look for their config file when --config is not given.
+ETC_DIR = Path("/etc/llmgw")
+
+
+def _config_path(given: Path | None, name: str) -> Path | None:
+    if given is not None:
+        return given
+    default = ETC_DIR / name
+    return default if default.exists() else None
+
+
 def _server_config(path: Path | None):  # type: ignore[no-untyped-def]
     try:
-        return load_server_config(path)
+        return load_server_config(_config_path(path, "server.yaml"))
     except ConfigError as exc:
         fail(str(exc))
 
@@ -101,7 +112,7 @@ def server_init(ctx: click.Context, name: str | None) -> None:
 def agent(config_path: Path | None) -> None:
     """Run the node agent: join the control plane and supervise engines."""
     try:
-        config = load_agent_config(config_path)
+        config = load_agent_config(_config_path(config_path, "agent.yaml"))
     except ConfigError as exc:
         fail(str(exc))
     setup_logging(config.log_level)

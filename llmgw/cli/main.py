@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-from pathlib import Path
-from typing import Any, Awaitable, Callable
-
 import click
-import trio
 
 from llmgw import __version__
-
-LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
-    # httpx logs every request at INFO: far too chatty for health polls.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("hypercorn.access").setLevel(logging.WARNING)
-
-
-def run_trio(main: Callable[[], Awaitable[Any]]) -> Any:
-    """Run ``main`` under trio; Ctrl-C exits quietly with status 130."""
-    try:
-        return trio.run(main)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted", err=True)
-        sys.exit(130)
+from llmgw.cli.ctl import ctl
+from llmgw.cli.daemons import agent, server
+from llmgw.cli.up import up
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -38,23 +16,10 @@ def main() -> None:
     """llmgw: run LLM inference on your own machines behind one OpenAI-compatible endpoint."""
 
 
-def default_up_dir() -> Path:
-    """Where `llmgw up` keeps its cluster (and where `llmgw ctl` looks for it)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "llmgw" / "up"
-
-
-def _register() -> None:
-    from llmgw.cli import ctl, daemons, up
-
-    main.add_command(up.up)
-    main.add_command(daemons.server)
-    main.add_command(daemons.agent)
-    main.add_command(ctl.ctl)
-
-
-_register()
-
+main.add_command(up)
+main.add_command(server)
+main.add_command(agent)
+main.add_command(ctl)
 
 if __name__ == "__main__":
     main()

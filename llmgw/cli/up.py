@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import trio
 
-from llmgw.cli.main import default_up_dir, run_trio, setup_logging
+from llmgw.cli.common import default_up_dir, run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
 from llmgw.control.catalog import CatalogError, validate_model

@@ -1,0 +1,499 @@
+"""The leader's live view of the fleet: nodes, their hardware and their shards.
+
+Everything here is rebuilt from what agents report (registrations, heartbeats, shard
+status reports); nothing is read from the store. The RPC layer feeds a
+:class:`Registry`; placement reads immutable :class:`Fleet` snapshots of it; the
+gateway reads :meth:`Registry.replicas_of`; the reconciler and the gateway wait on
+:meth:`Registry.wait_changed`.
+
+Public API (all methods are synchronous and must be called from the trio thread,
+except the two ``async`` ones)::
+
+    reg = Registry(lost_after=15.0, replace_grace=60.0)
+    epoch = reg.node_joined(node_id, address, hardware, engines, [(spec, status), ...])
+    reg.heartbeat(node_id, hardware, epoch=epoch)          # epoch optional
+    reg.shard_status(node_id, status, epoch=epoch)          # -> bool (False: shard unknown)
+    reg.shard_started(node_id, spec)                        # placement reserved it: STARTING
+    reg.shard_removed(node_id, shard_id)                    # idempotent
+    reg.node_disconnected(node_id, epoch)                   # -> bool (False: stale session)
+    reg.forget_node(node_id)                                # -> bool; operator removed the node
+    reg.snapshot() -> Fleet                                 # immutable, for placement/display
+    reg.replicas_of(model) -> list[ReadyReplica]            # READY shards on ONLINE nodes
+    reg.ready_replicas() -> dict[str, list[ReadyReplica]]   # the whole table, for the gateway
+    reg.version -> int;  await reg.wait_changed(since) -> int
+    await nursery.start(reg.watchdog)                       # marks silent nodes LOST
+
+Errors: calls about a node that never joined (or was forgotten) raise
+:class:`UnknownNode`; calls carrying an ``epoch`` of a session that was superseded by a
+newer join raise :class:`StaleSession`. Both tell the caller the agent must join again.
+
+A LOST node keeps its shards in the view (its engines may well still be serving):
+nothing here stops anything, and placement only replaces them after
+``replace_grace`` seconds. A node that joins again with the same id becomes ONLINE
+with exactly the shards it reports.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from typing import Callable, Iterable, Mapping, Sequence
+
+import attrs
+import trio
+
+from llmgw.spec import EngineInfo, Hardware, ShardSpec, ShardState, ShardStatus
+
+log = logging.getLogger(__name__)
+
+# Three missed heartbeats at the agent's default 5 s interval: one lost packet or a slow
+# GC pause must not flap a node, but a dead node must not stay ONLINE for long.
+LOST_AFTER_S = 15.0
+# Moving a replica means loading its weights elsewhere (minutes for large models), while a
+# rebooting node or an agent upgrade usually comes back within a minute: wait that long
+# before replacing a LOST node's replicas.
+REPLACE_GRACE_S = 60.0
+# The watchdog checks at most this often. Heartbeats of thousands of nodes arrive at
+# spread-out times; waking for every single deadline would rescan the fleet constantly.
+# A node is therefore marked LOST at most this much later than ``lost_after``.
+WATCHDOG_RESOLUTION_S = 0.5
+
+
+class NodeState(str, enum.Enum):
+    ONLINE = "online"  # in session and heartbeating
+    LOST = "lost"  # silent for longer than lost_after, or its session ended
+
+
+class RegistryError(Exception):
+    """A report the registry cannot accept; the agent should join again."""
+
+
+class UnknownNode(RegistryError):
+    def __init__(self, node_id: str) -> None:
+        super().__init__(
+            f"node {node_id!r} has not joined this control plane (or was forgotten); "
+            "its agent must join again"
+        )
+        self.node_id = node_id
+
+
+class StaleSession(RegistryError):
+    def __init__(self, node_id: str, epoch: int, current: int) -> None:
+        super().__init__(
+            f"node {node_id!r}: session {epoch} was replaced by session {current}; "
+            "reports from the old session are ignored"
+        )
+        self.node_id = node_id
+        self.epoch = epoch
+        self.current = current
+
+
+@attrs.frozen
+class ShardView:
+    """One shard as the registry knows it. ``since`` is when it first appeared here
+    (trio clock): placement stops the newest surplus replicas first."""
+
+    spec: ShardSpec
+    status: ShardStatus
+    since: float
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def state(self) -> ShardState:
+        return self.status.state
+
+
+@attrs.frozen
+class NodeView:
+    """One node at snapshot time. ``lost_since`` is set while the node is LOST.
+    ``shards`` maps shard id to :class:`ShardView`; do not mutate it."""
+
+    id: str
+    address: str
+    hardware: Hardware
+    engines: tuple[EngineInfo, ...]
+    state: NodeState
+    last_heartbeat: float
+    epoch: int
+    shards: Mapping[str, ShardView] = attrs.field(factory=dict)
+    lost_since: float | None = None
+
+    def engine(self, name: str) -> EngineInfo | None:
+        """Return this node's report for engine ``name``, or None if it has none."""
+        for e in self.engines:
+            if e.name == name:
+                return e
+        return None
+
+
+@attrs.frozen
+class Fleet:
+    """An immutable snapshot of the registry, the input of placement.
+
+    ``replace_grace`` is the registry's setting: a LOST node's replicas count as alive
+    until ``lost_since + replace_grace``. ``version`` is the registry version it was
+    taken at. ``nodes`` maps node id to :class:`NodeView`; do not mutate it.
+    """
+
+    nodes: Mapping[str, NodeView] = attrs.field(factory=dict)
+    replace_grace: float = REPLACE_GRACE_S
+    version: int = 0
+
+
+@attrs.frozen
+class ReadyReplica:
+    """A READY shard on an ONLINE node: something the gateway may route to.
+    Field names match ``llmgw.router.replicas.Replica``."""
+
+    id: str
+    model: str
+    endpoint: str
+    node_id: str
+
+
+@attrs.define
+class _Shard:
+    spec: ShardSpec
+    status: ShardStatus
+    since: float
+
+
+@attrs.define
+class _Node:
+    id: str
+    address: str
+    hardware: Hardware
+    engines: tuple[EngineInfo, ...]
+    epoch: int
+    last_heartbeat: float
+    state: NodeState = NodeState.ONLINE
+    lost_since: float | None = None
+    grace_announced: bool = False
+    shards: dict[str, _Shard] = attrs.field(factory=dict)
+
+
+def _placement_facts(hw: Hardware) -> tuple:
+    """The parts of a node's hardware whose change should trigger a new placement pass
+    (free memory figures change every heartbeat and are picked up by periodic passes)."""
+    return (hw.cpu_count, hw.memory_total_mb, tuple((g.index, g.memory_total_mb) for g in hw.gpus))
+
+
+class Registry:
+    """The live fleet view. See the module docstring for the API.
+
+    ``clock`` returns the current time (default: ``trio.current_time``, so the
+    registry follows trio's clock, MockClock included).
+    """
+
+    def __init__(
+        self,
+        *,
+        lost_after: float = LOST_AFTER_S,
+        replace_grace: float = REPLACE_GRACE_S,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        if lost_after <= 0 or replace_grace < 0:
+            raise ValueError(
+                f"lost_after must be > 0 and replace_grace >= 0 (got {lost_after}, {replace_grace})"
+            )
+        self.lost_after = lost_after
+        self.replace_grace = replace_grace
+        self._clock = clock
+        self._nodes: dict[str, _Node] = {}
+        self._epochs = 0
+        self._version = 0
+        self._changed = trio.Event()
+        self._views: dict[str, NodeView] = {}  # cache; a node's entry is dropped on change
+        self._by_model: dict[str, set[tuple[str, str]]] = {}  # model -> {(node_id, shard_id)}
+
+    # -- change notification -------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """A counter bumped on every change that may alter placement or routing."""
+        return self._version
+
+    async def wait_changed(self, since: int) -> int:
+        """Wait until :attr:`version` is greater than ``since``; return the new version.
+
+        Returns at once if it already is. Cancellation just stops the wait.
+        """
+        while self._version <= since:
+            await self._changed.wait()
+        return self._version
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _touch(self, node_id: str) -> None:
+        self._views.pop(node_id, None)
+
+    # -- reports from agents ---------------------------------------------------------
+
+    def node_joined(
+        self,
+        node_id: str,
+        address: str,
+        hardware: Hardware,
+        engines: Sequence[EngineInfo],
+        shards: Iterable[tuple[ShardSpec, ShardStatus]] = (),
+    ) -> int:
+        """Record a (re)join of ``node_id`` and return its new session epoch.
+
+        The node becomes ONLINE with exactly the ``shards`` it reports (shards known
+        from an earlier session keep their ``since``). Epochs increase across all
+        nodes, so a report tagged with an older epoch can be told apart and refused.
+        """
+        now = self._clock()
+        self._epochs += 1
+        old = self._nodes.get(node_id)
+        if old is not None:
+            self._unindex(old)
+        node = _Node(
+            id=node_id,
+            address=address,
+            hardware=hardware,
+            engines=tuple(engines),
+            epoch=self._epochs,
+            last_heartbeat=now,
+        )
+        for spec, status in shards:
+            if status.id != spec.id:
+                raise ValueError(f"node {node_id!r} reported status for {status.id!r} with spec {spec.id!r}")
+            prev = old.shards.get(spec.id) if old is not None else None
+            node.shards[spec.id] = _Shard(spec, status, prev.since if prev is not None else now)
+        self._nodes[node_id] = node
+        self._index(node)
+        self._touch(node_id)
+        if old is not None and old.state is NodeState.LOST:
+            log.info("node %s is back (session %d) with %d shard(s)", node_id, node.epoch, len(node.shards))
+        else:
+            log.info("node %s joined (session %d) with %d shard(s)", node_id, node.epoch, len(node.shards))
+        self._bump()
+        return node.epoch
+
+    def heartbeat(self, node_id: str, hardware: Hardware, *, epoch: int | None = None) -> None:
+        """Record a heartbeat with the node's current hardware figures.
+
+        A LOST node that heartbeats on its current session becomes ONLINE again.
+        Raises :class:`UnknownNode` or :class:`StaleSession`.
+        """
+        node = self._live(node_id, epoch)
+        node.last_heartbeat = self._clock()
+        changed = _placement_facts(node.hardware) != _placement_facts(hardware)
+        node.hardware = hardware
+        if node.state is NodeState.LOST:
+            log.info("node %s is heartbeating again", node_id)
+            node.state = NodeState.ONLINE
+            node.lost_since = None
+            node.grace_announced = False
+            changed = True
+        self._touch(node_id)
+        if changed:
+            self._bump()
+
+    def shard_status(self, node_id: str, status: ShardStatus, *, epoch: int | None = None) -> bool:
+        """Record the latest status of one shard; return False if the shard is unknown
+        (e.g. already removed after a stop), in which case the report is dropped.
+
+        Notifies waiters only when the state or the endpoint changed.
+        Raises :class:`UnknownNode` or :class:`StaleSession`.
+        """
+        node = self._live(node_id, epoch)
+        shard = node.shards.get(status.id)
+        if shard is None:
+            return False
+        before = shard.status
+        shard.status = status
+        self._touch(node_id)
+        if before.state is not status.state or before.endpoint != status.endpoint:
+            if status.state is ShardState.FAILED:
+                log.warning("shard %s on node %s failed: %s", status.id, node_id, status.message)
+            self._bump()
+        return True
+
+    def shard_started(self, node_id: str, spec: ShardSpec) -> None:
+        """Record that placement reserved ``spec`` on ``node_id`` (state STARTING until
+        the agent reports). Raises :class:`UnknownNode`."""
+        node = self._node(node_id)
+        status = ShardStatus(id=spec.id, state=ShardState.STARTING, message="placed; start requested")
+        prev = node.shards.get(spec.id)
+        if prev is not None:
+            self._unindex_one(node_id, prev.spec)
+        node.shards[spec.id] = _Shard(spec, status, prev.since if prev else self._clock())
+        self._by_model.setdefault(spec.model, set()).add((node_id, spec.id))
+        self._touch(node_id)
+        self._bump()
+
+    def shard_removed(self, node_id: str, shard_id: str) -> None:
+        """Forget one shard (it was stopped). Does nothing if node or shard is unknown."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        shard = node.shards.pop(shard_id, None)
+        if shard is None:
+            return
+        self._unindex_one(node_id, shard.spec)
+        self._touch(node_id)
+        self._bump()
+
+    def node_disconnected(self, node_id: str, epoch: int) -> bool:
+        """The session ``epoch`` of ``node_id`` ended: mark the node LOST now.
+
+        Returns False (and changes nothing) if the node is unknown or has joined again
+        since (a newer epoch). No shard is stopped.
+        """
+        node = self._nodes.get(node_id)
+        if node is None or node.epoch != epoch:
+            return False
+        if node.state is NodeState.ONLINE:
+            log.warning("node %s disconnected (session %d); marked LOST", node_id, epoch)
+            self._mark_lost(node, self._clock())
+            self._bump()
+        return True
+
+    def forget_node(self, node_id: str) -> bool:
+        """Drop a node and its shards from the view (an operator removed it); return
+        whether it was known. Its engines are not contacted."""
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            return False
+        self._unindex(node)
+        self._touch(node_id)
+        self._bump()
+        return True
+
+    # -- reads -----------------------------------------------------------------------
+
+    def snapshot(self) -> Fleet:
+        """Return an immutable :class:`Fleet` of the current view (O(changed nodes))."""
+        views = self._views
+        nodes: dict[str, NodeView] = {}
+        for node_id, node in self._nodes.items():
+            view = views.get(node_id)
+            if view is None:
+                view = views[node_id] = NodeView(
+                    id=node.id,
+                    address=node.address,
+                    hardware=node.hardware,
+                    engines=node.engines,
+                    state=node.state,
+                    last_heartbeat=node.last_heartbeat,
+                    epoch=node.epoch,
+                    shards={k: ShardView(s.spec, s.status, s.since) for k, s in node.shards.items()},
+                    lost_since=node.lost_since,
+                )
+            nodes[node_id] = view
+        return Fleet(nodes=nodes, replace_grace=self.replace_grace, version=self._version)
+
+    def replicas_of(self, model: str) -> list[ReadyReplica]:
+        """Return the READY shards of ``model`` on ONLINE nodes that have an endpoint,
+        sorted by (node id, shard id). Cost is proportional to the model's shards."""
+        out = []
+        for node_id, shard_id in self._by_model.get(model, ()):
+            node = self._nodes[node_id]
+            if node.state is not NodeState.ONLINE:
+                continue
+            st = node.shards[shard_id].status
+            if st.state is ShardState.READY and st.endpoint:
+                out.append(ReadyReplica(id=shard_id, model=model, endpoint=st.endpoint, node_id=node_id))
+        out.sort(key=lambda r: (r.node_id, r.id))
+        return out
+
+    def ready_replicas(self) -> dict[str, list[ReadyReplica]]:
+        """Return :meth:`replicas_of` for every model that has shards (possibly empty lists)."""
+        return {model: self.replicas_of(model) for model in sorted(self._by_model)}
+
+    # -- watchdog --------------------------------------------------------------------
+
+    async def watchdog(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Mark nodes LOST when silent longer than ``lost_after``; runs until cancelled.
+
+        Also notifies waiters when a LOST node's ``replace_grace`` runs out, so the
+        reconciler plans its replacement promptly. Never contacts a node.
+        """
+        task_status.started()
+        while True:
+            seen = self._version
+            now = self._clock()
+            deadline = max(self._check(now), now + WATCHDOG_RESOLUTION_S)
+            # Wake at the next deadline, or on a change (a join or a disconnect may bring
+            # a nearer one), but rescan at most once per resolution.
+            with trio.move_on_at(deadline):
+                await self.wait_changed(seen)
+            await trio.sleep_until(now + WATCHDOG_RESOLUTION_S)
+
+    def _check(self, now: float) -> float:
+        """Apply expired deadlines; return the next time something expires (inf if none)."""
+        next_at = math.inf
+        changed = False
+        for node in self._nodes.values():
+            if node.state is NodeState.ONLINE:
+                due = node.last_heartbeat + self.lost_after
+                if now >= due:
+                    log.warning(
+                        "node %s silent for %.1f s (lost_after %.1f s); marked LOST",
+                        node.id, now - node.last_heartbeat, self.lost_after,
+                    )
+                    self._mark_lost(node, now)
+                    changed = True
+                else:
+                    next_at = min(next_at, due)
+                    continue
+            if not node.grace_announced:
+                assert node.lost_since is not None
+                due = node.lost_since + self.replace_grace
+                if now >= due:
+                    node.grace_announced = True
+                    log.warning("node %s LOST for %.1f s: its replicas may now be replaced", node.id, now - node.lost_since)
+                    changed = True
+                else:
+                    next_at = min(next_at, due)
+        if changed:
+            self._bump()
+        return next_at
+
+    # -- internals -------------------------------------------------------------------
+
+    def _mark_lost(self, node: _Node, now: float) -> None:
+        node.state = NodeState.LOST
+        node.lost_since = now
+        node.grace_announced = False
+        self._touch(node.id)
+
+    def _node(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise UnknownNode(node_id)
+        return node
+
+    def _live(self, node_id: str, epoch: int | None) -> _Node:
+        node = self._node(node_id)
+        if epoch is not None and epoch != node.epoch:
+            raise StaleSession(node_id, epoch, node.epoch)
+        return node
+
+    def _index(self, node: _Node) -> None:
+        for shard_id, shard in node.shards.items():
+            self._by_model.setdefault(shard.spec.model, set()).add((node.id, shard_id))
+
+    def _unindex(self, node: _Node) -> None:
+        for shard in node.shards.values():
+            self._unindex_one(node.id, shard.spec)
+
+    def _unindex_one(self, node_id: str, spec: ShardSpec) -> None:
+        keys = self._by_model.get(spec.model)
+        if keys is not None:
+            keys.discard((node_id, spec.id))
+            if not keys:
+                del self._by_model[spec.model]

@@ -1,0 +1,236 @@
+"""Real llmgw processes on loopback for system tests: a server, agents, the ctl command.
+
+Each process writes its output to a file in the test's directory (no pipes to
+fill up); readiness is a line in that file or a condition on the cluster,
+waited for with a deadline, never a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
+
+import psutil
+import trio
+import yaml
+
+from llmgw.cli.pki import ensure_cluster_pki, issue_to
+from llmgw.rpc.tls import ClusterCA
+
+T = TypeVar("T")
+
+#: Bounds every wait in system tests: generous for a loaded 2-core CI machine, and a
+#: broken cluster fails the test instead of hanging the suite.
+WAIT = 60.0
+#: How often a condition on the cluster is re-checked while waiting for it.
+POLL = 0.05
+
+LLMGW = [sys.executable, "-m", "llmgw"]
+
+
+class Fatal(AssertionError):
+    """Raised by a check when waiting longer cannot help (the process died)."""
+
+
+async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeout: float = WAIT) -> T:
+    """Re-run ``check`` until it returns something truthy; return that. Fails after ``timeout``."""
+    last: BaseException | None = None
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                result = await check()
+                if result:
+                    return result
+            except Fatal:
+                raise
+            except Exception as exc:  # noqa: BLE001 - remembered for the failure message
+                last = exc
+            await trio.sleep(POLL)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
+
+
+class Proc:
+    """A child process whose output goes to ``log``; killed (with its group) by :meth:`kill`."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self._out = open(log, "ab")
+        self.popen = subprocess.Popen(
+            args, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait_for_line(self, pattern: str, timeout: float = WAIT) -> re.Match[str]:
+        regex = re.compile(pattern)
+
+        async def check() -> re.Match[str] | None:
+            if self.popen.poll() is not None:
+                raise Fatal(f"{self.args} exited with {self.popen.returncode}:\n{self.output()[-3000:]}")
+            return regex.search(self.output())
+
+        try:
+            return await eventually(check, f"{pattern!r} in {self.log.name}", timeout)
+        except AssertionError as exc:
+            raise Fatal(f"{exc}\n--- {self.log.name} ---\n{self.output()[-3000:]}") from None
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the process (only it: engines it started live in their own sessions)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        self._out.close()
+
+    async def wait_exit(self, timeout: float = WAIT) -> int:
+        with trio.fail_after(timeout):
+            while self.popen.poll() is None:
+                await trio.sleep(POLL)
+        return self.popen.returncode
+
+
+class Cluster:
+    """A control plane with its CA in ``root``/server, plus agents, all real processes."""
+
+    def __init__(self, root: Path, *, store_url: str | None = None, lost_after: str = "10s",
+                 replace_grace: str = "30s", heartbeat: str = "0.5s") -> None:
+        self.root = root
+        self.server_dir = root / "server"
+        self.server_dir.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {
+            "state_dir": str(self.server_dir),
+            "rpc_listen": "127.0.0.1:0",
+            "http_listen": "127.0.0.1:0",
+            "heartbeat_interval": heartbeat,
+            "node_lost_after": lost_after,
+            "replace_grace": replace_grace,
+            "log_level": "info",
+        }
+        if store_url:
+            config["store"] = {"dsn": store_url} if store_url.startswith("postgres") else {"path": store_url}
+        self.server_yaml = root / "server.yaml"
+        self.server_yaml.write_text(yaml.safe_dump(config))
+        self.server: Proc | None = None
+        self.agents: dict[str, Proc] = {}
+        self.rpc = ""
+        self.gateway = ""
+        self.admin_dir = self.server_dir / "admin"
+
+    # -- processes ------------------------------------------------------------------
+
+    async def init(self) -> None:
+        """`llmgw server init` through the CLI."""
+        out = subprocess.run([*LLMGW, "server", "-c", str(self.server_yaml), "init"],
+                             capture_output=True, text=True, timeout=WAIT)
+        assert out.returncode == 0, out.stderr + out.stdout
+
+    async def start_server(self) -> None:
+        self.server = Proc([*LLMGW, "server", "-c", str(self.server_yaml)], self.root / "server.log")
+        m = await self.server.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
+        self.rpc, self.gateway = m.group(1), m.group(2)
+
+    def ca(self) -> ClusterCA:
+        return ClusterCA.load(self.server_dir / "ca")
+
+    def node_config(self, node_id: str, *, cert_name: str | None = None) -> Path:
+        node_dir = self.root / node_id
+        tls = node_dir / "state" / "tls"
+        if not (tls / "cert.pem").exists():
+            issue_to(self.ca(), "node", cert_name or node_id, tls)
+        path = node_dir / "agent.yaml"
+        path.write_text(yaml.safe_dump({
+            "node_id": node_id,
+            "control_planes": [self.rpc],
+            "state_dir": str(node_dir / "state"),
+            "engine_host": "127.0.0.1",
+            "log_level": "info",
+        }))
+        return path
+
+    async def start_agent(self, node_id: str) -> Proc:
+        config = self.node_config(node_id)
+        proc = Proc([*LLMGW, "agent", "-c", str(config)], self.root / f"agent-{node_id}.log")
+        self.agents[node_id] = proc
+        await proc.wait_for_line(rf"agent: joined \S+ as node '{node_id}'")
+        return proc
+
+    def ctl(self, *args: str, tls_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*LLMGW, "ctl", "--server", self.rpc, "--tls-dir", str(tls_dir or self.admin_dir), *args],
+            capture_output=True, text=True, timeout=WAIT,
+        )
+
+    def ctl_json(self, *args: str) -> Any:
+        out = self.ctl(*args, "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def stop(self) -> None:
+        """Kill every llmgw process and every engine they started."""
+        engines = [p for p in _engine_processes(self.root)]
+        for proc in [*self.agents.values(), *( [self.server] if self.server else [])]:
+            proc.signal(signal.SIGCONT)
+            proc.kill()
+        for p in engines + _engine_processes(self.root):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _engine_processes(root: Path) -> list[psutil.Process]:
+    """Engines started for this cluster (their state dirs are under ``root``)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except (psutil.Error, TypeError):
+            continue
+        if "llmgw.sim" in cmd and p.info.get("cwd") and str(root) in str(p.info["cwd"]):
+            found.append(p)
+    return found
+
+
+def engine_pids() -> set[int]:
+    """Pids of every simulated engine on this machine."""
+    pids = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any("llmgw.sim" in part for part in cmd):
+            pids.add(p.pid)
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def iter_replicas(cluster: Cluster, model: str | None = None) -> Iterator[dict[str, Any]]:
+    for r in cluster.ctl_json("replicas")["replicas"]:
+        if model is None or r["model"] == model:
+            yield r
+
+
+def standalone_pki(root: Path) -> ClusterCA:
+    """Another cluster's CA, for refusal tests."""
+    ca, _ = ensure_cluster_pki(root, server_name="other")
+    return ca
