@@ -1,7 +1,7 @@
 """PostgreSQL for tests: a fresh database per test on the server named by LLMGW_TEST_PG.
 
-Use the ``pg_dsn`` fixture by importing it into a test module (``from tests.pg import
-pg_dsn``) and mark the tests ``@pytest.mark.postgres``. If no server answers, the fixture
+The ``pg_dsn`` fixture is available to every test (tests/conftest.py loads this module as a
+plugin); mark the tests that use it ``@pytest.mark.postgres``. If no server answers, the fixture
 fails the test with what to run; it never skips silently.
 """
 

@@ -26,7 +26,6 @@ from llmgw.control.store import (
     redact_dsn,
 )
 from llmgw.spec import ModelSpec, Profile
-from tests.pg import pg_dsn  # noqa: F401  (fixture)
 
 LATEST = MIGRATIONS[-1].version
 

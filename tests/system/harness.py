@@ -127,6 +127,7 @@ class Cluster:
         self.server_yaml = root / "server.yaml"
         self.server_yaml.write_text(yaml.safe_dump(config))
         self.server: Proc | None = None
+        self.server_starts = 0
         self.agents: dict[str, Proc] = {}
         self.rpc = ""
         self.gateway = ""
@@ -141,7 +142,9 @@ class Cluster:
         assert out.returncode == 0, out.stderr + out.stdout
 
     async def start_server(self) -> None:
-        self.server = Proc([*LLMGW, "server", "-c", str(self.server_yaml)], self.root / "server.log")
+        self.server_starts += 1
+        log = self.root / f"server-{self.server_starts}.log"
+        self.server = Proc([*LLMGW, "server", "-c", str(self.server_yaml)], log)
         m = await self.server.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
         self.rpc, self.gateway = m.group(1), m.group(2)
 
