@@ -49,7 +49,12 @@ async def connect(address: str, context: ssl.SSLContext, *, timeout: float = CON
     except trio.TooSlowError:
         raise ConnectError(f"cannot reach {address}: no answer within {timeout:g}s") from None
     except OSError as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        cause: BaseException = exc
+        while isinstance(cause.__cause__, (OSError, BaseExceptionGroup)):
+            cause = cause.__cause__
+            if isinstance(cause, BaseExceptionGroup):
+                cause = cause.exceptions[0]
+        cause = cause if isinstance(cause, OSError) else exc
         raise ConnectError(f"cannot reach {address}: {cause.strerror or cause}") from None
     stream = trio.SSLStream(tcp, context, server_hostname=host)
     try:

@@ -1,0 +1,132 @@
+"""Engine adapters: how the node agent runs one kind of inference engine.
+
+An adapter knows whether its engine is installed here (:meth:`Engine.probe`), the
+command line and environment for one shard (:meth:`Engine.argv`, :meth:`Engine.env`),
+how to tell that the engine is ready (:attr:`Engine.health_path`, polled over HTTP,
+within :attr:`Engine.startup_timeout` seconds), and which of a shard's arguments and
+environment variables it refuses (:meth:`Engine.check_args`).
+
+The catalog validates a profile's args and env against an allowlist; the node checks
+them again here before anything is started, because the node is the one that runs
+the process. :func:`check_refused` is the check every adapter shares.
+
+``ENGINES`` maps an engine's name to its adapter; :func:`get_engine` looks one up.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Mapping, Protocol, runtime_checkable
+
+from llmgw.spec import EngineInfo, ShardSpec
+
+__all__ = [
+    "DEFAULT_HEALTH_PATH",
+    "DEFAULT_STARTUP_TIMEOUT",
+    "ENGINES",
+    "Engine",
+    "EngineRefused",
+    "REFUSED_ARGS",
+    "REFUSED_ENV",
+    "UnknownEngine",
+    "check_refused",
+    "get_engine",
+]
+
+# Generous on purpose: a large model can take many minutes to load its weights and
+# warm up before its health check passes. Adapters for quick engines lower it.
+DEFAULT_STARTUP_TIMEOUT = 30 * 60.0
+
+DEFAULT_HEALTH_PATH = "/health"
+
+# Environment variables that would let a profile run foreign code inside the engine
+# (a preloaded library, a CUDA injection hook, an engine plugin). fnmatch patterns.
+REFUSED_ENV: tuple[str, ...] = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_INJECTION64_PATH", "*_PLUGIN")
+
+# Engine arguments that run code from the model repository or make the engine write
+# files at paths a profile chooses. Matched as "--flag" and "--flag=value".
+REFUSED_ARGS: tuple[str, ...] = ("--trust-remote-code", "--log-file", "--slot-save-path")
+
+
+class EngineRefused(ValueError):
+    """A shard's args or env contain something the node refuses to run."""
+
+
+class UnknownEngine(KeyError):
+    """No adapter is registered under the requested engine name."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "unknown engine"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the supervisor needs from an engine adapter.
+
+    ``name``: the catalog's engine name. ``health_path``: the HTTP path that answers
+    200 once the engine serves. ``startup_timeout``: seconds from process start within
+    which the health check must pass, or the shard is killed and restarted.
+    """
+
+    name: str
+    health_path: str
+    startup_timeout: float
+
+    def probe(self) -> EngineInfo:
+        """Returns whether (and which version of) this engine is installed on this node."""
+        ...
+
+    def argv(self, spec: ShardSpec, host: str, port: int) -> list[str]:
+        """Returns the command line that serves ``spec`` on ``host:port``."""
+        ...
+
+    def env(self, spec: ShardSpec) -> dict[str, str]:
+        """Returns the variables added to the agent's environment for this shard's engine."""
+        ...
+
+    def check_args(self, spec: ShardSpec) -> None:
+        """Raises :class:`EngineRefused` naming the first refused argument or variable."""
+        ...
+
+
+def check_refused(spec: ShardSpec) -> None:
+    """Raises :class:`EngineRefused` if ``spec`` uses a refused argument or env variable.
+
+    The message names the offending argument and the shard, so an operator can fix the
+    model's profile. Returns None when everything is allowed.
+    """
+    for key in spec.env:
+        for pattern in REFUSED_ENV:
+            if fnmatch.fnmatchcase(key, pattern):
+                raise EngineRefused(
+                    f"shard {spec.id}: environment variable {key!r} is refused on this node "
+                    f"(matches {pattern!r}); remove it from the model's profile engine_env"
+                )
+    for arg in spec.args:
+        flag = arg.split("=", 1)[0]
+        if flag in REFUSED_ARGS:
+            raise EngineRefused(
+                f"shard {spec.id}: engine argument {flag!r} is refused on this node; "
+                "remove it from the model's profile engine_args"
+            )
+
+
+def get_engine(name: str, engines: Mapping[str, Engine] | None = None) -> Engine:
+    """Returns the adapter called ``name`` from ``engines`` (default: :data:`ENGINES`).
+
+    Raises :class:`UnknownEngine` (a KeyError) listing the engines this node knows.
+    """
+    table = ENGINES if engines is None else engines
+    try:
+        return table[name]
+    except KeyError:
+        known = ", ".join(sorted(table)) or "none"
+        raise UnknownEngine(
+            f"engine {name!r} is not known to this node (known: {known}); "
+            "check the model's engine name in the catalog"
+        ) from None
+
+
+from llmgw.node.engines.sim import SimEngine  # noqa: E402  (sim uses check_refused above)
+
+ENGINES: dict[str, Engine] = {SimEngine.name: SimEngine()}

@@ -1,0 +1,192 @@
+"""What the agent remembers about each shard across its own restarts.
+
+Layout under the agent's state directory::
+
+    shards/<shard id>/state.json   spec, port, engine process identity, restarts, failure
+    shards/<shard id>/engine.log   the engine's stdout+stderr (appended; rotated once)
+
+``state.json`` is replaced atomically (temporary file, fsync, rename, fsync of the
+directory), so after a crash or power loss it holds either the old or the new record,
+never a torn one. All functions here block on the file system: call them through
+``trio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmgw.node.process import ProcessIdentity
+from llmgw.spec import ShardSpec
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.json"
+LOG_FILE = "engine.log"
+
+# Shard ids become directory names: keep them to a safe, portable alphabet.
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
+
+
+@attrs.define
+class ShardRecord:
+    """The persisted part of a shard: enough to adopt or restart its engine."""
+
+    spec: ShardSpec
+    port: int
+    identity: ProcessIdentity | None = None
+    restarts: int = 0
+    failed: bool = False  # gave up; kept so a restarted agent still reports FAILED
+    message: str = ""
+    last_output: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns a JSON-ready dict (see :meth:`from_json`)."""
+        spec = self.spec
+        return {
+            "format": FORMAT_VERSION,
+            "spec": {
+                "id": spec.id,
+                "model": spec.model,
+                "engine": spec.engine,
+                "source": spec.source,
+                "args": list(spec.args),
+                "env": dict(spec.env),
+                "memory_mb": spec.memory_mb,
+                "cpu_cores": spec.cpu_cores,
+                "gpus": list(spec.gpus),
+            },
+            "port": self.port,
+            "identity": None if self.identity is None else self.identity.to_json(),
+            "restarts": self.restarts,
+            "failed": self.failed,
+            "message": self.message,
+            "last_output": list(self.last_output),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShardRecord:
+        """Returns the record; raises ValueError/KeyError/TypeError if ``data`` is malformed."""
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"unsupported shard state format {data.get('format')!r}")
+        s = data["spec"]
+        spec = ShardSpec(
+            id=str(s["id"]),
+            model=str(s["model"]),
+            engine=str(s["engine"]),
+            source=str(s["source"]),
+            args=tuple(str(a) for a in s.get("args", ())),
+            env={str(k): str(v) for k, v in s.get("env", {}).items()},
+            memory_mb=int(s.get("memory_mb", 0)),
+            cpu_cores=float(s.get("cpu_cores", 0.0)),
+            gpus=tuple(int(g) for g in s.get("gpus", ())),
+        )
+        identity = data.get("identity")
+        return cls(
+            spec=spec,
+            port=int(data["port"]),
+            identity=None if identity is None else ProcessIdentity.from_json(identity),
+            restarts=int(data.get("restarts", 0)),
+            failed=bool(data.get("failed", False)),
+            message=str(data.get("message", "")),
+            last_output=tuple(str(x) for x in data.get("last_output", ())),
+        )
+
+
+def check_shard_id(shard_id: str) -> None:
+    """Raises ValueError unless ``shard_id`` is safe to use as a directory name."""
+    if not _SAFE_ID.match(shard_id):
+        raise ValueError(
+            f"shard id {shard_id!r} is not usable on this node: use letters, digits and . _ : @ - "
+            "(starting with a letter or digit, at most 200 characters)"
+        )
+
+
+def shards_root(state_dir: Path) -> Path:
+    """Returns the directory that holds one subdirectory per shard."""
+    return state_dir / "shards"
+
+
+def shard_dir(state_dir: Path, shard_id: str) -> Path:
+    """Returns the shard's directory (not created). Raises ValueError for an unsafe id."""
+    check_shard_id(shard_id)
+    return shards_root(state_dir) / shard_id
+
+
+def save(state_dir: Path, record: ShardRecord) -> None:
+    """Atomically writes ``record`` to its shard's state.json, creating directories.
+
+    Raises OSError if the disk refuses (full, read-only); the old file then stays intact.
+    """
+    directory = shard_dir(state_dir, record.spec.id)
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / STATE_FILE)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flushes a directory entry change (the rename) to disk."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def load_all(state_dir: Path) -> list[ShardRecord]:
+    """Returns every readable shard record, sorted by shard id.
+
+    A directory without state.json (interrupted start) is skipped. An unreadable or
+    malformed state.json is logged and renamed to ``state.json.bad`` so an operator can
+    inspect it; loading never fails because of one broken shard.
+    """
+    root = shards_root(state_dir)
+    if not root.is_dir():
+        return []
+    records = []
+    for directory in sorted(root.iterdir()):
+        path = directory / STATE_FILE
+        if not path.is_file():
+            continue
+        try:
+            record = ShardRecord.from_json(json.loads(path.read_bytes()))
+            if record.spec.id != directory.name:
+                raise ValueError(f"it names shard {record.spec.id!r}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.error(
+                "shard state %s is unreadable (%s); moved aside to %s.bad, the shard is not adopted", path, exc, path
+            )
+            try:
+                os.replace(path, path.with_name(STATE_FILE + ".bad"))
+            except OSError:
+                pass
+            continue
+        records.append(record)
+    return records
+
+
+def remove(state_dir: Path, shard_id: str) -> None:
+    """Deletes the shard's directory (state and engine log). Missing is fine."""
+    shutil.rmtree(shard_dir(state_dir, shard_id), ignore_errors=True)
