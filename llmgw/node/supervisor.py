@@ -39,7 +39,7 @@ import httpx
 import trio
 
 from llmgw.node import shard_state
-from llmgw.node.engines import ENGINES, Engine, EngineRefused, get_engine
+from llmgw.node.engines import ENGINES, Engine, EngineRefused, base_environment, get_engine
 from llmgw.node.process import (
     EngineProcess,
     OutputTail,
@@ -521,7 +521,7 @@ class _Shard:
         self.tail.skip_to_end()
         self.tail.mark_run_start()
         argv = self.engine.argv(self.spec, self._sup.host, self.port)
-        env = {**os.environ, **self.engine.env(self.spec)}
+        env = {**base_environment(), **self.engine.env(self.spec)}
         process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
         self._process = process  # before any checkpoint: a stop from now on must find it
         self.record.identity = process.identity

@@ -129,3 +129,4 @@ def test_route_address_to_loopback() -> None:
 def test_route_address_unresolvable_host_says_so() -> None:
     with pytest.raises(OSError, match="cannot resolve the control plane host"):
         discovery.route_address("no-such-host.invalid")
+

@@ -16,6 +16,7 @@ the process. :func:`check_refused` is the check every adapter shares.
 from __future__ import annotations
 
 import fnmatch
+import os
 from typing import Mapping, Protocol, runtime_checkable
 
 from llmgw.spec import EngineInfo, ShardSpec
@@ -87,6 +88,22 @@ class Engine(Protocol):
     def check_args(self, spec: ShardSpec) -> None:
         """Raises :class:`EngineRefused` naming the first refused argument or variable."""
         ...
+
+
+#: Variables of the agent's own environment an engine inherits. Everything else (credentials,
+#: proxies, library paths, the agent's own settings) stays with the agent: an engine gets this,
+#: plus what its adapter and the model's validated profile add.
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LC_*")
+
+
+def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Returns the part of ``environ`` (default: the agent's) that engines inherit."""
+    environ = os.environ if environ is None else environ
+    return {
+        key: value
+        for key, value in environ.items()
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in INHERITED_ENV)
+    }
 
 
 def check_refused(spec: ShardSpec) -> None:

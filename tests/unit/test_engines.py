@@ -1,0 +1,9 @@
+"""Engine adapters: what an engine inherits from the agent."""
+
+from llmgw.node.engines import base_environment
+
+
+def test_engines_inherit_only_allowlisted_variables() -> None:
+    env = base_environment({"PATH": "/bin", "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "x", "LD_PRELOAD": "/evil.so",
+                            "HTTPS_PROXY": "http://p", "HOME": "/root"})
+    assert env == {"PATH": "/bin", "LC_ALL": "C", "HOME": "/root"}
