@@ -128,6 +128,11 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
     print_table(["REPLICA", "MODEL", "NODE", "STATE", "ENDPOINT", "PID", "RESTARTS", "MESSAGE"],
                 [[r.id, r.model, r.node_id, r.state, r.endpoint or "-", r.pid or "-", r.restarts,
                   r.message[:60]] for r in rows], empty="no replicas")
+    for r in rows:
+        if r.last_output and r.state.split()[0] in ("failed", "restarting"):
+            click.echo(f"\n{r.id} ({r.state}): {r.message}\n  last output:")
+            for line in r.last_output[-10:]:
+                click.echo(f"    {line}")
     for reason in unplaceable:
         click.echo(f"not placed: {reason}")
 

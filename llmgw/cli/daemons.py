@@ -144,6 +144,7 @@ def agent(config_path: Path | None) -> None:
                 supervisor=Supervisor(config.state_dir / "shards", host=engine_host),
                 engine_host=engine_host,
                 backoff_max=config.reconnect_backoff_max,
+                heartbeat_interval=config.heartbeat_interval,
             )
             await node.run()
 

@@ -108,6 +108,8 @@ class Agent:
     supervisor: Supervisor
     engine_host: str | None = None
     backoff_max: float = 30.0
+    #: The agent heartbeats at the shorter of this and the interval the control plane asks for.
+    heartbeat_interval: float | None = None
     #: Set while a session is joined; tests and ``up`` wait on it.
     joined: trio.Event = attrs.field(factory=trio.Event)
     sessions: int = 0
@@ -176,6 +178,8 @@ class Agent:
                     result = await cluster.join(registration)
                 desk = result.desk
                 interval = max(result.heartbeatIntervalMs, 100) / 1000
+                if self.heartbeat_interval:
+                    interval = min(interval, self.heartbeat_interval)
                 joined = True
                 self.sessions += 1
                 self.joined.set()
