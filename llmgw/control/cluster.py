@@ -34,14 +34,16 @@ async def handle_connection(plane: ControlPlane, stream: trio.abc.Stream, identi
     A node session started on this connection ends with it: the registry is told
     (the node becomes LOST) and the session's tasks are cancelled.
     """
-    async with trio.open_nursery() as nursery:
-        state: dict[str, NodeSession] = {}
-        bootstrap = _make_cluster(plane, identity, nursery, state)
-        await serve_stream(stream, bootstrap)
-        nursery.cancel_scope.cancel()
-    session = state.get("session")
-    if session is not None:
-        plane.sessions.detach(session)
+    state: dict[str, NodeSession] = {}
+    try:
+        async with trio.open_nursery() as nursery:
+            bootstrap = _make_cluster(plane, identity, nursery, state)
+            await serve_stream(stream, bootstrap)
+            nursery.cancel_scope.cancel()
+    finally:
+        session = state.get("session")
+        if session is not None:
+            plane.sessions.detach(session)
 
 
 def _make_cluster(

@@ -28,6 +28,7 @@ from llmgw import __version__
 from llmgw.node import discovery
 from llmgw.node.supervisor import Supervisor
 from llmgw.rpc import convert, net, schema
+from llmgw.rpc.connection import open_client
 from llmgw.spec import ShardStatus
 
 log = logging.getLogger(__name__)
@@ -110,9 +111,6 @@ class Agent:
     backoff_max: float = 30.0
     #: The agent heartbeats at the shorter of this and the interval the control plane asks for.
     heartbeat_interval: float | None = None
-    #: Set while a session is joined; tests and ``up`` wait on it.
-    joined: trio.Event = attrs.field(factory=trio.Event)
-    sessions: int = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise engines and keep a session with a control plane until cancelled.
@@ -146,34 +144,39 @@ class Agent:
             await trio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self.backoff_max)
 
-    def _registration(self, address: str) -> dict[str, Any]:
+    def _probe(self, control_plane_host: str) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+        """Blocking discovery for a registration: address, hardware, engines (run in a thread)."""
+        address = self.engine_host or discovery.route_address(control_plane_host)
+        hardware = convert.hardware_dict(discovery.read_hardware())
+        engines = [convert.engine_dict(e.probe()) for e in self.supervisor.engines.values()]
+        return address, hardware, engines
+
+    async def _session(self, address: str, stream: trio.SSLStream) -> bool:
+        """Run one session on a connected stream until it breaks. Returns True if the join succeeded."""
         host, _ = net.split_address(address)
+        try:
+            node_address, hardware, engines = await trio.to_thread.run_sync(self._probe, host)
+        except OSError as exc:
+            log.warning("agent: cannot register with %s: %s", address, exc)
+            return False
         shards = [
             {"spec": convert.shard_spec_dict(spec), "status": convert.shard_status_dict(status)}
             for spec, status in self.supervisor.shards()
         ]
-        engines = [convert.engine_dict(e.probe()) for e in self.supervisor.engines.values()]
-        return {
-            "nodeId": self.node_id,
-            "address": self.engine_host or discovery.route_address(host),
-            "hardware": convert.hardware_dict(discovery.read_hardware()),
-            "shards": shards,
-            "engines": engines,
-            "features": ["adopt", "stop-grace"],
-            "agent": _make_agent_server(self.supervisor),
-            "version": __version__,
-        }
-
-    async def _session(self, address: str, stream: trio.SSLStream) -> bool:
-        """Run one session on a connected stream. Returns True if the join succeeded."""
-        from llmgw.rpc.connection import open_client
-
-        s = schema.load()
         joined = False
         try:
             async with open_client(stream) as client:
-                cluster = client.bootstrap().cast_as(s.Cluster)
-                registration = await trio.to_thread.run_sync(self._registration, address)
+                cluster = client.bootstrap().cast_as(schema.load().Cluster)
+                registration = {
+                    "nodeId": self.node_id,
+                    "address": node_address,
+                    "hardware": hardware,
+                    "shards": shards,
+                    "engines": engines,
+                    "features": ["adopt", "stop-grace"],
+                    "agent": _make_agent_server(self.supervisor),
+                    "version": __version__,
+                }
                 with trio.fail_after(JOIN_TIMEOUT):
                     result = await cluster.join(registration)
                 desk = result.desk
@@ -181,22 +184,16 @@ class Agent:
                 if self.heartbeat_interval:
                     interval = min(interval, self.heartbeat_interval)
                 joined = True
-                self.sessions += 1
-                self.joined.set()
-                log.info("agent: joined %s as node %r (%d shards)", address, self.node_id,
-                         len(registration["shards"]))
+                log.info("agent: joined %s as node %r (%d shards)", address, self.node_id, len(shards))
                 while True:
                     await trio.sleep(interval)
-                    hardware = convert.hardware_dict(await trio.to_thread.run_sync(discovery.read_hardware))
+                    beat = convert.hardware_dict(await trio.to_thread.run_sync(discovery.read_hardware))
                     with trio.fail_after(interval * HEARTBEAT_MISSES):
-                        await desk.heartbeat(hardware)
+                        await desk.heartbeat(beat)
         except trio.TooSlowError:
             log.warning("agent: %s stopped answering; reconnecting", address)
         except capnp.KjException as exc:
             log.warning("agent: session with %s ended: %s", address, _describe(exc, joined))
-        finally:
-            if joined:
-                self.joined = trio.Event()
         return joined
 
 

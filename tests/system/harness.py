@@ -186,19 +186,19 @@ class Cluster:
 
     def stop(self) -> None:
         """Kill every llmgw process and every engine they started."""
-        engines = [p for p in _engine_processes(self.root)]
-        for proc in [*self.agents.values(), *( [self.server] if self.server else [])]:
+        engines = engines_under(self.root)
+        for proc in [*self.agents.values(), *([self.server] if self.server else [])]:
             proc.signal(signal.SIGCONT)
             proc.kill()
-        for p in engines + _engine_processes(self.root):
+        for p in engines + engines_under(self.root):
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
 
-def _engine_processes(root: Path) -> list[psutil.Process]:
-    """Engines started for this cluster (their state dirs are under ``root``)."""
+def engines_under(root: Path) -> list[psutil.Process]:
+    """Simulated engines whose working directory (their shard's state dir) is under ``root``."""
     found = []
     for p in psutil.process_iter(["cmdline", "cwd"]):
         try:
@@ -208,16 +208,6 @@ def _engine_processes(root: Path) -> list[psutil.Process]:
         if "llmgw.sim" in cmd and p.info.get("cwd") and str(root) in str(p.info["cwd"]):
             found.append(p)
     return found
-
-
-def engine_pids() -> set[int]:
-    """Pids of every simulated engine on this machine."""
-    pids = set()
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if any("llmgw.sim" in part for part in cmd):
-            pids.add(p.pid)
-    return pids
 
 
 def alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.system.harness import LLMGW, Cluster, Proc, alive, engine_pids, eventually, iter_replicas
+from tests.system.harness import LLMGW, Cluster, Proc, alive, engines_under
 from tests.system.test_cluster import ready_replicas
 
 pytestmark = pytest.mark.system
@@ -77,7 +77,6 @@ async def test_control_plane_on_postgresql_keeps_its_catalog(tmp_path: Path, pg_
 
 async def test_up_serves_the_demo_model_and_ctl_finds_it(tmp_path: Path) -> None:
     env = {"XDG_DATA_HOME": str(tmp_path / "xdg")}
-    before = engine_pids()
     up = Proc([*LLMGW, "up", "--http-port", "0", "--rpc-port", "0"], tmp_path / "up.log", env=env)
     try:
         m = await up.wait_for_line(r"OpenAI endpoint : (\S+)/v1 .*1 ready replica")
@@ -95,7 +94,7 @@ async def test_up_serves_the_demo_model_and_ctl_finds_it(tmp_path: Path) -> None
         up.signal(signal.SIGINT)
         assert await up.wait_exit() == 130
         assert not alive(replica["pid"]), "llmgw up stops its engines on Ctrl-C"
-        assert engine_pids() - before == set()
+        assert engines_under(tmp_path) == []
     finally:
         up.kill()
 
