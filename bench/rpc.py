@@ -347,8 +347,17 @@ def _read_port(proc: subprocess.Popen[str], variant: str) -> int:
     ready, _, _ = select.select([proc.stdout], [], [], SERVER_START_TIMEOUT)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith("port "):
+        status = proc.poll()
+        if ready and not line:  # end of output: the server is exiting; collect its status
+            try:
+                status = proc.wait(SERVER_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pass
+        if status is not None:
+            raise BenchError(f"{variant}: the server exited with status {status} before listening; "
+                             "its stderr is above")
         raise BenchError(f"{variant}: the server did not start within {SERVER_START_TIMEOUT:g}s "
-                         f"(exit status {proc.poll()}, said {line!r}); its stderr is above")
+                         f"(it said {line!r}); its stderr is above")
     return int(line.split()[1])
 
 

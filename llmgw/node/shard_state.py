@@ -18,12 +18,12 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from llmgw.files import atomic_write
 from llmgw.node.process import ProcessIdentity
 from llmgw.spec import ShardSpec
 
@@ -130,29 +130,7 @@ def save(state_dir: Path, record: ShardRecord) -> None:
     directory = shard_dir(state_dir, record.spec.id)
     directory.mkdir(parents=True, exist_ok=True)
     payload = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / STATE_FILE)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Flushes a directory entry change (the rename) to disk."""
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(directory / STATE_FILE, payload, mode=0o600)
 
 
 def load_all(state_dir: Path) -> list[ShardRecord]:

@@ -49,6 +49,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from llmgw.files import atomic_write
+
 __all__ = [
     "CA_CERT_FILE",
     "CA_KEY_FILE",
@@ -539,22 +541,7 @@ def _ensure_dir(directory: Path) -> None:
 
 
 def _write_file(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file created with ``mode`` (so a
-    key is never readable by others, not even for a moment), fsynced, then renamed."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, data, mode)
 
 
 def _read_file(path: Path, what: str, missing_hint: str) -> bytes:
