@@ -25,7 +25,9 @@ Per variant: sequential call latency (p50, p99, mean over ``--calls`` calls), th
 with ``--inflight`` calls in flight (calls/s over ``--tput-calls`` calls), and CPU time
 per call in the client (per phase) and in the server (over the whole client run).
 Ratios are trio/asyncio, per transport: above 1 means trio takes longer (latency, CPU),
-below 1 means trio serves fewer calls per second (throughput).
+below 1 means trio serves fewer calls per second (throughput). ``ratios`` divides the
+medians over rounds; ``ratios_by_round`` is the median of each round's own ratio (the
+steadier figure on a shared machine).
 
 Human progress goes to stderr; the last line of stdout is one JSON object. A failed
 variant (a process that crashed or timed out) makes the benchmark exit with status 1.
@@ -413,6 +415,16 @@ def _ratios(trio_figures: dict[str, float], asyncio_figures: dict[str, float]) -
     return {key: trio_figures[key] / asyncio_figures[key] for key in trio_figures if asyncio_figures.get(key)}
 
 
+def _round_ratios(trio_runs: list[dict[str, float]], asyncio_runs: list[dict[str, float]]) -> dict[str, float]:
+    """Return the median over rounds of each round's own trio/asyncio ratio.
+
+    Both variants of one round ran within seconds of each other, so a load spike from
+    other work on the machine tends to hit both; this is the steadier estimate when the
+    machine is shared."""
+    per_round = [_ratios(t, a) for t, a in zip(trio_runs, asyncio_runs)]
+    return {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+
+
 def orchestrate(quick: bool, rounds: int | None, inflight: int) -> dict[str, Any]:
     """Run every variant ``rounds`` times, interleaved; return the JSON-ready result."""
     settings = QUICK if quick else FULL
@@ -453,6 +465,10 @@ def orchestrate(quick: bool, rounds: int | None, inflight: int) -> dict[str, Any
             "tls_trio_vs_asyncio": _ratios(variants["trio-tls"], variants["asyncio-tls"]),
             "tls_vs_tcp_asyncio": _ratios(variants["asyncio-tls"], variants["asyncio-tcp"]),
             "tls_vs_tcp_trio": _ratios(variants["trio-tls"], variants["trio-tcp"]),
+        },
+        "ratios_by_round": {
+            "tcp_trio_vs_asyncio": _round_ratios(per_round["trio-tcp"], per_round["asyncio-tcp"]),
+            "tls_trio_vs_asyncio": _round_ratios(per_round["trio-tls"], per_round["asyncio-tls"]),
         },
         "rounds": per_round,
         "wall_seconds": time.perf_counter() - started,
