@@ -23,5 +23,10 @@ up: install
 test: install
 	LLMGW_TEST_PG="$$(scripts/ensure-postgres.sh)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+## Benchmarks (JSON on the last line of each): placement at scale, the RPC backend against plain pycapnp.
+bench: install
+	$(BIN)/python -m bench.placement
+	$(BIN)/python -m bench.rpc
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
