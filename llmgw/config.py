@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import types
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -120,6 +121,33 @@ def _frozen_mapping(value: Mapping[str, str]) -> Mapping[str, str]:
     return types.MappingProxyType(dict(value))
 
 
+# --- gateway observability and upstream deadlines (server.yaml `gateway:`, `tracing:`) ---
+# The deadline defaults equal llmgw.router.upstream's constants (the reasons are there);
+# they are repeated here so loading a config does not import the gateway.
+DEFAULT_UPSTREAM_CONNECT_TIMEOUT = 5.0
+DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT = 600.0
+DEFAULT_UPSTREAM_CHUNK_TIMEOUT = 60.0
+DEFAULT_TRACING_SERVICE_NAME = "llmgw-gateway"
+
+
+@attrs.frozen
+class GatewayConfig:
+    """``gateway:``: how the gateway talks to engine replicas (deadlines, in seconds)."""
+
+    connect_timeout: float = DEFAULT_UPSTREAM_CONNECT_TIMEOUT
+    first_byte_timeout: float = DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT
+    chunk_timeout: float = DEFAULT_UPSTREAM_CHUNK_TIMEOUT
+
+
+@attrs.frozen
+class TracingConfig:
+    """``tracing:``: OpenTelemetry export over OTLP/HTTP; an empty endpoint turns it off."""
+
+    endpoint: str = ""
+    service_name: str = DEFAULT_TRACING_SERVICE_NAME
+    sample_ratio: float = 1.0
+
+
 @attrs.frozen
 class ServerConfig:
     """``server.yaml``: one control plane (and its gateway)."""
@@ -134,6 +162,8 @@ class ServerConfig:
     replace_grace: float = DEFAULT_REPLACE_GRACE
     engines: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
     log_level: str = DEFAULT_LOG_LEVEL
+    gateway: GatewayConfig = GatewayConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @property
     def ca_dir(self) -> Path:
@@ -524,6 +554,8 @@ def load_server_config(
         replace_grace=top.get("replace_grace", parse_duration, DEFAULT_REPLACE_GRACE),
         engines=_read_engines(reader, top.raw("engines")),
         log_level=top.get("log_level", _parse_log_level, DEFAULT_LOG_LEVEL),
+        gateway=_read_gateway(reader, top.raw("gateway")),
+        tracing=_read_tracing(reader, top.raw("tracing")),
     )
     top.finish()
     if config.node_lost_after <= config.heartbeat_interval:
@@ -565,6 +597,53 @@ def _read_store(reader: _Reader, raw: Any, state_dir: Path) -> StoreConfig:
     if not file_path.is_absolute():
         file_path = state_dir / file_path
     return StoreConfig.sqlite(file_path)
+
+
+def _read_gateway(reader: _Reader, raw: Any) -> GatewayConfig:
+    if raw is _MISSING:
+        return GatewayConfig()
+    section = reader.section(raw, "gateway")
+    seconds = _positive(parse_duration)
+    config = GatewayConfig(
+        connect_timeout=section.get("connect_timeout", seconds, DEFAULT_UPSTREAM_CONNECT_TIMEOUT),
+        first_byte_timeout=section.get("first_byte_timeout", seconds, DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT),
+        chunk_timeout=section.get("chunk_timeout", seconds, DEFAULT_UPSTREAM_CHUNK_TIMEOUT),
+    )
+    section.finish()
+    return config
+
+
+def _parse_otlp_endpoint(value: Any) -> str:
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"expected an http(s) URL or empty, got {_show(value)}")
+    parsed = urllib.parse.urlsplit(value.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(
+            f"expected the http(s) URL of an OTLP/HTTP collector, e.g. \"http://collector:4318\", "
+            f"got {_show(value)}"
+        )
+    return value.strip()
+
+
+def _parse_ratio(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"expected a number from 0 to 1, got {_show(value)}")
+    return float(value)
+
+
+def _read_tracing(reader: _Reader, raw: Any) -> TracingConfig:
+    if raw is _MISSING:
+        return TracingConfig()
+    section = reader.section(raw, "tracing")
+    config = TracingConfig(
+        endpoint=section.get("endpoint", _parse_otlp_endpoint, ""),
+        service_name=section.get("service_name", _parse_str, DEFAULT_TRACING_SERVICE_NAME),
+        sample_ratio=section.get("sample_ratio", _parse_ratio, 1.0),
+    )
+    section.finish()
+    return config
 
 
 def _read_engines(reader: _Reader, raw: Any) -> dict[str, str]:

@@ -46,6 +46,8 @@ class Hardware:
     memory_available_mb: int
     gpus: tuple[GpuInfo, ...] = ()
     gpu_note: str = ""  # e.g. "no GPUs: NVML library not found"
+    disk_free_mb: int = 0  # free space on the file system of the agent's weights directory (0 = unknown)
+    disk_total_mb: int = 0
 
 
 @attrs.frozen
@@ -57,6 +59,7 @@ class EngineInfo:
     version: str = ""
     installable: bool = False
     detail: str = ""
+    state: str = ""  # what the agent is doing about it, in words ("installing: downloading X (16 MB)"); "" = idle
 
 
 @attrs.frozen
@@ -80,6 +83,60 @@ class ShardSpec:
 
 
 @attrs.frozen
+class ComputeDevice:
+    """One device an engine says it uses ("CUDA0", "NVIDIA H200", 143000 MiB; or "CPU")."""
+
+    name: str  # the engine's device name: "CUDA0", "CPU", "Vulkan0"
+    description: str = ""  # "NVIDIA H200", "AMD EPYC 7B13"
+    memory_total_mb: int = 0
+    memory_free_mb: int = 0
+
+
+@attrs.frozen
+class Compute:
+    """What an engine says it computes on, read from its output (or nvidia-smi) at READY.
+
+    ``source`` says where the facts came from: "engine" (its own output), "nvidia-smi"
+    (GPUs the shard's processes hold memory on) or "default" (nothing said: CPU).
+    Sizes are MiB as the engine printed them (floats: tiny models have fractions).
+    """
+
+    backend: str = ""  # "CPU", "CUDA", "Metal", "Vulkan", ...
+    devices: tuple[ComputeDevice, ...] = ()
+    model_buffer_mb: float = 0.0  # weights resident (sum over buffers)
+    kv_buffer_mb: float = 0.0  # KV cache (sum over buffers)
+    layers_offloaded: int = -1  # layers on GPU; -1 = the engine did not say
+    layers_total: int = -1
+    threads: int = 0
+    source: str = ""
+    notes: tuple[str, ...] = ()  # other facts worth showing ("loaded 16 tensors from lora file")
+
+    def summary(self) -> str:
+        """Returns one line for tables: "CPU, 0.4 MiB model, 0.5 MiB KV" / "CUDA0 H200, 33/33 layers"."""
+        gpus = [d for d in self.devices if d.name.upper() != "CPU"]
+        if gpus:
+            names = []
+            for d in gpus:
+                short = d.description.removeprefix("NVIDIA ").removeprefix("GeForce ")
+                names.append(f"{d.name} {short}".strip())
+            parts = [" + ".join(names)]
+        else:
+            parts = [self.backend or "CPU"]
+        if self.layers_total > 0 and self.layers_offloaded >= 0:
+            parts.append(f"{self.layers_offloaded}/{self.layers_total} layers")
+        if self.model_buffer_mb > 0:
+            parts.append(f"{_mib(self.model_buffer_mb)} MiB model")
+        if self.kv_buffer_mb > 0:
+            parts.append(f"{_mib(self.kv_buffer_mb)} MiB KV")
+        return ", ".join(parts)
+
+
+def _mib(value: float) -> str:
+    """Returns a MiB figure for people: one decimal below 100, whole numbers above."""
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+@attrs.frozen
 class ShardStatus:
     """How one shard is doing, as the agent reports it."""
 
@@ -90,6 +147,7 @@ class ShardStatus:
     restarts: int = 0
     message: str = ""  # the reason for the current state, in words
     last_output: tuple[str, ...] = ()  # last lines the engine printed (on failure/crash)
+    compute: Compute | None = None  # what the engine computes on (from its output at READY); None = not known yet
 
 
 @attrs.frozen

@@ -22,6 +22,8 @@ struct Hardware {
   memoryAvailableMb @2 :UInt64;
   gpus @3 :List(Gpu);
   gpuNote @4 :Text;        # why there are no GPUs, in words ("no GPUs: NVML library not found")
+  diskFreeMb @5 :UInt64;   # free space where the agent keeps model weights (0 = unknown)
+  diskTotalMb @6 :UInt64;
 }
 
 struct EngineInfo {
@@ -30,6 +32,7 @@ struct EngineInfo {
   version @2 :Text;
   installable @3 :Bool;
   detail @4 :Text;
+  state @5 :Text;          # what the agent is doing about it ("installing: downloading X (16 MB)"); "" = idle
 }
 
 struct Profile {
@@ -78,6 +81,28 @@ struct ShardStatus {
   restarts @4 :UInt32;
   message @5 :Text;
   lastOutput @6 :List(Text);
+  compute @7 :Compute;     # what the engine computes on (read from its output at READY)
+  hasCompute @8 :Bool;     # false: not known yet (compute is then empty)
+}
+
+# What an engine says it computes on (llmgw.spec.Compute). Sizes in MiB.
+struct ComputeDevice {
+  name @0 :Text;           # "CUDA0", "CPU"
+  description @1 :Text;    # "NVIDIA H200"
+  memoryTotalMb @2 :UInt64;
+  memoryFreeMb @3 :UInt64;
+}
+
+struct Compute {
+  backend @0 :Text;
+  devices @1 :List(ComputeDevice);
+  modelBufferMb @2 :Float64;
+  kvBufferMb @3 :Float64;
+  layersOffloaded @4 :Int32;   # -1: the engine did not say
+  layersTotal @5 :Int32;
+  threads @6 :UInt32;
+  source @7 :Text;             # "engine", "nvidia-smi", "default"
+  notes @8 :List(Text);
 }
 
 struct RunningShard {
@@ -108,6 +133,8 @@ interface Cluster {
 interface NodeDesk {
   # The control plane's side of one node session.
   heartbeat @0 (hardware :Hardware) -> ();
+  reportEngines @1 (engines :List(EngineInfo)) -> ();
+  # The node's engines changed (install progress, installed, failed): the full list, replacing the last.
 }
 
 interface Agent {
@@ -117,6 +144,11 @@ interface Agent {
   adopt @1 (id :Text, reporter :ShardReporter) -> (shard :Shard);
   # Re-binds a running shard (reported at registration) to a reporter of this session.
   ping @2 () -> ();
+  wantEngines @3 (engines :List(KeyValue)) -> ();
+  # The engines this node should have: name -> version ("" = the version the agent's llmgw was checked
+  # against). The agent converges on it in the background and reports progress through NodeDesk.reportEngines.
+  checkEngine @4 (engine :Text) -> (output :Text);
+  # Runs the engine's version and device check on the node; fails with the reason when it cannot run.
 }
 
 interface ShardReporter {
@@ -152,6 +184,9 @@ struct ReplicaView {
   restarts @6 :UInt32;
   message @7 :Text;
   lastOutput @8 :List(Text);
+  compute @9 :Compute;
+  hasCompute @10 :Bool;
+  computeSummary @11 :Text;  # one line for tables: "CPU, 0.4 MiB model, 0.5 MiB KV"
 }
 
 struct ClusterStatus {
@@ -174,4 +209,21 @@ interface Admin {
   # Fails with the validation error, naming the field, when the model is invalid.
   removeModel @5 (name :Text) -> (removed :Bool);
   replicaLogs @6 (id :Text, lines :UInt32) -> (lines :List(Text));
+  # PLACEHOLDERS so @20 loads while @7..@19 (assigned to other work) are not all written yet:
+  # whoever adds the method with one of these ordinals deletes its placeholder line. Never called.
+  reservedAdmin7 @7 () -> ();
+  reservedAdmin8 @8 () -> ();
+  reservedAdmin9 @9 () -> ();
+  reservedAdmin10 @10 () -> ();
+  reservedAdmin11 @11 () -> ();
+  reservedAdmin12 @12 () -> ();
+  reservedAdmin13 @13 () -> ();
+  reservedAdmin14 @14 () -> ();
+  reservedAdmin15 @15 () -> ();
+  reservedAdmin16 @16 () -> ();
+  reservedAdmin17 @17 () -> ();
+  reservedAdmin18 @18 () -> ();
+  reservedAdmin19 @19 () -> ();
+  checkEngine @20 (node :Text, engine :Text) -> (output :Text);
+  # Runs ENGINE's version and device check on NODE (through its agent) and returns the output.
 }

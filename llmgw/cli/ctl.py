@@ -106,7 +106,7 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     for n in rows:
         hw = n.hardware
         gpus = f"{len(hw.gpus)}x {hw.gpus[0].name}" if hw.gpus else (hw.gpu_note or "none")
-        engines = ",".join(e.name for e in n.engines if e.installed) or "-"
+        engines = ",".join(_engine_cell(e) for e in n.engines if e.installed or e.state) or "-"
         table.append([n.id, n.state, n.address, hw.cpu_count, f"{_mb(hw.memory_available_mb)}/{_mb(hw.memory_total_mb)}",
                       gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s"])
     print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT"],
@@ -125,9 +125,9 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
         rows = [r for r in rows if r.model == model]
     if target.json:
         return print_json({"replicas": rows, "unplaceable": unplaceable})
-    print_table(["REPLICA", "MODEL", "NODE", "STATE", "ENDPOINT", "PID", "RESTARTS", "MESSAGE"],
+    print_table(["REPLICA", "MODEL", "NODE", "STATE", "ENDPOINT", "PID", "RESTARTS", "COMPUTE", "MESSAGE"],
                 [[r.id, r.model, r.node_id, r.state, r.endpoint or "-", r.pid or "-", r.restarts,
-                  r.message[:60]] for r in rows], empty="no replicas")
+                  r.compute_summary or "-", r.message[:60]] for r in rows], empty="no replicas")
     for r in rows:
         if r.last_output and r.state.split()[0] in ("failed", "restarting"):
             click.echo(f"\n{r.id} ({r.state}): {r.message}\n  last output:")
@@ -135,6 +135,20 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
                 click.echo(f"    {line}")
     for reason in unplaceable:
         click.echo(f"not placed: {reason}")
+
+
+def _engine_cell(e: Any) -> str:
+    """An engine in `ctl nodes`: "sim", or "llamacpp (installing: downloading X (16 MB))"."""
+    return f"{e.name} ({e.state})" if e.state else e.name
+
+
+@ctl.command("engine-check")
+@click.argument("node")
+@click.argument("engine")
+@click.pass_context
+def engine_check(ctx: click.Context, node: str, engine: str) -> None:
+    """Run ENGINE's version and device check on NODE and print its output."""
+    click.echo(_target(ctx).run(lambda c: c.engine_check(node, engine)).rstrip("\n"))
 
 
 @ctl.command()

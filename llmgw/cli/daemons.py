@@ -69,6 +69,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     heartbeat_interval=config.heartbeat_interval,
                     lost_after=config.node_lost_after,
                     replace_grace=config.replace_grace,
+                    gateway=config.gateway,
+                    tracing=config.tracing,
                     task_status=task_status,
                 )
             )

@@ -31,6 +31,7 @@ from llmgw.rpc.connection import open_client
 from llmgw.rpc.kjtrio import capnp_runtime, runtime_active
 from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
 from llmgw.spec import EngineInfo, Hardware, ModelSpec
+from llmgw.spec import Compute
 
 __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "connect"]
 
@@ -65,6 +66,8 @@ class ReplicaRow:
     restarts: int
     message: str
     last_output: tuple[str, ...]
+    compute: Compute | None = None  # what the engine computes on; None until it said (or was looked up)
+    compute_summary: str = ""  # one line: "CPU, 0.4 MiB model, 0.5 MiB KV" / "CUDA0 H200, 33/33 layers"
 
 
 @attrs.frozen
@@ -133,7 +136,7 @@ class ClusterClient:
         result = await self._call("listReplicas")
         rows = [
             ReplicaRow(r.id, r.model, r.nodeId, r.state, r.endpoint, r.pid, r.restarts, r.message,
-                       tuple(r.lastOutput))
+                       tuple(r.lastOutput), convert.compute_from(r), r.computeSummary)
             for r in result.replicas
         ]
         return rows, list(result.unplaceable)
@@ -152,6 +155,14 @@ class ClusterClient:
 
     async def replica_logs(self, replica_id: str, lines: int = 100) -> list[str]:
         return list((await self._call("replicaLogs", replica_id, lines)).lines)
+
+    async def engine_check(self, node_id: str, engine: str) -> str:
+        """Returns the output of ``engine``'s version and device check, run on ``node_id``.
+
+        Raises :class:`ClientError` with the node's reason when the node is not connected,
+        the engine is unknown there or its check cannot run.
+        """
+        return str((await self._call("checkEngine", node_id, engine)).output)
 
 
 @contextlib.asynccontextmanager

@@ -79,6 +79,8 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                             "restarts": st.restarts,
                             "message": st.message,
                             "lastOutput": list(st.last_output),
+                            **convert.compute_fields(st.compute),
+                            "computeSummary": st.compute.summary() if st.compute is not None else "",
                         }
                     )
             _context.results.replicas = rows
@@ -114,5 +116,15 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                     f"no replica {shard_id!r} on a connected node (see `llmgw ctl replicas`)"
                 ) from None
             _context.results.lines = await session.logs(shard_id, count)
+
+        async def checkEngine(self, node: str, engine: str, _context: Any, **_: Any) -> None:
+            node_id, engine_name = str(node), str(engine)
+            try:
+                session = plane.sessions.get(node_id)
+            except LookupError:
+                raise LookupError(
+                    f"node {node_id!r} is not connected (see `llmgw ctl nodes`)"
+                ) from None
+            _context.results.output = await session.check_engine(engine_name)
 
     return AdminServer()

@@ -27,25 +27,8 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOP_KEYS = ("name", "engine", "source", "profile")
 _PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env")
 
-#: Engine options refused everywhere, with the reason. Matched after normalising ``_`` to
-#: ``-`` and also as unambiguous prefixes, because vLLM/SGLang's argparse accepts both.
-DENIED_ARGS: Mapping[str, str] = {
-    "--trust-remote-code": "it runs Python code shipped with the model weights",
-    "--log-file": "it writes a file anywhere the engine's user can",
-    "--slot-save-path": "it lets API clients write files under a chosen directory",
-}
-#: Shortest option prefix (after the dashes) treated as an abbreviation of a denied option.
-#: argparse (vLLM, SGLang) accepts any unambiguous prefix, so this is deliberately short;
-#: ``--t``/``--l``/``--s`` alone are left to the engine (ambiguous for argparse, and never
-#: exact denied names).
-_MIN_ABBREVIATION = 2
-#: Environment variables refused everywhere, with the reason; plus any name ending in _PLUGIN.
-DENIED_ENV: Mapping[str, str] = {
-    "LD_PRELOAD": "it injects a shared library into the engine",
-    "LD_LIBRARY_PATH": "it changes which shared libraries the engine loads",
-    "CUDA_INJECTION64_PATH": "it injects a library into the CUDA runtime",
-}
-_DENIED_ENV_SUFFIX = "_PLUGIN"
+#: The argument/environment policy lives with the engines (the node applies it again
+#: before start): llmgw/node/engines/safety.py.
 
 
 class CatalogError(ValueError):
@@ -129,34 +112,19 @@ def _option_name(arg: str) -> str | None:
 def check_engine_args(
     engine: str, args: Sequence[str], env: Mapping[str, str], *, path: str = "profile"
 ) -> None:
-    """Refuse engine arguments and environment that are dangerous for any engine.
+    """Refuse engine arguments and environment that the engine policy does not allow.
 
     Returns None if ``args`` and ``env`` are acceptable for ``engine``; otherwise raises
-    CatalogError naming the offending argument (``{path}.engine_args[i]``) or variable
-    (``{path}.engine_env.NAME``). This is the hook for the per-engine allowlist; for now it
-    only denies what is obviously dangerous (code execution, library injection, writing
-    arbitrary files), including ``_`` spellings and argparse abbreviations of the options.
+    CatalogError naming the first offending argument (``{path}.engine_args[i]``) or
+    variable (``{path}.engine_env.NAME``) and why. The policy (an allowlist of tuning
+    variables; options that read, write or load, or that the agent sets, refused) is
+    :mod:`llmgw.node.engines.safety`, which the node applies again before start.
     """
-    del engine  # the per-engine allowlist will use it
-    for i, arg in enumerate(args):
-        option = _option_name(arg)
-        if option is None:
-            continue
-        for denied, reason in DENIED_ARGS.items():
-            abbreviation = (
-                len(option) - 2 >= _MIN_ABBREVIATION and denied.startswith(option)
-            )
-            if option == denied or abbreviation:
-                shown = denied if option == denied else f"{option} (an abbreviation of {denied})"
-                raise CatalogError(f"{path}.engine_args[{i}]", f"{shown} is not allowed: {reason}")
-    for name in env:
-        if name in DENIED_ENV:
-            raise CatalogError(f"{path}.engine_env.{name}", f"not allowed: {DENIED_ENV[name]}")
-        if name.upper().endswith(_DENIED_ENV_SUFFIX):
-            raise CatalogError(
-                f"{path}.engine_env.{name}",
-                "not allowed: *_PLUGIN variables make the engine load code from a path",
-            )
+    from llmgw.node.engines import safety
+
+    found = safety.violations(engine, args, env)
+    if found:
+        raise CatalogError(f"{path}.{found[0].where}", found[0].reason)
 
 
 def _profile(engine: str, data: Any) -> Profile:

@@ -73,6 +73,7 @@ def _make_cluster(
             plane.node_versions[node_id] = version
             nursery.start_soon(watch_heartbeats, session, plane.registry.lost_after)
             nursery.start_soon(_adopt_all, session, [spec.id for spec, _ in shards])
+            nursery.start_soon(_push_engines, session, dict(plane.sessions.wanted_engines))
             nursery.start_soon(_record_seen, plane, node_id, address)
             log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
             _context.results.desk = session.desk()
@@ -91,6 +92,16 @@ async def _adopt_all(session: NodeSession, shard_ids: list[str]) -> None:
             await session.adopt(shard_id)
         except Exception as exc:  # noqa: BLE001 - one shard must not stop the others being re-bound
             log.warning("node %s: could not re-bind shard %s: %s", session.node_id, shard_id, exc)
+
+
+async def _push_engines(session: NodeSession, wanted: dict[str, str]) -> None:
+    """Tell a node which engines it should have (server.yaml ``engines:``)."""
+    if not wanted:
+        return
+    try:
+        await session.want_engines(wanted)
+    except Exception as exc:  # noqa: BLE001 - an older agent without wantEngines still serves
+        log.warning("node %s: could not send its wanted engines: %s", session.node_id, exc)
 
 
 async def _record_seen(plane: ControlPlane, node_id: str, address: str) -> None:

@@ -251,6 +251,8 @@ class _Capacity:
         nid = self.node_id
         engine = self.node.engine(need.engine)
         if engine is None or not engine.installed:
+            if engine is not None and engine.state:
+                return "engine", f"node {nid} has {need.engine} not installed yet ({engine.state})"
             if engine is not None and engine.installable:
                 return "engine", f"node {nid} has {need.engine} installable but not installed"
             return "engine", f"node {nid} has no {need.engine} installed"

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import trio
 
+from llmgw.config import GatewayConfig, TracingConfig
 from llmgw.control.cluster import handle_connection
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import Registry
@@ -30,6 +31,8 @@ from llmgw.rpc.tls import Identity
 from llmgw.router.app import create_app
 from llmgw.router.replicas import Replica, ReplicaTable
 from llmgw.router.serve import serve_gateway
+from llmgw.router.tracing import create_tracer
+from llmgw.router.upstream import UpstreamTimeouts
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ async def run_control_plane(
     heartbeat_interval: float = 2.0,
     lost_after: float = 10.0,
     replace_grace: float = 30.0,
+    gateway: GatewayConfig | None = None,
+    tracing: TracingConfig | None = None,
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane until cancelled.
@@ -135,7 +140,9 @@ async def run_control_plane(
     returned object are the bound ports; 0 asks for free ones). Raises the
     store's error if the database cannot be opened, and ``OSError`` if a port
     is taken. Cancellation closes every connection and the store; engines on
-    the nodes are not touched.
+    the nodes are not touched. ``gateway`` sets the upstream deadlines and ``tracing``
+    the OpenTelemetry export (``server.yaml`` sections; None: defaults, tracing off);
+    ``RuntimeError`` if tracing is on but OpenTelemetry is not installed.
     """
     with unwrap_single_group():
         async with open_store(store_url) as store, trio.open_nursery() as nursery:
@@ -152,7 +159,8 @@ async def run_control_plane(
             plane.reconciler = Reconciler(registry, plane._catalog, sessions)
             await nursery.start(plane.reconciler.run)
             await nursery.start(plane.feed_gateway)
-            plane.http_port = await nursery.start(serve_gateway, create_app(plane.table), http_host, http_port)
+            gateway_app = create_app(plane.table, timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing))
+            plane.http_port = await nursery.start(serve_gateway, gateway_app, http_host, http_port)
             plane.gateway_url = f"http://{_url_host(http_host)}:{plane.http_port}"
 
             async def handler(stream: trio.SSLStream, identity: Identity) -> None:
@@ -161,6 +169,15 @@ async def run_control_plane(
             plane.rpc_port = await nursery.start(net.listen, handler, rpc_host, rpc_port, server_context)
             log.info("control plane: rpc on %s:%d, gateway on %s", rpc_host, plane.rpc_port, plane.gateway_url)
             task_status.started(plane)
+
+
+def _upstream_timeouts(gateway: GatewayConfig | None) -> UpstreamTimeouts:
+    """Return the gateway's upstream deadlines from ``server.yaml``'s ``gateway:`` section."""
+    if gateway is None:
+        return UpstreamTimeouts()
+    return UpstreamTimeouts(
+        connect=gateway.connect_timeout, first_byte=gateway.first_byte_timeout, chunk=gateway.chunk_timeout
+    )
 
 
 def _url_host(host: str) -> str:

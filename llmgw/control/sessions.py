@@ -23,7 +23,7 @@ import trio
 
 from llmgw.control.registry import Registry
 from llmgw.rpc import convert, schema
-from llmgw.spec import ShardSpec
+from llmgw.spec import EngineInfo, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ DEFAULT_STOP_GRACE = 10.0
 ADOPT_TIMEOUT = 10.0
 #: Logs are read from a file on the node.
 LOGS_TIMEOUT = 10.0
+#: Telling an agent its wanted engines is a small message; the installs run afterwards.
+WANT_ENGINES_TIMEOUT = 10.0
+#: An engine's version and device check starts the engine binary once (CUDA init included);
+#: a little above the agent's own limit, so the agent's reason arrives first.
+CHECK_ENGINE_TIMEOUT = 130.0
 
 
 class NoSession(LookupError):
@@ -95,7 +100,23 @@ class NodeSession:
                 session.last_heartbeat = trio.current_time()
                 session.registry.heartbeat(session.node_id, hw, epoch=session.epoch)
 
+            async def reportEngines(self, engines: Any, **_: Any) -> None:
+                infos = [convert.engine_from(e) for e in engines]
+                session.last_heartbeat = trio.current_time()
+                engines_changed(session.registry, session.node_id, infos, session.epoch)
+
         return NodeDeskServer()
+
+    async def want_engines(self, wanted: dict[str, str]) -> None:
+        """Tell the agent which engines (name -> version, "" = its default) it should have."""
+        with trio.fail_after(WANT_ENGINES_TIMEOUT):
+            await self.agent.wantEngines([{"key": k, "value": v} for k, v in sorted(wanted.items())])
+
+    async def check_engine(self, engine: str) -> str:
+        """Returns the output of ``engine``'s version and device check on this node."""
+        with trio.fail_after(CHECK_ENGINE_TIMEOUT):
+            result = await self.agent.checkEngine(engine)
+            return str(result.output)
 
     async def adopt(self, shard_id: str) -> None:
         """Re-bind a shard the agent reported at join to a reporter of this session."""
@@ -130,9 +151,12 @@ class NodeSession:
 class NodeSessions:
     """The current session of every connected node; the reconciler's executor."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, wanted_engines: dict[str, str] | None = None) -> None:
         self.registry = registry
         self._sessions: dict[str, NodeSession] = {}
+        #: server.yaml ``engines:`` (name -> version, "" = the agent's default): pushed to every
+        #: node when it joins.
+        self.wanted_engines: dict[str, str] = dict(wanted_engines or {})
 
     def attach(self, session: NodeSession) -> None:
         """Make ``session`` the node's current one; an older session of that node is closed."""
@@ -167,6 +191,23 @@ class NodeSessions:
 
     async def stop_replica(self, node_id: str, shard_id: str) -> None:
         await self.get(node_id).stop_shard(shard_id)
+
+
+def engines_changed(registry: Registry, node_id: str, engines: list[EngineInfo], epoch: int) -> None:
+    """Record a node's new engine list (install progress included) in the live view.
+
+    Ignored for a stale session (another ``epoch``) or an unknown node. Wakes the
+    reconciler: placement sees the new list (and its refusal text the install progress).
+    """
+    try:
+        node = registry._live(node_id, epoch)  # noqa: SLF001 - see the report: belongs in Registry
+    except Exception:  # noqa: BLE001 - a late report from a replaced session
+        return
+    if node.engines == tuple(engines):
+        return
+    node.engines = tuple(engines)
+    registry._touch(node_id)  # noqa: SLF001 - drop the cached view of this node
+    registry._bump()  # noqa: SLF001 - a new pass: placement's refusal text shows install progress
 
 
 async def watch_heartbeats(session: NodeSession, lost_after: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import ssl
+from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
@@ -26,7 +27,9 @@ import trio
 
 from llmgw import __version__
 from llmgw.node import discovery
+from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
+from llmgw.node.weights import disk_usage, prepare_weights_dir
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.spec import ShardStatus
@@ -41,6 +44,11 @@ JOIN_TIMEOUT = 15.0
 REPORT_TIMEOUT = 10.0
 #: Heartbeats missed in a row before the agent gives up on a session and reconnects.
 HEARTBEAT_MISSES = 3
+#: An engine's version and device check starts the engine binary once (CUDA init included).
+ENGINE_CHECK_TIMEOUT = 120.0
+#: At most one engine report per this many seconds: install progress changes often,
+#: the operator needs it fresh, the control plane does not need every step.
+ENGINE_REPORT_INTERVAL = 1.0
 
 
 class RemoteReporter:
@@ -73,7 +81,7 @@ def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
     return ShardServer()
 
 
-def _make_agent_server(supervisor: Supervisor) -> Any:
+def _make_agent_server(supervisor: Supervisor, converger: Converger | None = None) -> Any:
     s = schema.load()
 
     class AgentServer(s.Agent.Server):
@@ -91,6 +99,21 @@ def _make_agent_server(supervisor: Supervisor) -> Any:
 
         async def ping(self, **_: Any) -> None:
             return None
+
+        async def wantEngines(self, engines: Any, **_: Any) -> None:
+            wanted = {str(kv.key): str(kv.value) for kv in engines}
+            if converger is not None:
+                converger.want(wanted)
+
+        async def checkEngine(self, engine: str, _context: Any, **_: Any) -> None:
+            name = str(engine)
+            if converger is None:
+                raise RuntimeError("this agent does not manage engine installs")
+            with trio.fail_after(ENGINE_CHECK_TIMEOUT):
+                try:
+                    _context.results.output = await converger.check(name)
+                except InstallError as exc:
+                    raise RuntimeError(str(exc)) from None
 
     return AgentServer()
 
@@ -111,6 +134,17 @@ class Agent:
     backoff_max: float = 30.0
     #: The agent heartbeats at the shorter of this and the interval the control plane asks for.
     heartbeat_interval: float | None = None
+    #: Installs engines and reports them (None: only the simulator, never installing).
+    converger: Converger | None = None
+    #: Where fetched weights go; created at start, its disk reported in every heartbeat
+    #: (None: ``<supervisor state dir>/../weights``).
+    weights_dir: Path | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.converger is None:
+            self.converger = Converger({"sim": SimInstaller()})
+        if self.weights_dir is None:
+            self.weights_dir = self.supervisor.state_dir.parent / "weights"
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise engines and keep a session with a control plane until cancelled.
@@ -118,8 +152,11 @@ class Agent:
         Cancellation ends the session and leaves engines running (their state
         stays on disk for the next agent to adopt).
         """
+        assert self.converger is not None and self.weights_dir is not None
+        self.weights_dir = await trio.to_thread.run_sync(prepare_weights_dir, self.weights_dir)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.supervisor.run)
+            await nursery.start(self.converger.run)
             task_status.started()
             await self._session_loop()
 
@@ -147,9 +184,41 @@ class Agent:
     def _probe(self, control_plane_host: str) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
         """Blocking discovery for a registration: address, hardware, engines (run in a thread)."""
         address = self.engine_host or discovery.route_address(control_plane_host)
-        hardware = convert.hardware_dict(discovery.read_hardware())
-        engines = [convert.engine_dict(e.probe()) for e in self.supervisor.engines.values()]
+        hardware = convert.hardware_dict(self._read_hardware())
+        engines = self._engine_dicts()
         return address, hardware, engines
+
+    def _read_hardware(self) -> Any:
+        """Blocking: discovery's figures plus the weights directory's disk (run in a thread)."""
+        hardware = discovery.read_hardware()
+        assert self.weights_dir is not None
+        free_mb, total_mb = disk_usage(self.weights_dir)
+        return attrs.evolve(hardware, disk_free_mb=free_mb, disk_total_mb=total_mb)
+
+    def _engine_dicts(self) -> list[dict[str, Any]]:
+        """The engines to report: the converger's view, plus adapters it has no installer for."""
+        assert self.converger is not None
+        engines = {e.name: e for e in self.converger.engines()}
+        for name, adapter in self.supervisor.engines.items():
+            if name not in engines:
+                engines[name] = adapter.probe()
+        return [convert.engine_dict(e) for _, e in sorted(engines.items())]
+
+    async def _report_engines(self, desk: Any) -> None:
+        """Send the node's engines up whenever the converger's view changes, throttled."""
+        assert self.converger is not None
+        seen = self.converger.version
+        while True:
+            seen = await self.converger.wait_changed(seen)
+            try:
+                with trio.fail_after(REPORT_TIMEOUT):
+                    await desk.reportEngines(self._engine_dicts())
+            except (trio.TooSlowError, capnp.KjException) as exc:
+                # The heartbeat loop notices a dead session and reconnects; the next
+                # registration carries the engines anyway.
+                log.warning("agent: could not report engines: %s", exc)
+                return
+            await trio.sleep(ENGINE_REPORT_INTERVAL)
 
     async def _session(self, address: str, stream: trio.SSLStream) -> bool:
         """Run one session on a connected stream until it breaks. Returns True if the join succeeded."""
@@ -174,7 +243,7 @@ class Agent:
                     "shards": shards,
                     "engines": engines,
                     "features": ["adopt", "stop-grace"],
-                    "agent": _make_agent_server(self.supervisor),
+                    "agent": _make_agent_server(self.supervisor, self.converger),
                     "version": __version__,
                 }
                 with trio.fail_after(JOIN_TIMEOUT):
@@ -185,11 +254,22 @@ class Agent:
                     interval = min(interval, self.heartbeat_interval)
                 joined = True
                 log.info("agent: joined %s as node %r (%d shards)", address, self.node_id, len(shards))
-                while True:
-                    await trio.sleep(interval)
-                    beat = convert.hardware_dict(await trio.to_thread.run_sync(discovery.read_hardware))
-                    with trio.fail_after(interval * HEARTBEAT_MISSES):
-                        await desk.heartbeat(beat)
+                # The heartbeat loop's failure is re-raised outside the nursery, unwrapped, for
+                # the handlers below; the engine reporter ends quietly when the session breaks.
+                failure: BaseException | None = None
+                async with trio.open_nursery() as session_nursery:
+                    session_nursery.start_soon(self._report_engines, desk)
+                    try:
+                        while True:
+                            await trio.sleep(interval)
+                            beat = convert.hardware_dict(await trio.to_thread.run_sync(self._read_hardware))
+                            with trio.fail_after(interval * HEARTBEAT_MISSES):
+                                await desk.heartbeat(beat)
+                    except (trio.TooSlowError, capnp.KjException) as exc:
+                        failure = exc
+                    session_nursery.cancel_scope.cancel()
+                if failure is not None:
+                    raise failure
         except trio.TooSlowError:
             log.warning("agent: %s stopped answering; reconnecting", address)
         except capnp.KjException as exc:

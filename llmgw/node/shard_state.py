@@ -25,7 +25,8 @@ import attrs
 
 from llmgw.files import atomic_write
 from llmgw.node.process import ProcessIdentity
-from llmgw.spec import ShardSpec
+from llmgw.spec import Compute, ShardSpec
+from llmgw.node.engines.compute import compute_from_json, compute_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ShardRecord:
     failed: bool = False  # gave up; kept so a restarted agent still reports FAILED
     message: str = ""
     last_output: tuple[str, ...] = ()
+    compute: Compute | None = None  # what the engine said it computes on (at READY)
 
     def to_json(self) -> dict[str, Any]:
         """Returns a JSON-ready dict (see :meth:`from_json`)."""
@@ -71,6 +73,7 @@ class ShardRecord:
             "failed": self.failed,
             "message": self.message,
             "last_output": list(self.last_output),
+            "compute": compute_to_json(self.compute),
         }
 
     @classmethod
@@ -99,6 +102,7 @@ class ShardRecord:
             failed=bool(data.get("failed", False)),
             message=str(data.get("message", "")),
             last_output=tuple(str(x) for x in data.get("last_output", ())),
+            compute=compute_from_json(data.get("compute")),
         )
 
 

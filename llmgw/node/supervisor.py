@@ -40,6 +40,8 @@ import trio
 
 from llmgw.node import shard_state
 from llmgw.node.engines import ENGINES, Engine, EngineRefused, base_environment, get_engine
+from llmgw.node.engines import compute as engine_compute
+from llmgw.node.fetch import FetchError, fetch_weights, is_remote
 from llmgw.node.process import (
     EngineProcess,
     OutputTail,
@@ -155,8 +157,12 @@ class Supervisor:
         host: str = "127.0.0.1",
         engines: Mapping[str, Engine] | None = None,
         policy: RestartPolicy | None = None,
+        fetch_settings: FetchSettings | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
+        #: Where weights of shards with an http(s)/hf:// source are fetched to before start
+        #: (default: ``<state_dir>/../weights``, the agent's default weights directory).
+        self.fetch_settings = fetch_settings or FetchSettings(weights_dir=self.state_dir.parent / "weights")
         self.host = host
         self.engines: Mapping[str, Engine] = ENGINES if engines is None else engines
         self.policy = policy or RestartPolicy()
@@ -270,11 +276,16 @@ class _Shard:
         self.engine = engine
         self.dir = shard_state.shard_dir(sup.state_dir, record.spec.id)
         self.tail = OutputTail(self.dir / shard_state.LOG_FILE)
+        # compute: the engine's startup lines until READY, parsed then (engine_compute)
+        self.collector = engine_compute.OutputCollector()
+        self.tail.on_line = self.collector.add
+        self._fatal: str | None = None  # set when the engine must be FAILED, not restarted
         self.status = ShardStatus(
             id=record.spec.id,
             state=ShardState.STARTING,
             endpoint=endpoint_url(sup.host, record.port),
             restarts=record.restarts,
+            compute=record.compute,
         )
         self._reporter = reporter
         self._delivered: tuple[object, ShardStatus] | None = None  # (reporter, status) last sent
@@ -472,9 +483,15 @@ class _Shard:
                     process = await self._spawn()
                 except OSError as exc:
                     outcome = f"the engine could not be started: {exc}"
+                except FetchError as exc:
+                    outcome = f"the weights could not be fetched: {exc}"
             if process is not None:
                 outcome, ready, uptime = await self._supervise(process)
                 process = None
+                if self._fatal is not None:  # e.g. given GPUs, the engine found none: retrying cannot help
+                    self.status = attrs.evolve(self.status, compute=self.record.compute)
+                    await self._give_up(self._fatal, self.tail.run_output(LAST_OUTPUT_LINES))
+                    return
             if ready and uptime >= self._policy.backoff_reset_after:
                 failures = 0
             failures += 1
@@ -505,6 +522,21 @@ class _Shard:
         await self._save()
         self.publish(ShardState.FAILED, message, pid=0, last_output=last_output)
 
+    async def _local_weights(self) -> ShardSpec:
+        """Returns the spec with ``source`` a local path, fetching remote weights first.
+
+        Progress is published as STARTING ("fetching weights: 1.2/4.0 GB"). Raises
+        :class:`FetchError`; cancellation leaves only resumable ``.partial`` files.
+        """
+        if not is_remote(self.spec.source):
+            return self.spec
+
+        def progress(message: str) -> None:
+            self.publish(ShardState.STARTING, message, pid=0)
+
+        local = await fetch_weights(self.spec.source, self._sup.fetch_settings, progress)
+        return attrs.evolve(self.spec, source=str(local))
+
     async def _spawn(self) -> EngineProcess:
         """Starts a new engine run (log rotated if large); returns it, identity persisted.
 
@@ -520,8 +552,11 @@ class _Shard:
             pass
         self.tail.skip_to_end()
         self.tail.mark_run_start()
-        argv = self.engine.argv(self.spec, self._sup.host, self.port)
-        env = {**base_environment(), **self.engine.env(self.spec)}
+        self.collector.reset()
+        self._fatal = None
+        spec = await self._local_weights()
+        argv = self.engine.argv(spec, self._sup.host, self.port)
+        env = {**base_environment(), **self.engine.env(spec)}
         process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
         self._process = process  # before any checkpoint: a stop from now on must find it
         self.record.identity = process.identity
@@ -588,8 +623,12 @@ class _Shard:
                     if not self._ready_seen:
                         self._ready_seen = True
                         await self._refresh_identity()
+                        fatal = await self._read_compute()
+                        if fatal is not None:
+                            self._fatal = fatal
+                            return fatal
                     if self.status.state != ShardState.READY:
-                        self.publish(ShardState.READY, "health check passing", last_output=())
+                        self.publish(ShardState.READY, "health check passing", last_output=(), compute=self.record.compute)
                 else:
                     failures += 1
                     if not self._ready_seen and trio.current_time() >= deadline:
@@ -613,6 +652,26 @@ class _Shard:
                 return True, "HTTP 200"
             return False, f"{url} answered HTTP {response.status_code}"
         return False, f"{url} did not answer within {self._policy.health_timeout:g} s"
+
+    async def _read_compute(self) -> str | None:
+        """Reads what the engine computes on (its output, else nvidia-smi, else CPU) and persists it.
+
+        Returns the reason the shard must FAIL (given GPUs, the engine says it has none),
+        in the engine's words, or None. Called once per run, when the engine is first healthy.
+        """
+        assert self.engine is not None
+        lines = self.collector.close() or list(self.tail.lines)  # adopted runs: what the log still holds
+        parsed = engine_compute.engine_compute(self.engine, lines)
+        failure = engine_compute.engine_gpu_failure(self.engine, parsed, self.spec)
+        pid = self._process.identity.pid if self._process is not None else 0
+        if parsed is None and self.record.compute is not None:
+            compute = self.record.compute  # an adopted engine whose startup lines are gone: keep what it said
+        else:
+            compute = await trio.to_thread.run_sync(engine_compute.resolve_compute, parsed, self.spec, pid)
+        if compute != self.record.compute:
+            self.record.compute = compute
+            await self._save()
+        return failure
 
     async def _refresh_identity(self) -> None:
         """Re-reads the engine's identity once ready (engines may retitle themselves) and persists it."""

@@ -24,7 +24,7 @@ import json
 import logging
 import re
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 import httpx
 from quart import Response, g, request
@@ -32,9 +32,17 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from . import errors
+from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
+from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
 from .replicas import LeastOutstanding, Lease, LoadTracker, ReplicaTable, RequestInfo, RoutingPolicy
 from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly
+from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
+
+# -- observability (metrics, tracing, deadlines: llmgw/router/{metrics,tracing,instrument}.py)
+from .instrument import TRACE_KEY, Instrumentation
+from .metrics import GatewayMetrics
+from .tracing import GatewayTracer
 
 log = logging.getLogger(__name__)
 
@@ -112,25 +120,47 @@ class Gateway:
         load: LoadTracker | None = None,
         policy: RoutingPolicy | None = None,
         timeouts: UpstreamTimeouts = UpstreamTimeouts(),
+        auth: AuthTable | None = None,
+        admission: Admission | None = None,
+        usage: UsageMeter | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        metrics: GatewayMetrics | None = None,
+        tracer: GatewayTracer | None = None,
     ) -> None:
         self.table = table
+        # Without an AuthTable every request is served (tenant "anonymous"): the
+        # behaviour of a bare gateway in tests; the control plane always passes one.
+        self.auth = auth if auth is not None else AuthTable(enabled=False)
+        self.admission = admission if admission is not None else Admission()
+        self.usage = usage if usage is not None else UsageMeter()
+        self.max_request_bytes = max_request_bytes
+        #: Cluster setting ``serving.stopped``: every POST under /v1/ is answered 503.
+        self.stopped = False
         self.load = load if load is not None else LoadTracker()
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
         self.timeouts = timeouts
         self.upstream: UpstreamClient | None = None
+        # Observability: metrics served on /metrics (in-flight read from ``load``); the
+        # tracer (None: tracing off) is owned by the gateway and closed when it stops.
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.metrics.bind_sources(table.has_model, self.load.snapshot, lambda: _replica_ids(table))
+        if self.admission.metrics is None:
+            self.admission.metrics = self.metrics
+        self.tracer = tracer
         self.app = self._build_app()
 
     # -- app wiring ---------------------------------------------------------------------
 
     def _build_app(self) -> QuartTrio:
         app = QuartTrio(__name__)
-        app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
+        app.config["MAX_CONTENT_LENGTH"] = self.max_request_bytes
         app.config["BODY_TIMEOUT"] = BODY_TIMEOUT_S
         # Streams last as long as generation does; they are bounded by the upstream
         # read deadline between chunks instead of a total response timeout.
         app.config["RESPONSE_TIMEOUT"] = None
         app.extensions["llmgw.gateway"] = self
         app.asgi_app = _RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
+        app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]
 
         app.before_serving(self._start)
         app.after_serving(self._stop)
@@ -141,6 +171,7 @@ class Gateway:
         app.register_error_handler(Exception, self._on_unexpected)
 
         app.add_url_rule("/healthz", "healthz", self._healthz, methods=["GET"])
+        app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])
         for path in FORWARDED_PATHS:
@@ -148,12 +179,14 @@ class Gateway:
         return app
 
     async def _start(self) -> None:
-        self.upstream = UpstreamClient(self.timeouts)
+        self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)
 
     async def _stop(self) -> None:
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             await upstream.aclose()
+        if self.tracer is not None:
+            await self.tracer.aclose()
 
     async def _assign_request_id(self) -> None:
         given = request.headers.get("x-request-id", "")
@@ -185,13 +218,26 @@ class Gateway:
     async def _healthz(self) -> Response:
         return _json({"status": "ok"})
 
+    def upstream_client(self) -> UpstreamClient:
+        """Return the upstream client; raise a 503 GatewayError if the gateway is not serving."""
+        upstream = self.upstream
+        if upstream is None:
+            raise GatewayError(503, "The gateway is shutting down.", "service_unavailable")
+        return upstream
+
+    async def _metrics(self) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, status=200, content_type=content_type)
+
     async def _list_models(self) -> Response:
-        data = [_model_object(m.name, m.created) for m in self.table.models()]
+        tenant = self.auth.authenticate(request.headers.get("authorization"))
+        data = [_model_object(m.name, m.created) for m in self.table.models() if tenant.allows(m.name)]
         return _json({"object": "list", "data": data})
 
     async def _get_model(self, model: str) -> Response:
+        tenant = self.auth.authenticate(request.headers.get("authorization"))
         for entry in self.table.models():
-            if entry.name == model:
+            if entry.name == model and tenant.allows(model):
                 return _json(_model_object(entry.name, entry.created))
         raise errors.model_not_found(model)
 
@@ -200,11 +246,24 @@ class Gateway:
     async def _forward(self) -> Response:
         """Route the request to a replica and return its answer (see the module docstring).
 
+        Order: key (401), ``serving.stopped`` (503), size (413), body (400), the tenant's
+        models (403), catalog (404), ready replicas (503), admission (429/503), route.
         Raises GatewayError for anything the client should see as an error.
         """
+        tenant = self.auth.authenticate(request.headers.get("authorization"))
+        labels = request.scope.setdefault("extensions", {}).setdefault("llmgw", {})
+        labels["tenant"] = tenant.name
+        if self.stopped:
+            raise system_stopped()
+        limit = request.max_content_length
+        if limit is not None and (request.content_length or 0) > limit:
+            raise request_too_large(limit)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         info = _parse_request(request.path, body)
+        labels["model"] = info.model
+        if not tenant.allows(info.model):
+            raise model_not_allowed(tenant.name, info.model)
         candidates = self.table.replicas(info.model)
         if candidates is None:
             raise errors.model_not_found(info.model)
@@ -215,14 +274,34 @@ class Gateway:
             raise GatewayError(503, "The gateway is shutting down.", "service_unavailable")
 
         stack = _request_stack()
+        trace = request.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
+        with trace.span("admission") if trace is not None else _NO_SPAN:
+            ticket = await self.admission.admit(
+                tenant, info.model, len(candidates), lambda: estimate_tokens(info.body)
+            )
+        stack.callback(ticket.release)
+        candidates = self.table.replicas(info.model) or ()  # it may have changed while queued
+        if not candidates:
+            raise errors.no_ready_replica(info.model)
+        strip_usage = False
+        if info.stream:
+            body, strip_usage = _ask_for_usage(info.body, body)
+        accounting = _Accounting(self.usage, self.admission, ticket, tenant, info.model, strip_usage)
         tried: set[str] = set()
         for _ in range(MAX_ATTEMPTS):
             remaining = [r for r in candidates if r.id not in tried]
             if not remaining:
                 break
-            replica = self.policy.choose(remaining, info)
+            if tried:
+                self.metrics.retry(info.model)
+            with trace.span("schedule") if trace is not None else _NO_SPAN:
+                replica = self.policy.choose(remaining, info)
             lease = self.load.acquire(replica.id)
             stack.callback(lease.release)
+            trace_headers = None
+            if trace is not None:
+                span, trace_headers = trace.start_upstream(replica.id)
+                stack.callback(trace.end, span)
             try:
                 response = await upstream.open(
                     replica,
@@ -232,6 +311,7 @@ class Gateway:
                     headers=request.headers,
                     body=body,
                     request_id=g.request_id,
+                    extra_headers=trace_headers,
                 )
             except UpstreamConnectError as error:
                 lease.release()
@@ -245,23 +325,27 @@ class Gateway:
                 lease.release()
                 raise errors.upstream_failed(info.model, _describe(error)) from error
             stack.push_async_callback(close_quietly, response)
-            return await self._relay(response, lease, info)
+            labels["replica"] = replica.id
+            return await self._relay(response, lease, info, accounting)
         raise errors.replicas_unreachable(info.model, len(tried))
 
-    async def _relay(self, upstream: httpx.Response, lease: Lease, info: RequestInfo) -> Response:
+    async def _relay(
+        self, upstream: httpx.Response, lease: Lease, info: RequestInfo, accounting: _Accounting
+    ) -> Response:
         """Return the client response for ``upstream``; releases ``lease`` when the body is done."""
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"content-type": content_type, "x-request-id": g.request_id}
         if content_type.split(";")[0].strip().lower() == _EVENT_STREAM:
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
+            chunks = self.upstream_client().iter_body(upstream, lease.replica_id)  # under deadlines
             return Response(
-                _relay_stream(upstream, lease, info.model, g.request_id),
+                _relay_stream(upstream, lease, info.model, g.request_id, accounting, chunks),
                 status=upstream.status_code,
                 headers=headers,
             )
         try:
-            content = await upstream.aread()
+            content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
             raise errors.upstream_timeout(info.model, _describe(error)) from error
         except httpx.HTTPError as error:
@@ -269,11 +353,57 @@ class Gateway:
         finally:
             lease.release()
             await close_quietly(upstream)
+        accounting.done(usage_from_body(content) if upstream.status_code == 200 else None)
         return Response(content, status=upstream.status_code, headers=headers)
 
 
+class _Accounting:
+    """Ends one admitted request's accounting: usage to the meter (and metrics), the
+    token budget settled, the admission slot freed. :meth:`done` runs once."""
+
+    __slots__ = ("meter", "admission", "ticket", "tenant", "model", "stream")
+
+    def __init__(
+        self, meter: UsageMeter, admission: Admission, ticket: Ticket, tenant: Tenant, model: str,
+        strip_usage: bool,
+    ) -> None:
+        self.meter = meter
+        self.admission = admission
+        self.ticket = ticket
+        self.tenant = tenant
+        self.model = model
+        self.stream = StreamUsage(strip=strip_usage)
+
+    def done(self, usage: Usage | None) -> None:
+        ticket: Ticket | None = self.ticket
+        self.ticket = None
+        if ticket is None:
+            return
+        ticket.release()
+        self.meter.record(self.tenant.name, self.model, usage)
+        if usage is not None:
+            ticket.settle(usage.total)
+            metrics = self.admission.metrics
+            if metrics is not None:
+                metrics.usage(self.tenant.name, self.model, usage.prompt_tokens, usage.completion_tokens)
+
+
+def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]:
+    """Return the body to send for a stream, with ``stream_options.include_usage`` set, and
+    whether the usage chunk must be stripped (the client did not ask for it)."""
+    options = parsed.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return body, False
+    changed = dict(parsed)
+    changed["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {
+        "include_usage": True
+    }
+    return json.dumps(changed).encode(), True
+
+
 async def _relay_stream(
-    upstream: httpx.Response, lease: Lease, model: str, request_id: str
+    upstream: httpx.Response, lease: Lease, model: str, request_id: str, accounting: _Accounting,
+    body: AsyncIterator[bytes],
 ) -> AsyncIterator[bytes]:
     """Yield the upstream body's bytes as they arrive; release ``lease`` and close at the end.
 
@@ -282,21 +412,31 @@ async def _relay_stream(
     OpenAI clients raise as an error) instead of a silently truncated answer.
     Cancellation (client gone) closes the upstream connection and propagates.
     """
+    watch = accounting.stream
     try:
         try:
-            async with contextlib.aclosing(upstream.aiter_raw()) as chunks:
+            async with contextlib.aclosing(body) as chunks:  # type: ignore[type-var]
                 async for chunk in chunks:
-                    yield chunk
+                    out = watch.feed(chunk)
+                    if out:
+                        yield out
         except httpx.TimeoutException as error:
             failure = errors.upstream_timeout(model, _describe(error))
         except httpx.HTTPError as error:
             failure = errors.upstream_failed(model, _describe(error))
         else:
+            rest = watch.flush()
+            if rest:
+                yield rest
             return
+        rest = watch.flush()
+        if rest:
+            yield rest
         log.warning("request %s: stream from replica broke: %s", request_id, failure.message)
         yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
     finally:
         lease.release()
+        accounting.done(watch.usage)
         await close_quietly(upstream)
 
 
@@ -328,6 +468,15 @@ def _json(value: object, status: int = 200) -> Response:
     return Response(json.dumps(value), status=status, content_type="application/json")
 
 
+# Observability helpers: the stand-in for a span when tracing is off (reusable), and the
+# replica ids the in-flight gauge reports even when idle.
+_NO_SPAN = contextlib.nullcontext()
+
+
+def _replica_ids(table: ReplicaTable) -> list[str]:
+    return [r.id for m in table.models() for r in table.replicas(m.name) or ()]
+
+
 def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
@@ -338,9 +487,19 @@ def create_app(
     load: LoadTracker | None = None,
     policy: RoutingPolicy | None = None,
     timeouts: UpstreamTimeouts = UpstreamTimeouts(),
+    auth: AuthTable | None = None,
+    admission: Admission | None = None,
+    usage: UsageMeter | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    metrics: GatewayMetrics | None = None,
+    tracer: GatewayTracer | None = None,
 ) -> QuartTrio:
     """Return the gateway's Quart-Trio app routing over ``table`` (see :class:`Gateway`)."""
-    return Gateway(table, load=load, policy=policy, timeouts=timeouts).app
+    return Gateway(
+        table, load=load, policy=policy, timeouts=timeouts, auth=auth, admission=admission,
+        usage=usage, max_request_bytes=max_request_bytes,
+        metrics=metrics, tracer=tracer,
+    ).app
 
 
 def gateway_of(app: QuartTrio) -> Gateway:

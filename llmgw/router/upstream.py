@@ -5,18 +5,31 @@ keep-alive connections are reused across requests, every phase has a deadline, a
 client is closed when the gateway app shuts down. Requests go out with
 ``Accept-Encoding: identity`` so the bytes the engine sends are exactly the bytes the
 gateway relays (no re-compression, no buffering inside a decoder).
+
+Deadlines (:class:`UpstreamTimeouts`, each a module constant below, overridable in
+``server.yaml`` under ``gateway:``): connect; first byte (the response head, and then
+the first body chunk, each within it); the gap between body chunks. A deadline raises
+:class:`UpstreamDeadline` (an ``httpx.TimeoutException``) naming the phase, so the
+caller answers 504 before the first byte and ends a stream with an error event after it;
+a connect failure raises :class:`UpstreamConnectError` (retryable on another replica).
+Each failure is counted in the gateway's metrics (``upstream_error(replica, kind)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 import attrs
 import httpx
 import trio
 
+from .h1pool import H1Pool, H1Response
 from .replicas import Replica
+
+if TYPE_CHECKING:
+    from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +38,18 @@ log = logging.getLogger(__name__)
 # the retry on another replica.
 CONNECT_TIMEOUT_S = 5.0
 
-# Seconds allowed between two reads from a replica. A non-streaming completion sends
-# nothing until it is finished, which on a slow CPU replica with a long max_tokens can
-# take minutes; a streaming one sends a chunk per token. 600 s covers the former.
-READ_TIMEOUT_S = 600.0
+# Seconds from sending a request to the response head, and again from the head to the
+# first body chunk. A non-streaming completion sends nothing until it is finished, which
+# on a slow CPU replica with a long max_tokens can take minutes; a stream's first chunk
+# waits for queueing and prefill of a long prompt. 600 s covers both; past it the
+# replica is stuck, and the client gets a 504 instead of waiting forever.
+FIRST_BYTE_TIMEOUT_S = 600.0
+
+# Seconds allowed between two body chunks once the first has arrived. A decoding step
+# takes milliseconds to a second; a preempted request recomputing a long prompt on a
+# saturated replica can pause for tens of seconds. Longer than 60 s means a stalled
+# engine: the stream ends with an error event rather than hanging the client.
+CHUNK_TIMEOUT_S = 60.0
 
 # Seconds to write the request body (prompts are at most a few MB over a LAN).
 WRITE_TIMEOUT_S = 30.0
@@ -51,23 +72,57 @@ MAX_KEEPALIVE_CONNECTIONS = 256
 # cancellation that usually triggered the cleanup).
 CLOSE_TIMEOUT_S = 5.0
 
+# Seconds added to httpx's own per-read timeout on top of the longer of the first-byte
+# and chunk deadlines, so the gateway's deadlines (which name the phase) fire first;
+# httpx's only backs them up.
+READ_BACKSTOP_SLACK_S = 5.0
+
 # Request headers copied from the client to the replica. Authorization is not: the
-# client's key is a gateway key, not the engine's.
-FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "user-agent")
+# client's key is a gateway key, not the engine's. W3C trace context passes through
+# (engines join the client's trace); with tracing on the gateway's own span replaces it.
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "user-agent", "traceparent", "tracestate")
 
 
 @attrs.frozen
 class UpstreamTimeouts:
-    """Deadlines, in seconds, for talking to replicas (see the module constants)."""
+    """Deadlines, in seconds, for talking to replicas (see the module constants).
+
+    ``first_byte`` bounds the wait for the response head and then for the first body
+    chunk; ``chunk`` bounds each later gap between body chunks.
+    """
 
     connect: float = CONNECT_TIMEOUT_S
-    read: float = READ_TIMEOUT_S
+    first_byte: float = FIRST_BYTE_TIMEOUT_S
+    chunk: float = CHUNK_TIMEOUT_S
     write: float = WRITE_TIMEOUT_S
     pool: float = POOL_TIMEOUT_S
 
     def to_httpx(self) -> httpx.Timeout:
-        """Return these deadlines as an ``httpx.Timeout``."""
-        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+        """Return these deadlines as an ``httpx.Timeout`` (its read timeout is only a backstop)."""
+        read = max(self.first_byte, self.chunk) + READ_BACKSTOP_SLACK_S
+        return httpx.Timeout(connect=self.connect, read=read, write=self.write, pool=self.pool)
+
+
+class UpstreamDeadline(httpx.TimeoutException):
+    """``replica`` stayed silent past the ``phase`` deadline (``seconds``).
+
+    ``phase`` is ``"first_byte"`` (no response head), ``"first_chunk"`` (head but no
+    body) or ``"chunk"`` (a gap between body chunks). A subclass of
+    ``httpx.TimeoutException`` so code handling httpx timeouts handles it too.
+    """
+
+    _WHAT = {
+        "first_byte": ("sent no response", "gateway.first_byte_timeout"),
+        "first_chunk": ("sent no body after the response head", "gateway.first_byte_timeout"),
+        "chunk": ("went silent in the middle of the response", "gateway.chunk_timeout"),
+    }
+
+    def __init__(self, replica_id: str, phase: str, seconds: float) -> None:
+        what, key = self._WHAT[phase]
+        super().__init__(f"replica {replica_id} {what} within {seconds:g}s (the {key} deadline in server.yaml)")
+        self.replica_id = replica_id
+        self.phase = phase
+        self.seconds = seconds
 
 
 class UpstreamConnectError(Exception):
@@ -83,23 +138,27 @@ class UpstreamConnectError(Exception):
 
 
 class UpstreamClient:
-    """Sends requests to replicas over one pooled ``httpx.AsyncClient``.
+    """Sends requests to replicas over keep-alive connections pooled per replica.
+
+    The transport is :class:`~llmgw.router.h1pool.H1Pool` (a lean HTTP/1.1 client: one
+    write per request, no per-request header models); its errors are ``httpx`` types.
 
     Create it inside a trio run (the app does so when serving starts) and close it with
     :meth:`aclose`.
     """
 
-    def __init__(self, timeouts: UpstreamTimeouts = UpstreamTimeouts()) -> None:
+    def __init__(
+        self, timeouts: UpstreamTimeouts = UpstreamTimeouts(), *, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.timeouts = timeouts
-        self._client = httpx.AsyncClient(
-            timeout=timeouts.to_httpx(),
-            limits=httpx.Limits(
-                max_connections=None,
-                max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
-            follow_redirects=False,
-            trust_env=False,  # an operator's HTTP(S)_PROXY must not capture LAN traffic to engines
+        self._metrics = metrics
+        # No proxy settings from the environment: an operator's HTTP(S)_PROXY must not
+        # capture LAN traffic to engines. No redirects are followed.
+        self._pool = H1Pool(
+            connect_timeout=timeouts.connect,
+            write_timeout=timeouts.write,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            max_idle_per_replica=MAX_KEEPALIVE_CONNECTIONS,
         )
 
     async def open(
@@ -112,39 +171,101 @@ class UpstreamClient:
         headers: Mapping[str, str],
         body: bytes,
         request_id: str,
-    ) -> httpx.Response:
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> H1Response:
         """Send one request to ``replica`` and return once the response head has arrived.
 
         ``path`` starts with ``/`` (e.g. ``/v1/chat/completions``) and is appended to the
         replica's endpoint; only :data:`FORWARDED_REQUEST_HEADERS` of ``headers`` are sent,
-        plus ``x-request-id``. ``body`` is sent byte for byte.
+        plus ``x-request-id`` and ``extra_headers`` (e.g. the gateway's ``traceparent``,
+        replacing the client's). ``body`` is sent byte for byte.
 
-        Returns a response whose body has not been read: the caller must read or
-        iterate it and then ``await response.aclose()`` (see :func:`close_quietly`).
+        Returns a response whose body has not been read: the caller must read it with
+        :meth:`read_body` or :meth:`iter_body` (which apply the body deadlines) and then
+        ``await response.aclose()`` (see :func:`close_quietly`).
 
         Raises :class:`UpstreamConnectError` when the connection could not be made
-        (retryable), ``httpx.TimeoutException`` when the replica went silent past a
-        deadline, and other ``httpx.HTTPError`` when the exchange broke. Cancellation
-        closes the half-open connection and propagates.
+        (retryable), :class:`UpstreamDeadline` when no response head came within the
+        first-byte deadline, other ``httpx.TimeoutException`` (write) and
+        ``httpx.HTTPError`` when the exchange broke. Cancellation closes the half-open
+        connection and propagates.
         """
-        url = replica.endpoint.rstrip("/") + path
-        if query:
-            url += "?" + query.decode("latin-1")
-        out_headers = {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
+        target = path + "?" + query.decode("latin-1") if query else path
+        out_headers = {name: value for name in FORWARDED_REQUEST_HEADERS if (value := headers.get(name)) is not None}
         out_headers["x-request-id"] = request_id
         out_headers["accept-encoding"] = "identity"
-        request = self._client.build_request(method, url, headers=out_headers, content=body)
+        if extra_headers:
+            out_headers.update(extra_headers)
+        response: H1Response | None = None
         try:
-            return await self._client.send(request, stream=True)
+            with trio.move_on_after(self.timeouts.first_byte):
+                response = await self._pool.request(replica.endpoint, method, target, out_headers.items(), body)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as error:
+            self._count(replica.id, "connect")
             raise UpstreamConnectError(replica, error) from error
+        except httpx.HTTPError:
+            self._count(replica.id, "protocol")
+            raise
+        if response is None:
+            self._count(replica.id, "first_byte_timeout")
+            raise UpstreamDeadline(replica.id, "first_byte", self.timeouts.first_byte)
+        if response.status_code >= 500:
+            self._count(replica.id, "status_5xx")
+        return response
+
+    async def iter_body(self, response: H1Response, replica_id: str) -> AsyncIterator[bytes]:
+        """Yield the raw body chunks of ``response`` (from :meth:`open`) as they arrive.
+
+        The first chunk must come within the first-byte deadline of the head, each later
+        one within the chunk deadline of the previous one; otherwise raises
+        :class:`UpstreamDeadline`. Other failures raise ``httpx.HTTPError``. Does not
+        close ``response``; closing this generator (``contextlib.aclosing``) closes the
+        underlying stream iterator. Cancellation propagates.
+        """
+        timeouts = self.timeouts
+        chunks = response.aiter_raw()
+        phase, limit = "first_chunk", timeouts.first_byte
+        try:
+            while True:
+                chunk: bytes | None = None
+                try:
+                    with trio.move_on_after(limit):
+                        chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    return
+                except httpx.HTTPError:
+                    self._count(replica_id, "protocol")
+                    raise
+                if chunk is None:
+                    self._count(replica_id, f"{phase}_timeout")
+                    raise UpstreamDeadline(replica_id, phase, limit)
+                yield chunk
+                phase, limit = "chunk", timeouts.chunk
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                await chunks.aclose()
+
+    async def read_body(self, response: H1Response, replica_id: str) -> bytes:
+        """Return the whole body of ``response``, read under the deadlines of :meth:`iter_body`.
+
+        Raises as :meth:`iter_body` does; does not close ``response``.
+        """
+        parts = []
+        async with contextlib.aclosing(self.iter_body(response, replica_id)) as chunks:
+            async for chunk in chunks:
+                parts.append(chunk)
+        return b"".join(parts)
+
+    def _count(self, replica_id: str, kind: str) -> None:
+        if self._metrics is not None:
+            self._metrics.upstream_error(replica_id, kind)
 
     async def aclose(self) -> None:
         """Close every pooled connection; the client cannot be used afterwards."""
-        await self._client.aclose()
+        await self._pool.aclose()
 
 
-async def close_quietly(response: httpx.Response) -> None:
+async def close_quietly(response: H1Response) -> None:
     """Close ``response`` (returning or dropping its connection), even while cancelled.
 
     Shielded and bounded by :data:`CLOSE_TIMEOUT_S`; errors while closing are logged,

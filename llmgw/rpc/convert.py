@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import Compute, ComputeDevice
 
 
 def _kv(mapping: Mapping[str, str]) -> list[dict[str, str]]:
@@ -36,6 +37,8 @@ def hardware_dict(hw: Hardware) -> dict[str, Any]:
             for g in hw.gpus
         ],
         "gpuNote": hw.gpu_note,
+        "diskFreeMb": hw.disk_free_mb,
+        "diskTotalMb": hw.disk_total_mb,
     }
 
 
@@ -48,6 +51,8 @@ def hardware_from(r: Any) -> Hardware:
             GpuInfo(g.index, g.uuid, g.name, g.memoryTotalMb, g.memoryFreeMb) for g in r.gpus
         ),
         gpu_note=r.gpuNote,
+        disk_free_mb=r.diskFreeMb,
+        disk_total_mb=r.diskTotalMb,
     )
 
 
@@ -58,11 +63,12 @@ def engine_dict(e: EngineInfo) -> dict[str, Any]:
         "version": e.version,
         "installable": e.installable,
         "detail": e.detail,
+        "state": e.state,
     }
 
 
 def engine_from(r: Any) -> EngineInfo:
-    return EngineInfo(r.name, r.installed, r.version, r.installable, r.detail)
+    return EngineInfo(r.name, r.installed, r.version, r.installable, r.detail, state=r.state)
 
 
 def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
@@ -102,7 +108,57 @@ def shard_status_dict(s: ShardStatus) -> dict[str, Any]:
         "restarts": s.restarts,
         "message": s.message,
         "lastOutput": list(s.last_output),
+        **compute_fields(s.compute),
     }
+
+
+def compute_fields(c: Compute | None) -> dict[str, Any]:
+    """Returns ``{"compute": ..., "hasCompute": ...}`` for a struct with those two fields.
+
+    ``None`` (not known yet) leaves ``compute`` unset and ``hasCompute`` false.
+    """
+    if c is None:
+        return {"hasCompute": False}
+    return {
+        "hasCompute": True,
+        "compute": {
+            "backend": c.backend,
+            "devices": [
+                {
+                    "name": d.name,
+                    "description": d.description,
+                    "memoryTotalMb": max(0, d.memory_total_mb),
+                    "memoryFreeMb": max(0, d.memory_free_mb),
+                }
+                for d in c.devices
+            ],
+            "modelBufferMb": float(c.model_buffer_mb),
+            "kvBufferMb": float(c.kv_buffer_mb),
+            "layersOffloaded": c.layers_offloaded,
+            "layersTotal": c.layers_total,
+            "threads": max(0, c.threads),
+            "source": c.source,
+            "notes": list(c.notes),
+        },
+    }
+
+
+def compute_from(r: Any) -> Compute | None:
+    """Returns the Compute of a struct with ``compute``/``hasCompute`` fields, or None if unknown."""
+    if not r.hasCompute:
+        return None
+    c = r.compute
+    return Compute(
+        backend=c.backend,
+        devices=tuple(ComputeDevice(d.name, d.description, d.memoryTotalMb, d.memoryFreeMb) for d in c.devices),
+        model_buffer_mb=c.modelBufferMb,
+        kv_buffer_mb=c.kvBufferMb,
+        layers_offloaded=c.layersOffloaded,
+        layers_total=c.layersTotal,
+        threads=c.threads,
+        source=c.source,
+        notes=tuple(c.notes),
+    )
 
 
 def shard_status_from(r: Any) -> ShardStatus:
@@ -114,6 +170,7 @@ def shard_status_from(r: Any) -> ShardStatus:
         restarts=r.restarts,
         message=r.message,
         last_output=tuple(r.lastOutput),
+        compute=compute_from(r),
     )
 
 

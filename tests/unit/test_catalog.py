@@ -153,8 +153,17 @@ def test_dangerous_env_is_refused(name: str, message: str) -> None:
 def test_harmless_args_pass() -> None:
     check_engine_args(
         "vllm",
-        ["--log-level", "debug", "--logits-processors", "-t", "4", "--tensor-parallel-size", "2", "--"],
-        {"HF_HOME": "/h", "PLUGIN_DIR": "/p"},
+        ["--log-level", "debug", "--max-model-len", "4096", "-t", "4", "--enable-lora", "--"],
+        {"OMP_NUM_THREADS": "4", "VLLM_CPU_KVCACHE_SPACE": "2", "NCCL_DEBUG": "INFO"},
+    )
+
+
+def test_path_and_code_loading_settings_are_refused_since_the_allowlist() -> None:
+    # Deliberate change (issue 4): engine env is an allowlist of tuning families, and
+    # options that load code or that the agent sets are refused.
+    assert error_of(base(profile={"engine_env": {"HF_HOME": "/h"}})).startswith("profile.engine_env.HF_HOME: not allowed")
+    assert error_of(base(profile={"engine_args": ["--logits-processors", "x"]})).startswith(
+        "profile.engine_args[0]: --logits-processors is not allowed"
     )
 
 
@@ -167,7 +176,7 @@ def test_check_engine_args_path_prefix() -> None:
 
 
 def test_model_to_dict_is_plain_data() -> None:
-    spec = validate_model(base(profile={"engine_args": ["-c", "2048"], "engine_env": {"A": "1"}}))
+    spec = validate_model(base(profile={"engine_args": ["-c", "2048"], "engine_env": {"OMP_NUM_THREADS": "1"}}))
     assert model_to_dict(spec) == {
         "name": "qwen-0.5b",
         "engine": "llama.cpp",
@@ -178,7 +187,7 @@ def test_model_to_dict_is_plain_data() -> None:
             "cpu_cores": 0.0,
             "gpus": 0,
             "engine_args": ["-c", "2048"],
-            "engine_env": {"A": "1"},
+            "engine_env": {"OMP_NUM_THREADS": "1"},
         },
     }
 
@@ -196,8 +205,9 @@ _safe_text = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-=./ ", max_s
     memory_mb=_counts,
     cpu_cores=st.floats(min_value=0, max_value=512, allow_nan=False),
     gpus=st.integers(min_value=0, max_value=8),
-    args=st.lists(_safe_text.filter(lambda a: not a.startswith("--")), max_size=4),
-    env=st.dictionaries(st.from_regex(r"[A-Z][A-Z0-9]{0,8}", fullmatch=True), _safe_text, max_size=3),
+    args=st.lists(_safe_text.filter(lambda a: not a.startswith("-")), max_size=4),
+    env=st.dictionaries(st.sampled_from(["OMP_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "NCCL_DEBUG", "MKL_NUM_THREADS"]),
+                        _safe_text, max_size=3),
 )
 def test_round_trip(
     name: str,

@@ -27,8 +27,6 @@ __all__ = [
     "ENGINES",
     "Engine",
     "EngineRefused",
-    "REFUSED_ARGS",
-    "REFUSED_ENV",
     "UnknownEngine",
     "check_refused",
     "get_engine",
@@ -39,15 +37,6 @@ __all__ = [
 DEFAULT_STARTUP_TIMEOUT = 30 * 60.0
 
 DEFAULT_HEALTH_PATH = "/health"
-
-# Environment variables that would let a profile run foreign code inside the engine
-# (a preloaded library, a CUDA injection hook, an engine plugin). fnmatch patterns.
-REFUSED_ENV: tuple[str, ...] = ("LD_PRELOAD", "LD_LIBRARY_PATH", "CUDA_INJECTION64_PATH", "*_PLUGIN")
-
-# Engine arguments that run code from the model repository or make the engine write
-# files at paths a profile chooses. Matched as "--flag" and "--flag=value".
-REFUSED_ARGS: tuple[str, ...] = ("--trust-remote-code", "--log-file", "--slot-save-path")
-
 
 class EngineRefused(ValueError):
     """A shard's args or env contain something the node refuses to run."""
@@ -89,6 +78,12 @@ class Engine(Protocol):
         """Raises :class:`EngineRefused` naming the first refused argument or variable."""
         ...
 
+    # Optional (the supervisor uses them when present; see llmgw.node.engines.compute):
+    #   parse_output(lines: list[str]) -> Compute | None
+    #       what the engine's startup output says it computes on (devices, buffers, layers);
+    #   gpu_failure(compute: Compute | None, spec: ShardSpec) -> str | None
+    #       why a shard given GPUs is not using them, in the engine's own words (None: fine).
+
 
 #: Variables of the agent's own environment an engine inherits. Everything else (credentials,
 #: proxies, library paths, the agent's own settings) stays with the agent: an engine gets this,
@@ -109,23 +104,19 @@ def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
 def check_refused(spec: ShardSpec) -> None:
     """Raises :class:`EngineRefused` if ``spec`` uses a refused argument or env variable.
 
-    The message names the offending argument and the shard, so an operator can fix the
-    model's profile. Returns None when everything is allowed.
+    The policy is :mod:`llmgw.node.engines.safety` (the catalog applies the same one).
+    The message names the shard and every offending argument and variable, so an
+    operator can fix the model's profile in one go. Returns None when everything is allowed.
     """
-    for key in spec.env:
-        for pattern in REFUSED_ENV:
-            if fnmatch.fnmatchcase(key, pattern):
-                raise EngineRefused(
-                    f"shard {spec.id}: environment variable {key!r} is refused on this node "
-                    f"(matches {pattern!r}); remove it from the model's profile engine_env"
-                )
-    for arg in spec.args:
-        flag = arg.split("=", 1)[0]
-        if flag in REFUSED_ARGS:
-            raise EngineRefused(
-                f"shard {spec.id}: engine argument {flag!r} is refused on this node; "
-                "remove it from the model's profile engine_args"
-            )
+    from llmgw.node.engines import safety
+
+    found = safety.violations(spec.engine, spec.args, spec.env)
+    if found:
+        problems = "; ".join(str(v) for v in found)
+        raise EngineRefused(
+            f"shard {spec.id}: refused on this node: {problems}; fix the model's profile "
+            "(engine_args / engine_env) and add it again"
+        )
 
 
 def get_engine(name: str, engines: Mapping[str, Engine] | None = None) -> Engine:
@@ -146,4 +137,11 @@ def get_engine(name: str, engines: Mapping[str, Engine] | None = None) -> Engine
 
 from llmgw.node.engines.sim import SimEngine  # noqa: E402  (sim uses check_refused above)
 
-ENGINES: dict[str, Engine] = {SimEngine.name: SimEngine()}
+from llmgw.node.engines.sglang import SglangEngine  # noqa: E402
+from llmgw.node.engines.vllm import VllmEngine  # noqa: E402
+
+ENGINES: dict[str, Engine] = {SimEngine.name: SimEngine(), VllmEngine.name: VllmEngine(), SglangEngine.name: SglangEngine()}
+
+from llmgw.node.engines.llamacpp import LlamaCppEngine  # noqa: E402
+
+ENGINES[LlamaCppEngine.name] = LlamaCppEngine()

@@ -1,0 +1,287 @@
+"""What a model's profile may pass to an engine: the argument and environment policy.
+
+One policy, applied twice: by catalog validation (a model that breaks it never enters
+the catalog) and by the node right before it starts an engine (the node is the one that
+runs the process, and a catalog written by an older llmgw may hold anything).
+
+Environment: for real engines an **allowlist** of tuning families (:data:`ENV_FAMILIES`:
+OpenMP, BLAS, CUDA and NCCL tuning, the engine's own ``VLLM_*``/``SGLANG_*``/``GGML_*``
+knobs...). Inside those families, and for every engine, names that carry a path, a
+plugin, a library, an address or a credential are refused (:data:`REFUSED_ENV_NAMES`),
+as are variables the agent sets itself (:data:`AGENT_ENV`). ``LLAMA_ARG_X`` is how
+llama-server reads its flag ``--x`` from the environment, so it is checked as that flag.
+The simulator (llmgw's own code) gets the name refusals but no family allowlist.
+
+Arguments: options that read, write or load files or code (``--trust-remote-code``,
+``--log-file``, ``--tool-parser-plugin``...) and options the agent sets itself
+(``--host``, ``--port``, ``--model``, ``--kv-events-config``...) are refused
+(:data:`REFUSED_ARGS`, :data:`AGENT_ARGS`). Long options are compared after turning
+``_`` into ``-`` and also as argparse abbreviations (vLLM and SGLang accept any
+unambiguous prefix). ``--llmgw-*`` options are llmgw's own (read by the adapter, never
+passed on); unknown ones are refused.
+
+:func:`violations` returns every problem; :func:`check` raises on the first.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Mapping, Sequence
+
+import attrs
+
+__all__ = [
+    "AGENT_ARGS",
+    "AGENT_ENV",
+    "ENV_FAMILIES",
+    "LLMGW_OPTIONS",
+    "REFUSED_ARGS",
+    "REFUSED_ENV_NAMES",
+    "UnsafeSetting",
+    "Violation",
+    "check",
+    "llmgw_options",
+    "option_name",
+    "violations",
+]
+
+#: Engine options refused for every engine, with the reason (long options, normalised).
+REFUSED_ARGS: Mapping[str, str] = {
+    "--trust-remote-code": "it runs Python code shipped with the model weights",
+    "--log-file": "it writes a file anywhere the engine's user can",
+    "--slot-save-path": "it lets API clients write files under a chosen directory",
+    "--tool-parser-plugin": "it imports Python code from a path",
+    "--reasoning-parser-plugin": "it imports Python code from a path",
+    "--middleware": "it imports Python code into the API server",
+    "--logits-processors": "it imports Python classes by name",
+    "--worker-cls": "it imports Python code into the engine's workers",
+    "--worker-extension-cls": "it imports Python code into the engine's workers",
+    "--kv-transfer-config": "it can load a connector module from a path",
+    "--allowed-local-media-path": "it lets API clients read files under a chosen directory",
+    "--chat-template": "it reads a file the profile names (put the template in the model's tokenizer_config.json)",
+    "--generation-config": "it reads a directory the profile names",
+    "--config": "it reads a configuration file the profile names",
+    "--log-config-file": "it reads a logging configuration that can import code",
+    "--download-dir": "it writes downloads to a chosen directory",
+    "--tokenizer": "it loads a tokenizer from another path or repository than the model's",
+    "--lora-modules": "it loads adapters from paths at start; llmgw loads adapters itself",
+    "--lora": "it loads an adapter file the profile names; llmgw loads adapters itself",
+    "--lora-scaled": "it loads an adapter file the profile names; llmgw loads adapters itself",
+    "--control-vector": "it loads a file the profile names",
+    "--control-vector-scaled": "it loads a file the profile names",
+    "--mmproj": "it loads a file the profile names",
+    "--grammar-file": "it reads a file the profile names",
+    "--path": "it serves files from a chosen directory",
+    "--model-url": "it downloads weights from a chosen address",
+    "--hf-repo": "it downloads weights; llmgw fetches weights itself",
+    "--hf-file": "it downloads weights; llmgw fetches weights itself",
+    "--hf-token": "it carries a credential",
+    "--api-key": "it carries a credential; the gateway authenticates clients",
+    "--api-key-file": "it reads a credential file",
+    "--ssl-keyfile": "it reads a key file",
+    "--ssl-certfile": "it reads a certificate file",
+    "--ssl-ca-certs": "it reads a certificate file",
+    "--ssl-key-file": "it reads a key file",
+    "--ssl-cert-file": "it reads a certificate file",
+    "--otlp-traces-endpoint": "it sends traces to a chosen address",
+}
+#: Options the agent sets itself (from the placement, the catalog and its own ports).
+AGENT_ARGS: frozenset[str] = frozenset({
+    "--host", "--port", "--uds", "--model", "--model-path", "--served-model-name", "--alias",
+    "--kv-events-config", "--prefix-caching-hash-algo",
+    "--tensor-parallel-size", "--pipeline-parallel-size", "--tp-size", "--pp-size",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless", "--dist-init-addr",
+})
+#: Short options refused (exact match): llama-server's model, alias and download flags,
+#: vLLM's parallel sizes (set by the agent).
+REFUSED_SHORT: Mapping[str, str] = {
+    "-m": "the agent sets the model itself",
+    "-a": "the agent sets the served name itself",
+    "-mu": "it downloads weights from a chosen address",
+    "-hf": "it downloads weights; llmgw fetches weights itself",
+    "-hfr": "it downloads weights; llmgw fetches weights itself",
+    "-hff": "it downloads weights; llmgw fetches weights itself",
+    "-hft": "it carries a credential",
+    "-tp": "the agent sets the parallel sizes from the placement",
+    "-pp": "the agent sets the parallel sizes from the placement",
+}
+#: Shortest option prefix (after the dashes) treated as an abbreviation of a refused
+#: option; ``--t``/``--l`` alone are ambiguous for argparse and left to the engine.
+MIN_ABBREVIATION = 2
+#: llmgw's own profile options, per engine: read by the adapter, never passed to the engine.
+LLMGW_OPTIONS: Mapping[str, frozenset[str]] = {
+    "vllm": frozenset({"--llmgw-kv-events"}),
+    # llama.cpp: --llmgw-lora=/abs/adapter.gguf: the adapter checks the path and passes --lora itself
+    "llama.cpp": frozenset({"--llmgw-lora"}),
+}
+
+#: Environment families a real engine's profile may set (fnmatch patterns), per engine.
+_COMMON_FAMILIES = (
+    "OMP_*", "KMP_*", "GOMP_*", "MKL_*", "OPENBLAS_*", "BLIS_*", "MALLOC_*",
+    "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
+    "CUDA_*", "NCCL_*", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_NCCL_*",
+)
+ENV_FAMILIES: Mapping[str, tuple[str, ...]] = {
+    "vllm": (*_COMMON_FAMILIES, "VLLM_*"),
+    "sglang": (*_COMMON_FAMILIES, "SGLANG_*", "SGL_*"),
+    "llama.cpp": (*_COMMON_FAMILIES, "GGML_*", "LLAMA_ARG_*"),
+}
+#: Names refused for every engine, even inside a family, with the reason.
+REFUSED_ENV_NAMES: tuple[tuple[str, str], ...] = (
+    ("LD_*", "it changes which shared libraries the engine loads"),
+    ("PYTHON*", "it changes which Python code the engine runs (or its hashing)"),
+    ("CUDA_INJECTION64_PATH", "it injects a library into the CUDA runtime"),
+    ("*_PRELOAD", "it injects a library into the engine"),
+    ("*_PLUGIN", "plugin variables make the engine load code from a path"),
+    ("*_PLUGINS", "plugin variables make the engine load code"),
+    ("*_PLUGIN_*", "plugin variables make the engine load code from a path"),
+    ("*_LIB", "it names a library to load"),
+    ("*_LIBS", "it names libraries to load"),
+    ("*LIBRARY*", "it names a library to load"),
+    ("*_MODULE", "it names code to load"),
+    ("*_PATH", "it names a path the engine reads, writes or loads code from"),
+    ("*_PATHS", "it names paths the engine reads, writes or loads code from"),
+    ("*_DIR", "it names a directory the engine reads or writes"),
+    ("*_DIRS", "it names directories the engine reads or writes"),
+    ("*_FILE", "it names a file the engine reads or writes"),
+    ("*_ROOT", "it names a directory the engine reads or writes"),
+    ("*_HOME", "it names a directory the engine reads or writes"),
+    ("*_TOKEN", "it carries a credential"),
+    ("*_TOKEN_*", "it carries a credential"),
+    ("*_KEY", "it carries a credential"),
+    ("*_KEY_*", "it carries a credential"),
+    ("*SECRET*", "it carries a credential"),
+    ("*PASSWORD*", "it carries a credential"),
+    ("*CREDENTIAL*", "it carries a credential"),
+    ("*_HOST", "it names a network address"),
+    ("*_HOST_IP", "it names a network address"),
+    ("*_IP", "it names a network address"),
+    ("*_ADDR", "it names a network address"),
+    ("*_ADDRESS", "it names a network address"),
+    ("*_PORT", "it names a network port"),
+    ("*_URL", "it names a network address"),
+    ("*_URI", "it names a network address"),
+    ("*_ENDPOINT", "it names a network address"),
+    ("*_PROXY", "it names a network address"),
+    ("*TRUST_REMOTE_CODE*", "it runs Python code shipped with the model weights"),
+    ("VLLM_ALLOW_INSECURE_SERIALIZATION", "it lets the engine unpickle data, which runs code"),
+    ("VLLM_SERVER_DEV_MODE", "it opens the engine's development endpoints"),
+    ("VLLM_USE_MODELSCOPE", "it downloads weights from elsewhere; llmgw fetches weights itself"),
+)
+#: Variables the agent sets itself, per engine (the simulator sets none of these).
+AGENT_ENV: Mapping[str, frozenset[str]] = {
+    "vllm": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                       "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"}),
+    "sglang": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}),
+    "llama.cpp": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}),
+}
+#: Engines that get the name refusals only (no family allowlist): llmgw's own simulator.
+FREE_ENV_ENGINES = frozenset({"sim"})
+_LLAMA_ARG_PREFIX = "LLAMA_ARG_"
+
+
+@attrs.frozen
+class Violation:
+    """One refused setting. ``where``: ``engine_args[i]`` or ``engine_env.NAME``;
+    ``subject``: the option or variable; ``reason``: a sentence starting with the subject."""
+
+    where: str
+    subject: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+
+class UnsafeSetting(ValueError):
+    """A profile's engine args or env break the policy; ``violations`` lists every problem."""
+
+    def __init__(self, found: Sequence[Violation]) -> None:
+        super().__init__("; ".join(str(v) for v in found))
+        self.violations = tuple(found)
+
+
+def option_name(arg: str) -> str | None:
+    """Returns the normalised option of ``arg`` (``--a_b=1`` -> ``--a-b``, ``-m`` -> ``-m``), or None.
+
+    Values (anything not starting with ``-``) and negative numbers give None.
+    """
+    if arg.startswith("--"):
+        return arg.split("=", 1)[0].replace("_", "-")
+    if arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit() and arg[1] != ".":
+        return arg.split("=", 1)[0]
+    return None
+
+
+def _arg_problem(engine: str, option: str) -> str | None:
+    """Returns why ``option`` is refused for ``engine`` (a sentence starting with it), or None."""
+    if not option.startswith("--"):
+        reason = REFUSED_SHORT.get(option)
+        return f"{option} is not allowed: {reason}" if reason else None
+    if option.startswith("--llmgw-"):
+        if option in LLMGW_OPTIONS.get(engine, ()):
+            return None
+        known = ", ".join(sorted(LLMGW_OPTIONS.get(engine, ()))) or "none"
+        return f"{option} is not an llmgw option for engine {engine!r} (known: {known})"
+    refused = {**REFUSED_ARGS, **{a: "the agent sets it itself" for a in AGENT_ARGS}}
+    if option in refused:
+        return f"{option} is not allowed: {refused[option]}"
+    if len(option) - 2 >= MIN_ABBREVIATION:
+        for name in sorted(refused):
+            if name.startswith(option):
+                return f"{option} (an abbreviation of {name}) is not allowed: {refused[name]}"
+    return None
+
+
+def _env_problem(engine: str, name: str) -> str | None:
+    """Returns why variable ``name`` is refused for ``engine``, or None."""
+    families = ENV_FAMILIES.get(engine, _COMMON_FAMILIES)
+    if name.startswith(_LLAMA_ARG_PREFIX) and f"{_LLAMA_ARG_PREFIX}*" in families:
+        flag = "--" + name[len(_LLAMA_ARG_PREFIX):].lower().replace("_", "-")
+        problem = _arg_problem(engine, flag)
+        if problem is not None:
+            return f"not allowed: llama-server reads it as {problem}"
+    for pattern, reason in REFUSED_ENV_NAMES:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"not allowed: {reason}"
+    if name in AGENT_ENV.get(engine, ()):
+        return "not allowed: the agent sets it itself"
+    if engine in FREE_ENV_ENGINES:
+        return None
+    if not any(fnmatch.fnmatchcase(name, pattern) for pattern in families):
+        return (
+            f"not allowed: only tuning variables may be set for {engine} "
+            f"({', '.join(families)})"
+        )
+    return None
+
+
+def violations(engine: str, args: Sequence[str], env: Mapping[str, str]) -> list[Violation]:
+    """Returns every refused argument and variable of a profile for ``engine`` (empty: all allowed)."""
+    found: list[Violation] = []
+    for i, arg in enumerate(args):
+        option = option_name(arg)
+        if option is None:
+            continue
+        problem = _arg_problem(engine, option)
+        if problem is not None:
+            found.append(Violation(f"engine_args[{i}]", option, problem))
+    for name in env:
+        problem = _env_problem(engine, name)
+        if problem is not None:
+            found.append(Violation(f"engine_env.{name}", name, problem))
+    return found
+
+
+def check(engine: str, args: Sequence[str], env: Mapping[str, str]) -> None:
+    """Returns None if the profile is allowed; raises :class:`UnsafeSetting` listing every problem."""
+    found = violations(engine, args, env)
+    if found:
+        raise UnsafeSetting(found)
+
+
+def llmgw_options(engine: str, args: Sequence[str]) -> tuple[set[str], list[str]]:
+    """Splits ``args`` into (llmgw's own options present, the engine's args without them)."""
+    own = LLMGW_OPTIONS.get(engine, frozenset())
+    present = {a for a in args if option_name(a) in own}
+    return present, [a for a in args if option_name(a) not in own]

@@ -1,0 +1,143 @@
+"""Adapter for SGLang: ``python -m sglang.launch_server`` from its own environment.
+
+Whether SGLang works here is decided by llmgw's own one-line check run with the
+environment's interpreter (``import sglang``; the exit status decides, the printed
+version is reported): :func:`import_check`. The agent sets ``--model-path``,
+``--served-model-name``, ``--host``/``--port``, ``--tp-size`` from the shard's GPUs
+and, for a multi-node launch, ``--nnodes --node-rank --dist-init-addr``; GPUs are
+chosen with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused
+from llmgw.node.engines.vllm import MultiNode
+from llmgw.node.install import python_env
+from llmgw.spec import EngineInfo, ShardSpec
+
+__all__ = ["ImportCheck", "SglangEngine", "import_check", "sglang_argv", "sglang_env"]
+
+#: SGLang's server entry point.
+LAUNCH_MODULE = "sglang.launch_server"
+#: Importing sglang loads torch and CUDA libraries: tens of seconds on a busy node.
+IMPORT_CHECK_TIMEOUT = 300.0
+
+
+@attrs.frozen
+class ImportCheck:
+    """The result of the one-line import check: ``ok`` (exit status 0), ``version``, ``output``."""
+
+    ok: bool
+    version: str
+    output: str
+
+
+def import_check(python: str, module: str = "sglang", *, timeout: float = IMPORT_CHECK_TIMEOUT) -> ImportCheck:
+    """Runs ``python -c "import MODULE; print(version)"``; returns whether it exited 0 (blocking).
+
+    A missing interpreter, a timeout or any failure is ``ok=False`` with the reason in
+    ``output``; never raises for those.
+    """
+    code = python_env.import_check(python_env.PythonEngine(module, module, module, "", ""))
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return ImportCheck(False, "", f"{python}: {exc}")
+    output = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        return ImportCheck(False, "", output[-2000:] or f"exit status {done.returncode}")
+    lines = done.stdout.strip().splitlines()
+    return ImportCheck(True, lines[-1] if lines else "", output)
+
+
+def sglang_argv(python: str, spec: ShardSpec, host: str, port: int, *, multinode: MultiNode | None = None) -> list[str]:
+    """Returns the command line that serves ``spec`` with SGLang on ``host:port``."""
+    argv = [
+        python, "-m", LAUNCH_MODULE,
+        "--model-path", spec.source,
+        "--served-model-name", spec.model,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(max(1, len(spec.gpus))),
+    ]
+    if multinode is not None:
+        argv += [
+            "--nnodes", str(multinode.nnodes),
+            "--node-rank", str(multinode.node_rank),
+            "--dist-init-addr", f"{multinode.master_addr}:{multinode.master_port}",
+        ]
+    return [*argv, *spec.args]
+
+
+def sglang_env(spec: ShardSpec) -> dict[str, str]:
+    """Returns the variables the agent adds for an SGLang shard (the profile's env last)."""
+    env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if spec.gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    return {**env, **spec.env}
+
+
+class SglangEngine:
+    """Adapter for SGLang (see :class:`llmgw.node.engines.Engine`).
+
+    ``roots``: where to look for installed SGLang environments (default: the installer's root).
+    """
+
+    name = "sglang"
+    health_path = DEFAULT_HEALTH_PATH
+    startup_timeout = DEFAULT_STARTUP_TIMEOUT
+
+    def __init__(self, roots: Sequence[Path] | None = None) -> None:
+        self.roots = list(roots) if roots is not None else None
+
+    def _installed(self) -> tuple[Path, dict[str, Any]] | None:
+        return python_env.find_installed(python_env.SGLANG, self.roots)
+
+    def python(self) -> str:
+        """Returns the SGLang environment's interpreter; raises FileNotFoundError if not installed."""
+        found = self._installed()
+        if found is None:
+            raise FileNotFoundError(
+                "SGLang is not installed on this node; it needs a node with an NVIDIA GPU "
+                "(`python -m llmgw.node.install.python_env install sglang --gpu`)"
+            )
+        return str(python_env.engine_python(found[0]))
+
+    def probe(self) -> EngineInfo:
+        """Returns installed/version from the environment's marker (cheap: no import)."""
+        found = self._installed()
+        if found is None:
+            return EngineInfo(name=self.name, installed=False, installable=False,
+                              detail="no SGLang environment installed")
+        directory, marker = found
+        return EngineInfo(name=self.name, installed=True, version=str(marker.get("version", "")),
+                          detail=f"sglang in {directory}")
+
+    def verify(self) -> EngineInfo:
+        """Returns what the import check says (blocking; run it in a thread): installed only if it exits 0."""
+        found = self._installed()
+        if found is None:
+            return self.probe()
+        result = import_check(str(python_env.engine_python(found[0])))
+        if not result.ok:
+            return EngineInfo(name=self.name, installed=False, detail=f"import sglang failed: {result.output[-300:]}")
+        return EngineInfo(name=self.name, installed=True, version=result.version, detail=f"sglang in {found[0]}")
+
+    def argv(self, spec: ShardSpec, host: str, port: int) -> list[str]:
+        """Returns the SGLang command line; raises FileNotFoundError if SGLang is not installed."""
+        return sglang_argv(self.python(), spec, host, port)
+
+    def env(self, spec: ShardSpec) -> dict[str, str]:
+        """Returns the variables added for this shard (see :func:`sglang_env`)."""
+        return sglang_env(spec)
+
+    def check_args(self, spec: ShardSpec) -> None:
+        """Raises EngineRefused naming refused args/env."""
+        check_refused(spec)

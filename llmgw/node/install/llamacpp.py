@@ -1,0 +1,804 @@
+"""Installing llama.cpp's ``llama-server``: from a release archive, or built from the PyPI sdist.
+
+Two routes, tried in this order by :meth:`LlamaCppInstaller.install`:
+
+1. **Release archive** (``llama-b11312-bin-ubuntu-x64.tar.gz``) from a URL template
+   (default: GitHub releases; point it at a mirror for air-gapped sites). The archive's
+   sha256 must match the published checksums file; it is unpacked into a scratch
+   directory refusing any member path or link that would leave it; ``ldd`` must find
+   every library of ``llama-server`` and ``llama-server --version`` must run. Only then
+   is the directory renamed into place and marked installed (marker written last).
+2. **Build from source**: the ``llama-cpp-python`` sdist on PyPI vendors the whole
+   llama.cpp tree at this release. It is downloaded (pinned version AND sha256),
+   unpacked, configured with :data:`CMAKE_FLAGS` (portable: ``GGML_NATIVE=OFF``) and
+   only the ``llama-server`` target is built with ninja. Downloads, sources and the build
+   tree are cached, so a second build is a no-op and an interrupted one resumes.
+
+Layout (``root`` defaults to ``~/.cache/llmgw/engines/llama.cpp``)::
+
+    root/b11312-cpu-615fe45f/bin/llama-server   built from the sdist (key: build + flags)
+    root/b11312-ubuntu-x64/...                  unpacked release archive
+    root/<key>/.llmgw-installed.json            the marker: written last, after the checks
+    cache/downloads/  cache/src/  cache/build/   what a build keeps between runs
+
+Public API (used by the agent's install framework, ``make test`` and ``llmgw up``)::
+
+    installers(settings) -> [LlamaCppInstaller]      # llmgw.node.install contract
+    LlamaCppInstaller(root, cache, url_template=..., checksums_template=...)
+        await .probe() -> EngineInfo                 # cheap: marker + binary present
+        await .install(version, progress) -> None    # progress: Callable[[str], None]
+        await .check() -> str                        # --version + --list-devices, re-verified
+    find_installed(roots=None) -> Installed | None   # sync; what the engine adapter runs
+    await install(root=None, progress=None, ...) -> Installed   # archive, else sdist build
+    await build_from_sdist(root, cache, progress) -> Installed
+    await install_from_archive(url, checksums_url, root, progress) -> Installed
+    await verify(directory) -> str                    # ldd + --version; raises InstallError
+
+``progress`` is a plain synchronous callable taking one short sentence
+("downloading llama_cpp_python-0.3.36.tar.gz (73 MB)", "building llama-server: 120/206");
+it must be cheap and never raise. Every failure raises
+:class:`llmgw.node.install.InstallError` with a sentence for the operator; cancellation
+propagates and leaves nothing marked installed.
+
+Command line (what ``make test`` runs; a cached run takes well under a second)::
+
+    python -m llmgw.node.install.llamacpp [--root DIR] [--quiet]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Iterable, Sequence
+
+import attrs
+import trio
+
+from llmgw.node.install import InstallError
+from llmgw.spec import EngineInfo
+
+__all__ = [
+    "ARCHIVE_URL_TEMPLATE",
+    "BUILD_NUMBER",
+    "CHECKSUMS_URL_TEMPLATE",
+    "CMAKE_FLAGS",
+    "DEFAULT_VERSION",
+    "ENGINE_NAME",
+    "Installed",
+    "LlamaCppInstaller",
+    "SDIST_SHA256",
+    "SDIST_URL",
+    "SDIST_VERSION",
+    "build_from_sdist",
+    "build_key",
+    "default_root",
+    "find_installed",
+    "install",
+    "install_from_archive",
+    "installers",
+    "safe_extract",
+    "verify",
+]
+
+ENGINE_NAME = "llama.cpp"
+
+# -- what this llmgw release was checked against ------------------------------------
+BUILD_NUMBER = 11312
+BUILD_COMMIT = "0c1e570"
+DEFAULT_VERSION = f"b{BUILD_NUMBER}"
+#: llama-cpp-python's sdist vendors llama.cpp at exactly this build (see docs: shared reference).
+SDIST_VERSION = "0.3.36"
+#: sha256 of llama_cpp_python-0.3.36.tar.gz as downloaded from PyPI; a different file is refused.
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+#: PyPI's stable redirect for an sdist; override (mirror) with ``sdist_url=``.
+SDIST_URL = f"https://files.pythonhosted.org/packages/source/l/llama_cpp_python/{SDIST_NAME}"
+#: Inside the sdist: the llama.cpp tree that is built.
+SDIST_LLAMA_DIR = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp"
+
+#: cmake flags of the source build. GGML_NATIVE=OFF: a cached binary must not SIGILL on
+#: another CPU of the same kind; no prebuilt web UI and no OpenSSL (both need the network
+#: or extra libraries); the two build flags, because the sdist's shallow .git would make
+#: the binary say "build 1".
+CMAKE_FLAGS: tuple[str, ...] = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    f"-DLLAMA_BUILD_NUMBER={BUILD_NUMBER}",
+    f"-DLLAMA_BUILD_COMMIT={BUILD_COMMIT}",
+)
+
+#: Release archive URL; ``{tag}`` is "b11312", ``{asset}`` the archive's file name.
+ARCHIVE_URL_TEMPLATE = "https://github.com/ggml-org/llama.cpp/releases/download/{tag}/{asset}"
+#: The published checksums: ``{url}`` is the archive's URL, ``{base}`` its directory, ``{asset}``
+#: its name. The file holds "HEX  NAME" lines (sha256sum format) or one bare hex digest.
+CHECKSUMS_URL_TEMPLATE = "{url}.sha256"
+#: Archive name for this OS/CPU: ubuntu x64/arm64 builds are published for CPU-only Linux.
+ASSET_TEMPLATE = "llama-{tag}-bin-ubuntu-{arch}.tar.gz"
+
+MARKER = ".llmgw-installed.json"
+SRC_MARKER = ".llmgw-extracted"
+BINARY = "llama-server"
+
+# -- tunables -------------------------------------------------------------------------
+#: Connecting to a release server or PyPI: a mirror that does not answer in this time is down.
+CONNECT_TIMEOUT = 15.0
+#: Between two chunks of a download: a stalled transfer fails instead of hanging an install.
+READ_TIMEOUT = 60.0
+#: ``--version`` and ``ldd`` take milliseconds; a binary that hangs this long is broken.
+VERIFY_TIMEOUT = 60.0
+#: cmake configure + ninja on a busy 2-core machine took up to 18 minutes; 90 is a hang.
+BUILD_TIMEOUT = 90 * 60.0
+#: How often a waiting installer checks whether another process finished the same install.
+LOCK_POLL = 0.5
+#: Progress sentences at most this often during a download (each one is reported upward).
+PROGRESS_EVERY = 1.0
+
+ProgressFn = Callable[[str], None]
+
+
+def _no_progress(message: str) -> None:
+    """The default progress callback: ignores ``message``."""
+
+
+# -- layout -------------------------------------------------------------------------------
+
+
+def default_root() -> Path:
+    """Returns ``$XDG_CACHE_HOME/llmgw/engines/llama.cpp`` (default ``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llmgw" / "engines" / "llama.cpp"
+
+
+def build_key(flags: Sequence[str] = CMAKE_FLAGS) -> str:
+    """Returns the directory name of a source build: ``b11312-cpu-<first 8 hex of sha256(flags)>``."""
+    digest = hashlib.sha256("\n".join(flags).encode()).hexdigest()[:8]
+    return f"{DEFAULT_VERSION}-cpu-{digest}"
+
+
+def _arch() -> str | None:
+    """Returns the release archive's name for this CPU ("x64", "arm64"), or None if none is published."""
+    return {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine().lower())
+
+
+@attrs.frozen
+class Installed:
+    """An installed llama-server: its directory, binary, version tag and ``--version`` line."""
+
+    directory: Path
+    binary: Path
+    version: str  # "b11312"
+    version_line: str  # "version: 0.5.0-dev (build 11312, commit 0c1e570)"
+    source: str  # "sdist" or the archive URL
+
+
+#: Extra roots searched by :func:`find_installed` (the agent's install_dir, registered by
+#: :func:`installers`), after the default root. Module state on purpose: the engine adapter
+#: is created before the agent reads its configuration.
+EXTRA_ROOTS: list[Path] = []
+
+
+def read_marker(directory: Path) -> Installed | None:
+    """Returns the install recorded in ``directory``'s marker, or None if unmarked, malformed, or the binary is gone."""
+    try:
+        data = json.loads((directory / MARKER).read_text())
+        binary = directory / data["binary"]
+        if not os.access(binary, os.X_OK):
+            return None
+        return Installed(directory, binary, str(data["version"]), str(data["version_line"]), str(data["source"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find_installed(roots: Iterable[Path] | None = None, version: str = DEFAULT_VERSION) -> Installed | None:
+    """Returns an installed llama-server of ``version`` under ``roots`` (default: the default root
+    and :data:`EXTRA_ROOTS`), preferring a source build over an archive; None if there is none.
+
+    Cheap (reads markers, no process started): safe to call per shard start.
+    """
+    roots = [default_root(), *EXTRA_ROOTS] if roots is None else list(roots)
+    found: list[Installed] = []
+    for root in roots:
+        try:
+            children = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            continue
+        for child in children:
+            inst = read_marker(child)
+            if inst is not None and inst.version == version:
+                found.append(inst)
+    found.sort(key=lambda i: (i.source != "sdist", str(i.directory)))
+    return found[0] if found else None
+
+
+def _write_marker(inst: Installed) -> None:
+    """Writes the marker atomically (temp file + rename): the install counts from this moment."""
+    payload = {
+        "version": inst.version,
+        "version_line": inst.version_line,
+        "binary": str(inst.binary.relative_to(inst.directory)),
+        "source": inst.source,
+        "installed_at": time.time(),
+    }
+    tmp = inst.directory / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, inst.directory / MARKER)
+
+
+# -- checks ---------------------------------------------------------------------------
+
+
+_NOT_FOUND = re.compile(r"^\s*(\S+)\s*=>\s*not found", re.MULTILINE)
+_VERSION_LINE = re.compile(r"^version: .*$", re.MULTILINE)
+
+
+async def _run(argv: Sequence[str], timeout: float, cwd: Path | None = None) -> tuple[int, str]:
+    """Runs ``argv``; returns (exit code, stdout+stderr). Raises InstallError on timeout or if it cannot start."""
+    try:
+        with trio.fail_after(timeout):
+            done = await trio.run_process(
+                list(argv), capture_stdout=True, stderr=subprocess.STDOUT, check=False, cwd=cwd
+            )
+    except trio.TooSlowError:
+        raise InstallError(f"{argv[0]} did not finish within {timeout:g} s") from None
+    except OSError as exc:
+        raise InstallError(f"{argv[0]} cannot be started: {exc}") from None
+    return done.returncode, (done.stdout or b"").decode(errors="replace")
+
+
+async def verify(directory: Path, binary: Path | None = None) -> str:
+    """Checks an unpacked/built llama-server: ``ldd`` finds every library, ``--version`` runs.
+
+    Returns the ``version: ...`` line. Raises InstallError naming the missing library, the
+    exit status and output of a binary that cannot start, or a missing binary.
+    """
+    binary = binary or directory / "bin" / BINARY
+    if not binary.is_file():
+        raise InstallError(f"{binary} is missing: the archive or build did not produce llama-server")
+    if not os.access(binary, os.X_OK):
+        raise InstallError(f"{binary} is not executable")
+    if shutil.which("ldd"):
+        code, out = await _run(["ldd", str(binary)], VERIFY_TIMEOUT)
+        missing = _NOT_FOUND.findall(out)
+        if missing:
+            raise InstallError(
+                f"{binary.name} needs {', '.join(missing)}, which this node does not have (ldd: not found); "
+                "install the library or use the source build"
+            )
+    code, out = await _run([str(binary), "--version"], VERIFY_TIMEOUT, cwd=directory)
+    line = _VERSION_LINE.search(out)
+    if code != 0 or line is None:
+        tail = " | ".join(out.strip().splitlines()[-3:]) or "no output"
+        raise InstallError(f"{binary.name} --version failed (exit status {code}): {tail}")
+    return line.group(0).strip()
+
+
+# -- downloads ------------------------------------------------------------------------
+
+
+async def _download(url: str, dest: Path, progress: ProgressFn, *, label: str | None = None) -> Path:
+    """Downloads ``url`` to ``dest`` (via ``dest.part``, renamed when complete); returns ``dest``.
+
+    Raises InstallError for HTTP errors and network failures (with the URL).
+    """
+    import httpx
+
+    label = label or dest.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    timeout = httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
+    try:
+        async with httpx.AsyncClient(timeout=timeout, follow_redirects=True) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise InstallError(f"{url} answered HTTP {response.status_code}")
+                total = int(response.headers.get("content-length") or 0)
+                size_text = f" ({total / 1e6:.0f} MB)" if total else ""
+                progress(f"downloading {label}{size_text}")
+                done, last = 0, time.monotonic()
+                with open(part, "wb") as f:
+                    async for chunk in response.aiter_bytes(1 << 20):
+                        f.write(chunk)
+                        done += len(chunk)
+                        if time.monotonic() - last >= PROGRESS_EVERY:
+                            last = time.monotonic()
+                            share = f" {100 * done // total}%" if total else f" {done / 1e6:.0f} MB"
+                            progress(f"downloading {label}{size_text}:{share}")
+    except httpx.HTTPError as exc:
+        part.unlink(missing_ok=True)
+        raise InstallError(f"cannot download {url}: {type(exc).__name__}: {exc}".rstrip(": ")) from None
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    os.replace(part, dest)
+    return dest
+
+
+def sha256_file(path: Path) -> str:
+    """Returns the hex sha256 of ``path`` (blocking: call in a thread for large files)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_checksums(text: str, asset: str) -> str | None:
+    """Returns the hex sha256 for ``asset`` in a checksums file ("HEX  NAME" lines, or one bare HEX)."""
+    bare = None
+    for line in text.splitlines():
+        parts = line.strip().split()
+        if not parts or not re.fullmatch(r"[0-9a-fA-F]{64}", parts[0]):
+            continue
+        if len(parts) == 1:
+            bare = parts[0].lower()
+        elif parts[-1].lstrip("*").split("/")[-1] == asset:
+            return parts[0].lower()
+    return bare
+
+
+# -- safe unpacking -------------------------------------------------------------------
+
+
+def _inside(root: Path, target: Path) -> bool:
+    """Returns whether ``target`` (normalised, not resolved) lies inside ``root``."""
+    root_n = os.path.normpath(root)
+    target_n = os.path.normpath(target)
+    return target_n == root_n or target_n.startswith(root_n + os.sep)
+
+
+def _check_member(dest: Path, name: str, link: str | None, hard: bool) -> None:
+    """Raises InstallError if member ``name`` (or its link target) would leave ``dest``."""
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts or "\0" in name:
+        raise InstallError(f"the archive is refused: member {name!r} would be written outside the install directory")
+    target = dest / pure
+    if not _inside(dest, target):
+        raise InstallError(f"the archive is refused: member {name!r} would be written outside the install directory")
+    if link is not None:
+        lpure = PurePosixPath(link)
+        if lpure.is_absolute():
+            raise InstallError(f"the archive is refused: link {name!r} -> {link!r} points outside the install directory")
+        resolved = dest / lpure if hard else target.parent / lpure
+        if not _inside(dest, Path(os.path.normpath(resolved))):
+            raise InstallError(f"the archive is refused: link {name!r} -> {link!r} points outside the install directory")
+
+
+def safe_extract(archive: Path, dest: Path, *, prefix: str = "") -> None:
+    """Unpacks ``archive`` (.tar.gz/.tgz/.tar.xz/.zip) into ``dest``; only members under ``prefix`` if given.
+
+    Every member is checked BEFORE anything is written: absolute paths, ``..``, links
+    whose target leaves ``dest``, device files and FIFOs refuse the whole archive
+    (InstallError naming the member). Blocking: call in a thread.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    if archive.name.endswith(".zip"):
+        with zipfile.ZipFile(archive) as zf:
+            infos = [i for i in zf.infolist() if i.filename.startswith(prefix)]
+            for info in infos:
+                mode = info.external_attr >> 16
+                if stat.S_ISLNK(mode):
+                    raise InstallError(f"the archive is refused: {info.filename!r} is a symbolic link inside a zip")
+                _check_member(dest, info.filename, None, False)
+            for info in infos:
+                zf.extract(info, dest)
+                mode = (info.external_attr >> 16) & 0o777
+                if mode and not info.is_dir():
+                    os.chmod(dest / info.filename, mode)
+        return
+    with tarfile.open(archive) as tf:
+        members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
+        for m in members:
+            if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+                raise InstallError(f"the archive is refused: {m.name!r} is a device file or FIFO")
+            _check_member(dest, m.name, m.linkname if (m.issym() or m.islnk()) else None, m.islnk())
+        # The members were checked above; the "data" filter checks again (and strips setuid bits).
+        tf.extractall(dest, members=members, filter="data")
+
+
+# -- the two routes -------------------------------------------------------------------
+
+
+def _asset_name(tag: str) -> str | None:
+    arch = _arch()
+    if arch is None or sys.platform != "linux":
+        return None
+    return ASSET_TEMPLATE.format(tag=tag, arch=arch)
+
+
+async def install_from_archive(
+    url: str,
+    checksums_url: str,
+    root: Path,
+    progress: ProgressFn = _no_progress,
+    *,
+    version: str = DEFAULT_VERSION,
+    cache: Path | None = None,
+) -> Installed:
+    """Installs llama-server from the release archive at ``url``; returns it, marked installed.
+
+    Downloads the archive and ``checksums_url``, checks the sha256, unpacks into a scratch
+    directory (refusing escaping paths and links), runs :func:`verify` there, renames it to
+    ``root/<version>-<asset stem>`` and writes the marker last. Raises InstallError (nothing
+    is marked installed, the scratch directory is removed) for any failed step.
+    """
+    cache = cache or root
+    asset = url.rsplit("/", 1)[-1]
+    stem = re.sub(r"\.(tar\.gz|tgz|tar\.xz|zip)$", "", asset)
+    downloads = cache / "downloads"
+    archive = await _download(url, downloads / asset, progress)
+    try:
+        sums = await _download(checksums_url, downloads / (asset + ".checksums"), progress, label=f"checksums of {asset}")
+        expected = parse_checksums(sums.read_text(errors="replace"), asset)
+        if expected is None:
+            raise InstallError(f"{checksums_url} has no sha256 for {asset}; the archive is refused")
+        progress(f"checking the sha256 of {asset}")
+        actual = await trio.to_thread.run_sync(sha256_file, archive)
+        if actual != expected:
+            raise InstallError(
+                f"{asset} has sha256 {actual}, but {checksums_url} says {expected}: the download is corrupt or "
+                "was tampered with; it was deleted (check the mirror)"
+            )
+        final = root / f"{version}-{stem.removeprefix(f'llama-{version}-bin-')}"
+        scratch = root / f".scratch-{final.name}-{os.getpid()}"
+        await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
+        try:
+            progress(f"unpacking {asset}")
+            await trio.to_thread.run_sync(safe_extract, archive, scratch)
+            binary = _find_binary(scratch)
+            progress(f"checking {binary.relative_to(scratch)} (ldd, --version)")
+            line = await verify(scratch, binary)
+            await trio.to_thread.run_sync(shutil.rmtree, final, True)
+            os.replace(scratch, final)
+        except BaseException:
+            await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
+            raise
+    finally:
+        archive.unlink(missing_ok=True)  # unpacked or refused: the archive itself is not kept
+    inst = Installed(final, final / binary.relative_to(scratch), version, line, url)
+    _write_marker(inst)
+    progress(f"installed {inst.binary} ({line})")
+    return inst
+
+
+def _find_binary(directory: Path) -> Path:
+    """Returns the llama-server file in ``directory`` (shallowest first); raises InstallError if none."""
+    hits = sorted(directory.rglob(BINARY), key=lambda p: (len(p.parts), str(p)))
+    hits = [p for p in hits if p.is_file() and not p.is_symlink()]
+    if not hits:
+        raise InstallError(f"the archive contains no {BINARY}")
+    return hits[0]
+
+
+_NINJA_STEP = re.compile(rb"^\[(\d+)/(\d+)\]")
+
+
+async def _run_build_step(argv: Sequence[str], log: Path, progress: ProgressFn, what: str) -> None:
+    """Runs one build command, appending its output to ``log``; reports ninja's [N/M] as progress.
+
+    Raises InstallError with the last lines of output if it fails or exceeds BUILD_TIMEOUT.
+    """
+    tail: list[bytes] = []
+    with open(log, "ab") as logf:
+        logf.write(("$ " + " ".join(argv) + "\n").encode())
+        logf.flush()
+        try:
+            with trio.fail_after(BUILD_TIMEOUT):
+                async with await trio.lowlevel.open_process(
+                    list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                ) as proc:
+                    assert proc.stdout is not None
+                    buf, last = b"", 0.0
+                    async for chunk in proc.stdout:
+                        logf.write(chunk)
+                        buf += chunk
+                        *lines, buf = buf.split(b"\n")
+                        for line in lines:
+                            tail = (tail + [line])[-15:]
+                            m = _NINJA_STEP.match(line)
+                            if m and time.monotonic() - last >= PROGRESS_EVERY:
+                                last = time.monotonic()
+                                progress(f"{what}: step {int(m.group(1))}/{int(m.group(2))}")
+                    code = await proc.wait()
+        except trio.TooSlowError:
+            raise InstallError(f"{what} took over {BUILD_TIMEOUT / 60:.0f} minutes; see {log}") from None
+        except OSError as exc:
+            raise InstallError(f"{what}: {argv[0]} cannot be started ({exc}); install cmake, ninja and g++") from None
+    if code != 0:
+        text = " | ".join(t.decode(errors="replace") for t in tail[-5:])
+        raise InstallError(f"{what} failed (exit status {code}); full log in {log}: {text}")
+
+
+def _build_tools() -> list[str]:
+    """Returns the names of build tools missing from PATH (cmake, ninja, a C++ compiler)."""
+    missing = [tool for tool in ("cmake", "ninja") if shutil.which(tool) is None]
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        missing.append("g++")
+    return missing
+
+
+async def build_from_sdist(
+    root: Path,
+    cache: Path | None = None,
+    progress: ProgressFn = _no_progress,
+    *,
+    sdist_url: str = SDIST_URL,
+    jobs: int | None = None,
+) -> Installed:
+    """Builds llama-server from the pinned llama-cpp-python sdist; returns it, marked installed.
+
+    Steps (each cached under ``cache``): download (sha256 must equal :data:`SDIST_SHA256`),
+    unpack ``vendor/llama.cpp`` safely, cmake configure with :data:`CMAKE_FLAGS`, ninja
+    ``llama-server`` only, copy to ``root/<build_key()>/bin``, :func:`verify`, marker last.
+    Raises InstallError naming the failed step (and the log file of a failed build).
+    """
+    cache = cache or root
+    missing = _build_tools()
+    if missing:
+        raise InstallError(
+            f"building llama-server needs {', '.join(missing)} on PATH; install them "
+            "(apt-get install cmake ninja-build g++, or pip install ninja)"
+        )
+    key = build_key()
+    final = root / key
+    existing = read_marker(final)
+    if existing is not None:
+        return existing
+    sdist = cache / "downloads" / SDIST_NAME
+    if not sdist.is_file() or await trio.to_thread.run_sync(sha256_file, sdist) != SDIST_SHA256:
+        sdist.unlink(missing_ok=True)
+        await _download(sdist_url, sdist, progress)
+        progress(f"checking the sha256 of {SDIST_NAME}")
+        actual = await trio.to_thread.run_sync(sha256_file, sdist)
+        if actual != SDIST_SHA256:
+            sdist.unlink(missing_ok=True)
+            raise InstallError(
+                f"{SDIST_NAME} from {sdist_url} has sha256 {actual}, expected {SDIST_SHA256}; "
+                "the file was deleted (check the index or mirror)"
+            )
+    src = cache / "src" / f"llama_cpp_python-{SDIST_VERSION}"
+    if not (src / SRC_MARKER).is_file():
+        progress(f"unpacking {SDIST_NAME}")
+        await trio.to_thread.run_sync(shutil.rmtree, src, True)
+        await trio.to_thread.run_sync(lambda: safe_extract(sdist, cache / "src", prefix=SDIST_LLAMA_DIR))
+        (src / SRC_MARKER).write_text(SDIST_SHA256 + "\n")
+    build = cache / "build" / key
+    build.mkdir(parents=True, exist_ok=True)
+    log = build / "llmgw-build.log"
+    progress(f"configuring llama.cpp {DEFAULT_VERSION} (cmake)")
+    await _run_build_step(
+        ["cmake", "-S", str(cache / "src" / SDIST_LLAMA_DIR), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS],
+        log, progress, "configuring llama.cpp",
+    )
+    jobs = jobs or max(1, os.cpu_count() or 1)
+    progress(f"building llama-server {DEFAULT_VERSION} with {jobs} jobs (takes 10-20 minutes on 2 cores)")
+    await _run_build_step(
+        ["cmake", "--build", str(build), "--target", BINARY, "-j", str(jobs)], log, progress, "building llama-server"
+    )
+    built = build / "bin" / BINARY
+    scratch = root / f".scratch-{key}-{os.getpid()}"
+    await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
+    try:
+        (scratch / "bin").mkdir(parents=True)
+        shutil.copy2(built, scratch / "bin" / BINARY)
+        if shutil.which("strip"):
+            await _run(["strip", str(scratch / "bin" / BINARY)], VERIFY_TIMEOUT)
+        progress("checking llama-server (ldd, --version)")
+        line = await verify(scratch)
+        await trio.to_thread.run_sync(shutil.rmtree, final, True)
+        os.replace(scratch, final)
+    except BaseException:
+        await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
+        raise
+    inst = Installed(final, final / "bin" / BINARY, DEFAULT_VERSION, line, "sdist")
+    _write_marker(inst)
+    progress(f"installed {inst.binary} ({line})")
+    return inst
+
+
+async def _locked(root: Path, progress: ProgressFn) -> Any:
+    """Returns an open, exclusively locked file under ``root`` (one install at a time per root).
+
+    Waits (polling every LOCK_POLL s, saying so once) while another process holds it. Close it to unlock.
+    """
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    f = open(root / ".install.lock", "a+")
+    said = False
+    try:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except BlockingIOError:
+                if not said:
+                    progress("waiting for another llama.cpp install on this machine to finish")
+                    said = True
+                await trio.sleep(LOCK_POLL)
+    except BaseException:
+        f.close()
+        raise
+
+
+async def install(
+    root: Path | None = None,
+    progress: ProgressFn = _no_progress,
+    *,
+    cache: Path | None = None,
+    version: str = DEFAULT_VERSION,
+    url_template: str = ARCHIVE_URL_TEMPLATE,
+    checksums_template: str = CHECKSUMS_URL_TEMPLATE,
+    try_archive: bool = True,
+    sdist_url: str = SDIST_URL,
+) -> Installed:
+    """Returns an installed llama-server of ``version``: the one already there, else a release
+    archive, else (only for :data:`DEFAULT_VERSION`) a build from the sdist.
+
+    Archive failures (unreachable, refused) are reported through ``progress`` and fall back
+    to the build. Raises InstallError when no route works, with every route's reason.
+    One install at a time per ``root`` (a file lock); others wait.
+    """
+    root = root or default_root()
+    cache = cache or root
+    lock = await _locked(root, progress)
+    try:
+        existing = find_installed([root], version)
+        if existing is not None:
+            return existing
+        reasons = []
+        asset = _asset_name(version)
+        if try_archive and asset is not None:
+            url = url_template.format(tag=version, asset=asset)
+            sums = checksums_template.format(url=url, base=url.rsplit("/", 1)[0], asset=asset, tag=version)
+            try:
+                return await install_from_archive(url, sums, root, progress, version=version, cache=cache)
+            except InstallError as exc:
+                reasons.append(f"release archive: {exc}")
+                progress(f"no usable release archive ({exc}); building from source instead")
+        elif try_archive:
+            reasons.append(f"release archive: none is published for {platform.machine()} {sys.platform}")
+        if version != DEFAULT_VERSION:
+            reasons.append(f"source build: only {DEFAULT_VERSION} is pinned in this llmgw")
+            raise InstallError(f"llama.cpp {version} cannot be installed: " + "; ".join(reasons))
+        try:
+            return await build_from_sdist(root, cache, progress, sdist_url=sdist_url)
+        except InstallError as exc:
+            reasons.append(f"source build: {exc}")
+            raise InstallError(f"llama.cpp {version} cannot be installed: " + "; ".join(reasons)) from None
+    finally:
+        lock.close()
+
+
+# -- the install framework's contract --------------------------------------------------
+
+
+class LlamaCppInstaller:
+    """llama.cpp for :mod:`llmgw.node.install` (see that module's contract).
+
+    ``root``: install directories; ``cache``: downloads/sources/builds; templates as in :func:`install`.
+    """
+
+    name = ENGINE_NAME
+    default_version = DEFAULT_VERSION
+
+    def __init__(
+        self,
+        root: Path | None = None,
+        cache: Path | None = None,
+        *,
+        url_template: str = ARCHIVE_URL_TEMPLATE,
+        checksums_template: str = CHECKSUMS_URL_TEMPLATE,
+        sdist_url: str = SDIST_URL,
+    ) -> None:
+        self.root = root or default_root()
+        self.cache = cache or self.root
+        self.url_template = url_template
+        self.checksums_template = checksums_template
+        self.sdist_url = sdist_url
+
+    async def probe(self) -> EngineInfo:
+        """Returns installed (version "b11312", detail: the ``--version`` line) from the marker; cheap.
+
+        ``installable`` when a release archive exists for this CPU/OS or the build tools are present.
+        """
+        inst = find_installed([self.root])
+        missing = _build_tools()
+        installable = _asset_name(DEFAULT_VERSION) is not None or not missing
+        if inst is not None:
+            return EngineInfo(self.name, True, inst.version, installable, f"{inst.version_line} at {inst.binary}")
+        detail = "" if installable else f"no release archive for this machine and {', '.join(missing)} missing for a source build"
+        return EngineInfo(self.name, False, "", installable, detail)
+
+    async def install(self, version: str, progress: ProgressFn) -> None:
+        """Installs ``version`` (archive, else source build); raises InstallError."""
+        await install(
+            self.root, progress, cache=self.cache, version=version or DEFAULT_VERSION,
+            url_template=self.url_template, checksums_template=self.checksums_template, sdist_url=self.sdist_url,
+        )
+
+    async def check(self) -> str:
+        """Re-verifies the installed binary (ldd, --version) and lists its devices; returns the text.
+
+        A binary that no longer passes has its marker removed (so it probes as not installed
+        and is installed again) and InstallError is raised.
+        """
+        inst = find_installed([self.root])
+        if inst is None:
+            raise InstallError("llama.cpp is not installed on this node")
+        try:
+            line = await verify(inst.directory, inst.binary)
+        except InstallError as exc:
+            (inst.directory / MARKER).unlink(missing_ok=True)
+            raise InstallError(f"the installed llama-server no longer works ({exc}); it will be installed again") from None
+        _, devices = await _run([str(inst.binary), "--list-devices"], VERIFY_TIMEOUT, cwd=inst.directory)
+        return f"{line}\nbinary: {inst.binary}\n{devices.strip()}"
+
+
+def installers(settings: Any) -> list[LlamaCppInstaller]:
+    """Returns the llama.cpp installer for the agent's ``settings`` (InstallSettings).
+
+    Installs under ``settings.install_dir/llama.cpp``, caches under ``settings.cache_dir/llama.cpp``;
+    ``settings.url_templates["llama.cpp"]`` (or ``["llamacpp"]``) overrides the archive URL.
+    Registers the install root so the engine adapter finds what is installed there.
+    """
+    root = Path(settings.install_dir) / ENGINE_NAME
+    if root not in EXTRA_ROOTS:
+        EXTRA_ROOTS.append(root)
+    templates = dict(getattr(settings, "url_templates", {}) or {})
+    template = templates.get(ENGINE_NAME) or templates.get("llamacpp") or ARCHIVE_URL_TEMPLATE
+    return [LlamaCppInstaller(root, Path(settings.cache_dir) / ENGINE_NAME, url_template=template)]
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m llmgw.node.install.llamacpp``: ensures llama-server is installed; prints its path.
+
+    Exit status 0 with the binary's path on stdout; 1 with the reason on stderr.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Install llama-server (cached) and print its path.")
+    parser.add_argument("--root", type=Path, default=None, help="install root (default: %(default)s -> ~/.cache/llmgw/engines/llama.cpp)")
+    parser.add_argument("--no-archive", action="store_true", help="skip release archives; build from the sdist")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    opts = parser.parse_args(argv)
+    root = opts.root or default_root()
+    existing = find_installed([root])
+    if existing is not None:  # the fast path `make test` takes every time after the first
+        print(existing.binary)
+        return 0
+
+    def say(message: str) -> None:
+        if not opts.quiet:
+            print(f"llama.cpp: {message}", file=sys.stderr, flush=True)
+
+    try:
+        inst = trio.run(lambda: install(root, say, try_archive=not opts.no_archive))
+    except InstallError as exc:
+        print(f"llama.cpp: {exc}", file=sys.stderr)
+        return 1
+    print(inst.binary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""A lean HTTP/1.1 client for the gateway's hop to the engines: one keep-alive pool per replica.
+
+Why not httpx on this path: the gateway forwards small JSON requests and relays the
+answers, and per request httpx + httpcore cost more CPU than the rest of the hop (event
+objects, header models, two socket writes for head and body, a state machine per
+connection). This client does only what the hop needs:
+
+* the request head and body leave in one write (one syscall, one TCP segment when small);
+* the response head is parsed with ``bytes`` operations; the body is framed by
+  ``content-length``, ``transfer-encoding: chunked`` (decoded, so what is yielded is the
+  payload the engine wrote) or the end of the connection;
+* a connection is returned to its replica's pool only after its response body was read
+  to the end on a keep-alive connection; anything else (a cancelled stream, an error)
+  closes it, so a pooled connection never holds stale bytes;
+* a pooled connection the engine closed while idle is detected on reuse (EOF before any
+  response byte) and the request is sent once more on a new connection: the engine did
+  not see it. Idle connections expire after ``keepalive_expiry`` seconds.
+
+Errors are raised as ``httpx`` exception types so callers handle both clients alike:
+``httpx.ConnectError``/``ConnectTimeout`` (nothing was sent), ``httpx.WriteError``/
+``WriteTimeout``, ``httpx.ReadError`` and ``httpx.RemoteProtocolError`` (the exchange
+broke). Sockets are trio ``SocketStream``s, which set TCP_NODELAY, so each relayed
+chunk leaves at once. Deadlines for the response (first byte, gaps) are the caller's:
+wrap calls in ``trio.move_on_after``; cancellation closes the connection and propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Iterable
+from urllib.parse import urlsplit
+
+import httpx
+import trio
+
+# Bytes asked for per receive; SSE chunks and small JSON answers fit in one.
+RECV_BYTES = 65_536
+
+# Largest response head accepted (status line and headers); engines send a few hundred bytes.
+MAX_HEAD_BYTES = 64 * 1024
+
+# Largest chunk-size line accepted in a chunked body (hex size plus extensions).
+MAX_CHUNK_LINE_BYTES = 4096
+
+
+class Headers(dict):  # type: ignore[type-arg]
+    """Response headers by lower-case name (a repeated header keeps its last value)."""
+
+
+class H1Response:
+    """One response whose head has arrived; read the body with :meth:`aiter_raw` or :meth:`aread`.
+
+    ``status_code`` and ``headers`` are set. :meth:`aclose` must be called when done: it
+    returns the connection to the pool if the body was read to the end, else closes it.
+    """
+
+    __slots__ = ("status_code", "headers", "_conn", "_pool", "_framing", "_remaining", "_done", "_closed")
+
+    def __init__(self, status_code: int, headers: Headers, conn: _Conn, pool: H1Pool, framing: str, length: int) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self._conn = conn
+        self._pool = pool
+        self._framing = framing  # "length", "chunked", "close" or "none"
+        self._remaining = length
+        self._done = framing == "none" or (framing == "length" and length == 0)
+        self._closed = False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """Yield the body's payload bytes as they arrive (chunked framing removed).
+
+        Raises ``httpx.ReadError``/``RemoteProtocolError`` if the connection breaks or the
+        framing is invalid. Reading twice yields nothing the second time.
+        """
+        if self._done or self._closed:
+            return
+        conn = self._conn
+        if self._framing == "length":
+            while self._remaining > 0:
+                data = conn.take(self._remaining) or await conn.recv_body()
+                self._remaining -= len(data)
+                if self._remaining <= 0:
+                    self._done = True
+                yield data
+        elif self._framing == "chunked":
+            async for data in _dechunk(conn):
+                yield data
+            self._done = True
+        else:  # until the engine closes the connection
+            while True:
+                data = conn.take_all()
+                if not data:
+                    data = await conn.recv(eof_ok=True)
+                    if not data:
+                        self._done = True
+                        return
+                yield data
+
+    async def aread(self) -> bytes:
+        """Return the whole body (see :meth:`aiter_raw` for errors)."""
+        parts = [data async for data in self.aiter_raw()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def aclose(self) -> None:
+        """Release the connection: back to the pool if reusable, else closed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        conn = self._conn
+        if self._done and self._framing != "close" and conn.keep_alive and not conn.buffer:
+            self._pool.put_back(conn)
+        else:
+            await conn.aclose()
+
+
+class _Conn:
+    """One TCP connection to a replica with its unread bytes."""
+
+    __slots__ = ("stream", "buffer", "keep_alive", "idle_since", "key")
+
+    def __init__(self, stream: trio.SocketStream, key: tuple[str, int]) -> None:
+        self.stream = stream
+        self.buffer = b""
+        self.keep_alive = True
+        self.idle_since = 0.0
+        self.key = key
+
+    async def recv(self, *, eof_ok: bool = False) -> bytes:
+        """Return the next bytes from the socket (b"" at EOF if ``eof_ok``, else ReadError)."""
+        try:
+            data = await self.stream.receive_some(RECV_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            raise httpx.ReadError(f"connection to replica broke while reading: {error!r}") from error
+        if not data and not eof_ok:
+            raise httpx.RemoteProtocolError("replica closed the connection in the middle of a response")
+        return data
+
+    async def recv_body(self) -> bytes:
+        """Return the next body bytes; a premature EOF raises RemoteProtocolError."""
+        return await self.recv()
+
+    def take(self, limit: int) -> bytes:
+        """Return up to ``limit`` buffered bytes, removing them from the buffer."""
+        buffer = self.buffer
+        if not buffer:
+            return b""
+        if len(buffer) <= limit:
+            self.buffer = b""
+            return buffer
+        self.buffer = buffer[limit:]
+        return buffer[:limit]
+
+    def take_all(self) -> bytes:
+        """Return and clear the whole buffer."""
+        buffer, self.buffer = self.buffer, b""
+        return buffer
+
+    async def aclose(self) -> None:
+        """Close the socket (never raises; shielded from cancellation)."""
+        with trio.CancelScope(shield=True):
+            try:
+                await self.stream.aclose()
+            except Exception:  # closing a broken socket: nothing to do about it
+                pass
+
+
+async def _dechunk(conn: _Conn) -> AsyncIterator[bytes]:
+    """Yield the payload of a chunked body from ``conn``, one piece per receive, up to the last chunk.
+
+    Leaves any bytes after the body's end in ``conn.buffer`` (there should be none).
+    """
+    buffer = conn.take_all()
+    remaining = 0  # payload bytes of the current chunk still to come
+    need_crlf = False  # the CRLF closing the current chunk is still to come
+    while True:
+        out: list[bytes] = []
+        while buffer:
+            if remaining:
+                piece = buffer[:remaining]
+                out.append(piece)
+                buffer = buffer[len(piece):]
+                remaining -= len(piece)
+                need_crlf = remaining == 0
+                continue
+            if need_crlf:
+                if len(buffer) < 2:
+                    break
+                if buffer[:2] != b"\r\n":
+                    raise httpx.RemoteProtocolError("replica sent a chunk without its closing CRLF")
+                buffer = buffer[2:]
+                need_crlf = False
+                continue
+            line_end = buffer.find(b"\r\n")
+            if line_end < 0:
+                if len(buffer) > MAX_CHUNK_LINE_BYTES:
+                    raise httpx.RemoteProtocolError("replica sent an over-long chunk-size line")
+                break
+            try:
+                size = int(buffer[:line_end].split(b";", 1)[0], 16)
+            except ValueError:
+                raise httpx.RemoteProtocolError(
+                    f"replica sent an invalid chunk size {buffer[:line_end][:40]!r}") from None
+            if size < 0:
+                raise httpx.RemoteProtocolError("replica sent a negative chunk size")
+            if size == 0:  # last chunk: skip the trailers up to the empty line
+                rest = buffer[line_end + 2:]
+                while not (rest.startswith(b"\r\n") or b"\r\n\r\n" in rest):
+                    if len(rest) > MAX_HEAD_BYTES:
+                        raise httpx.RemoteProtocolError("replica sent over-long chunked trailers")
+                    rest += await conn.recv()
+                conn.buffer = rest[2:] if rest.startswith(b"\r\n") else rest[rest.index(b"\r\n\r\n") + 4:]
+                if out:
+                    yield b"".join(out)
+                return
+            remaining = size
+            buffer = buffer[line_end + 2:]
+        if out:
+            yield out[0] if len(out) == 1 else b"".join(out)
+        buffer += await conn.recv()
+
+
+def _parse_head(head: bytes) -> tuple[int, Headers, bool]:
+    """Return (status, headers, keep_alive) from a response head without its final CRLFCRLF."""
+    lines = head.split(b"\r\n")
+    status_line = lines[0]
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise httpx.RemoteProtocolError(f"replica sent an invalid status line {status_line[:80]!r}")
+    try:
+        status = int(parts[1])
+    except ValueError:
+        raise httpx.RemoteProtocolError(f"replica sent an invalid status line {status_line[:80]!r}") from None
+    headers = Headers()
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise httpx.RemoteProtocolError(f"replica sent an invalid header line {line[:80]!r}")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    connection = headers.get("connection", "").lower()
+    keep_alive = "close" not in connection if parts[0] == b"HTTP/1.1" else "keep-alive" in connection
+    return status, headers, keep_alive
+
+
+class H1Pool:
+    """Keep-alive HTTP/1.1 connections to replicas, pooled per (host, port).
+
+    Use from inside one trio run; :meth:`aclose` closes every idle connection (connections
+    lent to open responses are closed by those responses' ``aclose``).
+    """
+
+    def __init__(self, *, connect_timeout: float, write_timeout: float, keepalive_expiry: float,
+                 max_idle_per_replica: int) -> None:
+        self._connect_timeout = connect_timeout
+        self._write_timeout = write_timeout
+        self._expiry = keepalive_expiry
+        self._max_idle = max_idle_per_replica
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._closed = False
+        self._targets: dict[str, tuple[str, int, bytes, str]] = {}
+
+    def _target(self, base_url: str) -> tuple[str, int, bytes, str]:
+        """Return (host, port, Host header value, path prefix) for an ``http://host:port[/prefix]`` URL (cached).
+
+        Raises ``httpx.UnsupportedProtocol`` for anything but plain ``http://``.
+        """
+        found = self._targets.get(base_url)
+        if found is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise httpx.UnsupportedProtocol(f"replica endpoint {base_url!r} is not an http://host:port URL")
+            port = parts.port or 80
+            found = (parts.hostname, port, parts.netloc.encode("latin-1"), parts.path.rstrip("/"))
+            self._targets[base_url] = found
+        return found
+
+    def put_back(self, conn: _Conn) -> None:
+        """Return a connection whose response was read to the end to its replica's pool."""
+        idle = self._idle.setdefault(conn.key, [])
+        if self._closed or len(idle) >= self._max_idle:
+            trio.lowlevel.spawn_system_task(conn.aclose)
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # most recently used first: least likely to be expired
+            if now - conn.idle_since < self._expiry:
+                return conn
+            trio.lowlevel.spawn_system_task(conn.aclose)
+        return None
+
+    async def _connect(self, host: str, port: int) -> _Conn:
+        try:
+            with trio.fail_after(self._connect_timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} took longer than {self._connect_timeout:g}s") from None
+        except OSError as error:
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {error}") from error
+        return _Conn(stream, (host, port))
+
+    async def request(self, base_url: str, method: str, target: str, headers: Iterable[tuple[str, str]],
+                      body: bytes) -> H1Response:
+        """Send one request to the engine at ``base_url`` and return once the response head arrived.
+
+        ``target`` is the path and query (``/v1/chat/completions?x=1``); ``headers`` must
+        not include Host, Content-Length or Connection (set here). Raises as the module
+        docstring says; the caller must ``aclose`` the returned response.
+        """
+        if self._closed:
+            raise httpx.ConnectError("the gateway's upstream client is closed")
+        host, port, host_header, prefix = self._target(base_url)
+        if prefix:
+            target = prefix + target
+        key = (host, port)
+        lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n" % (
+            method.encode("ascii"), target.encode("latin-1"), host_header, len(body))]
+        for name, value in headers:
+            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+        lines.append(b"\r\n")
+        lines.append(body)
+        payload = b"".join(lines)
+        for attempt in range(2):
+            conn = self._take_idle(key) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(host, port)
+            try:
+                return await self._exchange(conn, payload, method)
+            except _StaleConnection:
+                await conn.aclose()
+                if not reused:  # a fresh connection closed on us: the engine is refusing
+                    raise httpx.RemoteProtocolError(f"replica {host}:{port} closed the connection without answering") from None
+                continue
+            except BaseException:
+                await conn.aclose()
+                raise
+        raise AssertionError("unreachable: the second attempt uses a fresh connection")
+
+    async def _exchange(self, conn: _Conn, payload: bytes, method: str) -> H1Response:
+        """Send ``payload`` on ``conn`` and read the response head."""
+        try:
+            with trio.fail_after(self._write_timeout):
+                await conn.stream.send_all(payload)
+        except trio.TooSlowError:
+            raise httpx.WriteTimeout(f"sending the request took longer than {self._write_timeout:g}s") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            raise _StaleConnection() from error
+        buffer = b""
+        while True:
+            end = buffer.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buffer) > MAX_HEAD_BYTES:
+                raise httpx.RemoteProtocolError("replica sent an over-long response head")
+            try:
+                data = await conn.stream.receive_some(RECV_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                if not buffer:
+                    raise _StaleConnection() from error
+                raise httpx.ReadError(f"connection to replica broke while reading the response head: {error!r}") from error
+            if not data:
+                if not buffer:
+                    raise _StaleConnection()
+                raise httpx.RemoteProtocolError("replica closed the connection in the middle of the response head")
+            buffer += data
+        status, headers, keep_alive = _parse_head(buffer[:end])
+        conn.buffer = buffer[end + 4:]
+        conn.keep_alive = keep_alive
+        if status < 200:  # 1xx (e.g. 100 Continue) is not used by engines for these calls
+            raise httpx.RemoteProtocolError(f"replica sent an unexpected informational status {status}")
+        length = 0
+        if method == "HEAD" or status in (204, 304):
+            framing = "none"
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            framing = "chunked"
+        elif "content-length" in headers:
+            try:
+                length = int(headers["content-length"])
+            except ValueError:
+                raise httpx.RemoteProtocolError(f"replica sent an invalid content-length {headers['content-length']!r}") from None
+            framing = "length"
+        else:
+            framing = "close"
+            conn.keep_alive = False
+        return H1Response(status, headers, conn, self, framing, length)
+
+    async def aclose(self) -> None:
+        """Close every idle pooled connection; further requests raise ConnectError."""
+        self._closed = True
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                await conn.aclose()
+
+
+class _StaleConnection(Exception):
+    """The connection was closed by the engine before any response byte (retry on a fresh one)."""
+

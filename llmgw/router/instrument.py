@@ -1,0 +1,150 @@
+"""ASGI middleware that measures every ``/v1/*`` request for Prometheus (and tracing).
+
+:class:`Instrumentation` wraps the gateway's ASGI app. For each HTTP request under
+``/v1/`` it puts a fresh dict at ``scope["extensions"]["llmgw"]`` that the request path
+fills in (``"tenant"``, ``"model"``, ``"replica"``; absent keys are recorded as ``""`` /
+``"unknown"``), watches the messages the app sends, and records into
+:class:`~llmgw.router.metrics.GatewayMetrics`:
+
+* when the response ends: the request by model, tenant and status, and its duration;
+* for event streams (``text/event-stream``): the time to the first non-empty body chunk
+  and the gap between consecutive non-empty chunks.
+
+The status is the one sent to the client; 499 when the client went away (or the request
+was cancelled) before a response started, 500 when the app raised before starting one.
+
+With a tracer (:mod:`llmgw.router.tracing`) it also opens the request span, honouring an
+incoming ``traceparent``, and stores it at ``scope["extensions"]["llmgw.trace"]`` for
+the request path's child spans. Without one the only cost is one ``if``.
+
+The middleware never swallows exceptions or cancellation: it records, then re-raises.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable, MutableMapping
+
+import trio
+
+from .metrics import GatewayMetrics
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Key of the request-path labels dict in ``scope["extensions"]``.
+LABELS_KEY = "llmgw"
+#: Key of the request's trace (a ``tracing.RequestTrace``) in ``scope["extensions"]``.
+TRACE_KEY = "llmgw.trace"
+
+# Status recorded for a request whose client disconnected before the response started
+# (nginx's convention; never sent on the wire).
+CLIENT_CLOSED_STATUS = 499
+
+# Only the API is measured: /metrics scrapes and health checks would drown the request
+# counts, and their paths are not client traffic.
+MEASURED_PREFIX = "/v1/"
+
+_EVENT_STREAM = b"text/event-stream"
+
+
+def request_labels(scope: Scope) -> MutableMapping[str, str]:
+    """Return the labels dict of the request ``scope`` (a throwaway dict if not instrumented).
+
+    The request path sets ``"tenant"``, ``"model"`` and ``"replica"`` in it.
+    """
+    extensions = scope.get("extensions")
+    if extensions is None:
+        return {}
+    labels = extensions.get(LABELS_KEY)
+    return labels if labels is not None else {}
+
+
+class Instrumentation:
+    """ASGI middleware recording request metrics (and, with ``tracer``, the request span)."""
+
+    def __init__(self, inner: ASGIApp, metrics: GatewayMetrics, tracer: Any = None) -> None:
+        self._inner = inner
+        self._metrics = metrics
+        self._tracer = tracer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(MEASURED_PREFIX):
+            await self._inner(scope, receive, send)
+            return
+        labels: dict[str, str] = {}
+        extensions = scope.get("extensions")
+        if extensions is None:
+            extensions = scope["extensions"] = {}
+        extensions[LABELS_KEY] = labels
+        watch = _ResponseWatch(self._metrics, labels, send)
+        trace = None
+        if self._tracer is not None:
+            trace = extensions[TRACE_KEY] = self._tracer.start_request(scope)
+        try:
+            await self._inner(scope, receive, watch.send)
+        except trio.Cancelled:
+            watch.fail(CLIENT_CLOSED_STATUS)
+            raise
+        except BaseException:
+            watch.fail(500)
+            raise
+        finally:
+            status = watch.finish()
+            if trace is not None:
+                trace.finish(status, labels)
+
+
+class _ResponseWatch:
+    """Wraps ``send`` for one request and records what went out (see the module docstring)."""
+
+    __slots__ = ("_metrics", "_labels", "_send", "_start", "_status", "_stream", "_last", "_gap")
+
+    def __init__(self, metrics: GatewayMetrics, labels: dict[str, str], send: Send) -> None:
+        self._metrics = metrics
+        self._labels = labels
+        self._send = send
+        self._start = time.perf_counter()
+        self._status = 0
+        self._stream = False
+        self._last = 0.0
+        self._gap: Callable[[float], None] | None = None
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            if self._stream and message.get("body"):
+                self._chunk(time.perf_counter())
+        elif kind == "http.response.start":
+            self._status = message["status"]
+            for name, value in message.get("headers", ()):
+                if name.lower() == b"content-type":
+                    self._stream = value.lower().startswith(_EVENT_STREAM)
+                    break
+        await self._send(message)
+
+    def _chunk(self, now: float) -> None:
+        if self._gap is None:
+            model = self._labels.get("model", "")
+            self._metrics.first_chunk(model, now - self._start)
+            self._gap = self._metrics.chunk_gap_observer(model)
+        else:
+            self._gap(now - self._last)
+        self._last = now
+
+    def fail(self, status: int) -> None:
+        """Record ``status`` unless a response already started (its status stands)."""
+        if not self._status:
+            self._status = status
+
+    def finish(self) -> int:
+        """Record the finished request; return the status recorded."""
+        status = self._status or CLIENT_CLOSED_STATUS
+        labels = self._labels
+        self._metrics.request_done(
+            labels.get("model", ""), labels.get("tenant", ""), status, time.perf_counter() - self._start
+        )
+        return status

@@ -1,0 +1,277 @@
+"""Prometheus metrics of the gateway, in a registry of their own.
+
+One :class:`GatewayMetrics` per gateway app. It owns a private
+``prometheus_client.CollectorRegistry`` (never the process-global one: several gateways
+run in one test process, and a library must not register into a host program's
+registry). ``GET /metrics`` on the gateway renders it with :meth:`GatewayMetrics.render`.
+
+API (all synchronous, cheap, never raise on odd label values; call from the trio thread):
+
+Request path (admission, routing, upstream)::
+
+    metrics.admitted(tenant, model)                  # a request passed admission
+    metrics.queued(tenant, model, delta)             # +1 when it waits in a model's queue, -1 when it leaves
+    metrics.shed(tenant, model, reason)              # refused by admission (e.g. "concurrency", "rpm",
+                                                     #   "tpm", "queue_full", "queue_timeout")
+    metrics.usage(tenant, model, prompt_tokens, completion_tokens)   # from the engine's usage fields
+    metrics.upstream_error(replica, kind)            # kind: "connect", "timeout", "status_5xx",
+                                                     #   "protocol", "first_byte_timeout", "chunk_timeout"
+    metrics.retry(model)                             # a request was retried on another replica
+    metrics.in_flight(replica, delta)                # +1 when sent to a replica, -1 when finished
+                                                     #   (no-op when ``in_flight_source`` is given)
+    metrics.forget_replica(replica)                  # drop a departed replica's series
+
+ASGI middleware (:mod:`llmgw.router.instrument`)::
+
+    metrics.request_done(model, tenant, status, seconds)   # one finished HTTP request
+    metrics.first_chunk(model, seconds)                    # time to first body chunk of a stream
+    metrics.chunk_gap(model, seconds)                      # gap between two body chunks of a stream
+
+In-flight per replica is read at scrape time: pass ``in_flight_source`` (e.g. the
+gateway's ``LoadTracker.snapshot``) and the gauge can never drift from the load the
+router balances on, at no cost per request; ``replica_ids`` (replicas in the table) are
+reported with 0 when idle, so a replica's series returns to 0 rather than vanishing.
+
+Label cardinality is bounded: a ``model`` not in the catalog (``is_known_model``) is
+recorded as ``"unknown"``, so clients cannot create series by inventing model names.
+An empty tenant or model is recorded as ``""`` / ``"unknown"``. Tenants come from API keys
+(operator-made) and replicas from the cluster, so both are bounded by configuration;
+:meth:`forget_replica` removes the series of a replica that is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# Whole-request latency, seconds. LLM requests range from a cached embedding (a few ms)
+# to a long non-streamed generation on a CPU replica (minutes); the upper buckets
+# follow the upstream read deadline (600 s).
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+
+# Time to first token (first body chunk of a streamed response), seconds: prefill of a
+# short prompt on a GPU is milliseconds, a long prompt behind a full batch tens of seconds.
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+# Gap between two chunks of a stream (inter-token latency), seconds: a decoding step is
+# about 5-100 ms; gaps of seconds mean preemption or a stalled engine.
+CHUNK_GAP_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+UNKNOWN = "unknown"
+
+# Prefix of every metric name.
+PREFIX = "llmgw_gateway"
+
+
+class GatewayMetrics:
+    """The gateway's metrics; see the module docstring for the API.
+
+    ``is_known_model(name)`` says whether a model is in the catalog (e.g.
+    ``ReplicaTable.has_model``); None records every non-empty name as is (tests only).
+    ``in_flight_source()`` returns in-flight counts by replica id (e.g.
+    ``LoadTracker.snapshot``) and ``replica_ids()`` the replicas to report even when idle;
+    both are called only when ``/metrics`` is scraped.
+    """
+
+    def __init__(
+        self,
+        is_known_model: Callable[[str], bool] | None = None,
+        *,
+        in_flight_source: Callable[[], Mapping[str, int]] | None = None,
+        replica_ids: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._is_known_model = is_known_model
+        self._own_in_flight: dict[str, int] = {}
+        self._in_flight_source = in_flight_source
+        self._replica_ids = replica_ids
+        self._error_labels: set[tuple[str, str]] = set()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "HTTP requests finished, by model, tenant and status code.",
+            ("model", "tenant", "status"), registry=r,
+        )
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from request start to the last response byte, by model.",
+            ("model",), buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from request start to the first body chunk of a streamed response, by model.",
+            ("model",), buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.chunk_gap_seconds = Histogram(
+            f"{PREFIX}_inter_chunk_seconds",
+            "Gap between consecutive body chunks of a streamed response, by model.",
+            ("model",), buckets=CHUNK_GAP_BUCKETS, registry=r,
+        )
+        r.register(_InFlightCollector(self._in_flight_counts))
+        self.queued_gauge = Gauge(
+            f"{PREFIX}_queued", "Requests waiting in admission queues, by tenant and model.",
+            ("tenant", "model"), registry=r,
+        )
+        self.admitted_total = Counter(
+            f"{PREFIX}_admitted", "Requests that passed admission, by tenant and model.",
+            ("tenant", "model"), registry=r,
+        )
+        self.shed_total = Counter(
+            f"{PREFIX}_shed", "Requests refused by admission, by tenant, model and reason.",
+            ("tenant", "model", "reason"), registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens reported by engines, by tenant and model.",
+            ("tenant", "model"), registry=r,
+        )
+        self.completion_tokens = Counter(
+            f"{PREFIX}_completion_tokens", "Completion tokens reported by engines, by tenant and model.",
+            ("tenant", "model"), registry=r,
+        )
+        self.upstream_errors = Counter(
+            f"{PREFIX}_upstream_errors", "Failed exchanges with replicas, by replica and kind.",
+            ("replica", "kind"), registry=r,
+        )
+        self.retries = Counter(
+            f"{PREFIX}_upstream_retries", "Requests retried on another replica, by model.",
+            ("model",), registry=r,
+        )
+
+    def bind_sources(
+        self,
+        is_known_model: Callable[[str], bool],
+        in_flight_source: Callable[[], Mapping[str, int]],
+        replica_ids: Callable[[], Iterable[str]],
+    ) -> None:
+        """Read the catalog, in-flight counts and replica ids from the gateway's own state
+        (the :class:`~llmgw.router.app.Gateway` calls this with its table and load tracker).
+        """
+        self._is_known_model = is_known_model
+        self._in_flight_source = in_flight_source
+        self._replica_ids = replica_ids
+
+    # -- labels -------------------------------------------------------------------------
+
+    def model_label(self, model: object) -> str:
+        """Return the label value for ``model``: itself if in the catalog, else ``"unknown"``."""
+        if not isinstance(model, str) or not model:
+            return UNKNOWN
+        known = self._is_known_model
+        if known is None or known(model):
+            return model
+        return UNKNOWN
+
+    # -- request path -------------------------------------------------------------------
+
+    def admitted(self, tenant: str, model: str) -> None:
+        """Count one request of ``tenant`` for ``model`` that passed admission."""
+        self.admitted_total.labels(tenant or "", self.model_label(model)).inc()
+
+    def queued(self, tenant: str, model: str, delta: int) -> None:
+        """Add ``delta`` (+1 on entering, -1 on leaving) to the queue gauge of ``tenant``/``model``."""
+        self.queued_gauge.labels(tenant or "", self.model_label(model)).inc(delta)
+
+    def shed(self, tenant: str, model: str, reason: str) -> None:
+        """Count one request refused by admission, with a short fixed ``reason`` word."""
+        self.shed_total.labels(tenant or "", self.model_label(model), reason or UNKNOWN).inc()
+
+    def usage(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Add an engine's reported token usage; negative or non-int values are ignored."""
+        labels = (tenant or "", self.model_label(model))
+        if isinstance(prompt_tokens, int) and prompt_tokens > 0:
+            self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        if isinstance(completion_tokens, int) and completion_tokens > 0:
+            self.completion_tokens.labels(*labels).inc(completion_tokens)
+
+    def upstream_error(self, replica: str, kind: str) -> None:
+        """Count one failed exchange with ``replica`` (a shard id) of the given ``kind``."""
+        labels = (replica or UNKNOWN, kind or UNKNOWN)
+        self._error_labels.add(labels)
+        self.upstream_errors.labels(*labels).inc()
+
+    def retry(self, model: str) -> None:
+        """Count one retry of a request for ``model`` on another replica."""
+        self.retries.labels(self.model_label(model)).inc()
+
+    def in_flight(self, replica: str, delta: int) -> None:
+        """Add ``delta`` (+1 when a request is sent, -1 when it ends) to ``replica``'s gauge."""
+        if self._in_flight_source is not None:
+            return
+        replica = replica or UNKNOWN
+        count = self._own_in_flight.get(replica, 0) + delta
+        if count > 0:
+            self._own_in_flight[replica] = count
+        else:
+            self._own_in_flight.pop(replica, None)
+
+    def forget_replica(self, replica: str) -> None:
+        """Remove every series labelled with ``replica`` (it left the cluster); no-op if none."""
+        self._own_in_flight.pop(replica, None)
+        for labels in [key for key in self._error_labels if key[0] == replica]:
+            self._error_labels.discard(labels)
+            self.upstream_errors.remove(*labels)
+
+    # -- middleware ---------------------------------------------------------------------
+
+    def request_done(self, model: str, tenant: str, status: int, seconds: float) -> None:
+        """Record one finished HTTP request (``status`` is the response code sent, or 499
+        when the client went away before a response started)."""
+        label = self.model_label(model)
+        self.requests.labels(label, tenant or "", str(status)).inc()
+        self.request_seconds.labels(label).observe(seconds)
+
+    def first_chunk(self, model: str, seconds: float) -> None:
+        """Record the time to the first body chunk of a streamed response."""
+        self.ttft_seconds.labels(self.model_label(model)).observe(seconds)
+
+    def chunk_gap(self, model: str, seconds: float) -> None:
+        """Record the gap between two body chunks of a streamed response."""
+        self.chunk_gap_seconds.labels(self.model_label(model)).observe(seconds)
+
+    def chunk_gap_observer(self, model: str) -> Callable[[float], None]:
+        """Return ``observe(seconds)`` for the chunk gaps of one stream (label looked up once)."""
+        return self.chunk_gap_seconds.labels(self.model_label(model)).observe
+
+    def _in_flight_counts(self) -> dict[str, int]:
+        """Return in-flight counts by replica, idle known replicas included with 0."""
+        source = self._in_flight_source
+        counts = dict(source() if source is not None else self._own_in_flight)
+        if self._replica_ids is not None:
+            for replica in self._replica_ids():
+                counts.setdefault(replica, 0)
+        return counts
+
+    # -- exposition ---------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """Return ``(body, content_type)`` of the Prometheus text exposition of this registry."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _InFlightCollector(Collector):
+    """Reports ``llmgw_gateway_in_flight{replica}`` from a callable, at scrape time."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for replica, count in sorted(self._counts().items()):
+            family.add_metric([replica], count)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"{PREFIX}_in_flight", "Requests in flight on each replica.", labels=["replica"])

