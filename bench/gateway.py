@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -225,13 +226,16 @@ def start_replicas(fleet: Fleet, count: int, decode_us: float) -> list[tuple[str
 def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int) -> Proxy:
     """Start llmgw's gateway (router only) in its own process over ``replicas``."""
     port = free_tcp_port()
-    cmd = [sys.executable, "-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", str(workers),
-           *[f"http://{h}:{p}" for h, p in replicas]]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = fleet.spawn("llmgw", cmd, env)
-    _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
+    procs = []
+    for _ in range(workers):  # several workers share the port with SO_REUSEPORT
+        cmd = [sys.executable, "-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", str(workers),
+               *[f"http://{h}:{p}" for h, p in replicas]]
+        procs.append(fleet.spawn("llmgw", cmd, env))
+    for proc in procs:
+        _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
     from importlib.metadata import version
-    return Proxy("llmgw", [(HOST, port)], [proc], version("llmgw") if _has_dist("llmgw") else "")
+    return Proxy("llmgw", [(HOST, port)], procs, version("llmgw") if _has_dist("llmgw") else "")
 
 
 def _has_dist(name: str) -> bool:
@@ -342,6 +346,8 @@ def start_litellm(fleet: Fleet, replicas: Sequence[tuple[str, int]]) -> Proxy:
         f"  - model_name: {MODEL}\n    litellm_params:\n      model: openai/{MODEL}\n"
         f"      api_base: http://{h}:{p}/v1\n      api_key: none" for h, p in replicas)))
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False",
+           # No master key: a loopback-only benchmark (LiteLLM refuses to start without one otherwise).
+           "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
            "LITELLM_LOG": "ERROR", "NO_PROXY": "*", "no_proxy": "*", "DISABLE_SCHEMA_UPDATE": "True"}
     proc = fleet.spawn("litellm", [str(venv / "bin" / "litellm"), "--config", str(conf), "--host", HOST,
                                    "--port", str(port), "--num_workers", "1"], env)
@@ -429,9 +435,10 @@ async def _stream_worker(host: str, port: int, stop_at: float, record_from: floa
                     if isinstance(ev, h11.Response):
                         status = ev.status_code
                     elif isinstance(ev, h11.Data):
-                        joined = tail + bytes(ev.data)
-                        events.extend([now] * joined.count(b"\n\n"))
-                        tail = joined[-16:]
+                        data = bytes(ev.data)
+                        # An event ends with a blank line; one may straddle two reads.
+                        events.extend([now] * ((tail[-1:] + data).count(b"\n\n")))
+                        tail = (tail + data)[-16:]
                     elif isinstance(ev, h11.EndOfMessage):
                         break
                 end = time.perf_counter()
@@ -634,7 +641,7 @@ def serve_llmgw(port: int, urls: Sequence[str], workers: int) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_gateway, create_app(table), HOST, port)
+            await nursery.start(partial(serve_gateway, create_app(table), HOST, port, reuse_port=workers > 1))
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()

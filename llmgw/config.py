@@ -35,6 +35,8 @@ from llmgw.rpc import tls
 __all__ = [
     "AgentConfig",
     "AgentTLS",
+    "AuthConfig",
+    "ServingConfig",
     "Address",
     "ConfigError",
     "LOG_LEVELS",
@@ -148,6 +150,33 @@ class TracingConfig:
     sample_ratio: float = 1.0
 
 
+# --- API keys and admission (server.yaml `auth:`, `serving:`) -----------------------------
+# Defaults equal llmgw.router.admission's / llmgw.control.keys' constants (reasons there).
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_INFLIGHT_PER_REPLICA = 256
+DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_QUEUE_TIMEOUT = 30.0
+DEFAULT_USAGE_FLUSH_INTERVAL = 10.0
+
+
+@attrs.frozen
+class AuthConfig:
+    """``auth:``: whether the gateway requires API keys (off only for loopback demos)."""
+
+    enabled: bool = True
+
+
+@attrs.frozen
+class ServingConfig:
+    """``serving:``: request size limit, per-model admission queue, usage flushing."""
+
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_inflight_per_replica: int = DEFAULT_MAX_INFLIGHT_PER_REPLICA
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    usage_flush_interval: float = DEFAULT_USAGE_FLUSH_INTERVAL
+
+
 @attrs.frozen
 class ServerConfig:
     """``server.yaml``: one control plane (and its gateway)."""
@@ -164,6 +193,8 @@ class ServerConfig:
     log_level: str = DEFAULT_LOG_LEVEL
     gateway: GatewayConfig = GatewayConfig()
     tracing: TracingConfig = TracingConfig()
+    auth: AuthConfig = AuthConfig()
+    serving: ServingConfig = ServingConfig()
 
     @property
     def ca_dir(self) -> Path:
@@ -556,6 +587,8 @@ def load_server_config(
         log_level=top.get("log_level", _parse_log_level, DEFAULT_LOG_LEVEL),
         gateway=_read_gateway(reader, top.raw("gateway")),
         tracing=_read_tracing(reader, top.raw("tracing")),
+        auth=_read_auth(reader, top.raw("auth")),
+        serving=_read_serving(reader, top.raw("serving")),
     )
     top.finish()
     if config.node_lost_after <= config.heartbeat_interval:
@@ -641,6 +674,47 @@ def _read_tracing(reader: _Reader, raw: Any) -> TracingConfig:
         endpoint=section.get("endpoint", _parse_otlp_endpoint, ""),
         service_name=section.get("service_name", _parse_str, DEFAULT_TRACING_SERVICE_NAME),
         sample_ratio=section.get("sample_ratio", _parse_ratio, 1.0),
+    )
+    section.finish()
+    return config
+
+
+def _parse_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _count(minimum: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected a whole number >= {minimum}, got {_show(value)}")
+        return value
+
+    return parse
+
+
+def _read_auth(reader: _Reader, raw: Any) -> AuthConfig:
+    if raw is _MISSING:
+        return AuthConfig()
+    section = reader.section(raw, "auth")
+    config = AuthConfig(enabled=section.get("enabled", _parse_bool, True))
+    section.finish()
+    return config
+
+
+def _read_serving(reader: _Reader, raw: Any) -> ServingConfig:
+    if raw is _MISSING:
+        return ServingConfig()
+    section = reader.section(raw, "serving")
+    config = ServingConfig(
+        max_request_bytes=section.get("max_request_bytes", _count(1), DEFAULT_MAX_REQUEST_BYTES),
+        max_inflight_per_replica=section.get("max_inflight_per_replica", _count(1),
+                                             DEFAULT_MAX_INFLIGHT_PER_REPLICA),
+        queue_size=section.get("queue_size", _count(0), DEFAULT_QUEUE_SIZE),
+        queue_timeout=section.get("queue_timeout", _positive(parse_duration), DEFAULT_QUEUE_TIMEOUT),
+        usage_flush_interval=section.get("usage_flush_interval", _positive(parse_duration),
+                                         DEFAULT_USAGE_FLUSH_INTERVAL),
     )
     section.finish()
     return config

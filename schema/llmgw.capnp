@@ -198,6 +198,47 @@ struct ClusterStatus {
   models @5 :UInt32;
   gatewayUrl @6 :Text;
   unplaceable @7 :List(Text);
+  servingStopped @8 :Bool;
+  admission @9 :List(TenantAdmission);
+  # Per tenant, since this control plane's gateway started.
+}
+
+struct Tenant {
+  name @0 :Text;
+  allModels @1 :Bool;
+  models @2 :List(Text);
+  # Ignored when allModels is set.
+  maxConcurrency @3 :UInt32;
+  rpm @4 :UInt32;
+  tpm @5 :UInt32;
+  # Limits: 0 means unlimited.
+  createdAt @6 :Float64;
+  updatedAt @7 :Float64;
+}
+
+struct ApiKey {
+  id @0 :Text;
+  tenant @1 :Text;
+  name @2 :Text;
+  createdAt @3 :Float64;
+  revokedAt @4 :Float64;
+  # 0 while active.
+}
+
+struct UsageRow {
+  tenant @0 :Text;
+  model @1 :Text;
+  requests @2 :UInt64;
+  promptTokens @3 :UInt64;
+  completionTokens @4 :UInt64;
+}
+
+struct TenantAdmission {
+  tenant @0 :Text;
+  admitted @1 :UInt64;
+  queued @2 :UInt64;
+  shed @3 :UInt64;
+  inFlight @4 :UInt32;
 }
 
 interface Admin {
@@ -211,14 +252,19 @@ interface Admin {
   replicaLogs @6 (id :Text, lines :UInt32) -> (lines :List(Text));
   # PLACEHOLDERS so @20 loads while @7..@19 (assigned to other work) are not all written yet:
   # whoever adds the method with one of these ordinals deletes its placeholder line. Never called.
-  reservedAdmin7 @7 () -> ();
-  reservedAdmin8 @8 () -> ();
-  reservedAdmin9 @9 () -> ();
-  reservedAdmin10 @10 () -> ();
-  reservedAdmin11 @11 () -> ();
-  reservedAdmin12 @12 () -> ();
-  reservedAdmin13 @13 () -> ();
-  reservedAdmin14 @14 () -> ();
+  # Tenants and API keys (issue 3). Each change is audited and reaches the gateway at once.
+  listTenants @7 () -> (tenants :List(Tenant));
+  putTenant @8 (tenant :Tenant, create :Bool) -> (tenant :Tenant);
+  # create: fails if the name exists; otherwise fails if it does not.
+  removeTenant @9 (name :Text) -> (removed :Bool);
+  # Also revokes the tenant's keys.
+  createKey @10 (tenant :Text, name :Text) -> (key :ApiKey, secret :Text);
+  # secret is the whole key, returned this once; only its hash is stored.
+  listKeys @11 () -> (keys :List(ApiKey));
+  revokeKey @12 (id :Text) -> (key :ApiKey);
+  usage @13 () -> (rows :List(UsageRow));
+  setServingStopped @14 (stopped :Bool) -> (stopped :Bool);
+  # Sets the cluster setting serving.stopped (every POST under /v1/ answers 503 system_stopped).
   reservedAdmin15 @15 () -> ();
   reservedAdmin16 @16 () -> ();
   reservedAdmin17 @17 () -> ();

@@ -91,6 +91,12 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
     for reason in st.unplaceable:
         click.echo(f"not placed: {reason}")
+    if st.serving_stopped:
+        click.echo("serving: STOPPED (every request is answered 503; `llmgw ctl start` resumes)")
+    if st.admission:
+        click.echo("")
+        print_table(["TENANT", "ADMITTED", "QUEUED", "SHED", "IN FLIGHT"],
+                    [[a.tenant, a.admitted, a.queued, a.shed, a.in_flight] for a in st.admission])
 
 
 @ctl.command()
@@ -281,3 +287,7 @@ def certs_issue(role: str, name: str, out: Path, state_dir: Path | None, sans: t
     except (TLSFileError, ValueError, OSError) as exc:
         fail(str(exc))
     click.echo(f"issued {creds.identity} into {out} (ca.pem, cert.pem, key.pem)")
+
+
+# Tenants, API keys, usage, stop/start live in their own module; importing it registers them.
+from llmgw.cli import ctl_keys  # noqa: E402,F401  (after `ctl` is defined: it imports it)

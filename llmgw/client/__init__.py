@@ -33,7 +33,8 @@ from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
 from llmgw.spec import EngineInfo, Hardware, ModelSpec
 from llmgw.spec import Compute
 
-__all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "connect"]
+__all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "connect",
+           "KeyRow", "TenantAdmission", "TenantRow", "UsageRow"]
 
 #: Admin calls read in-memory state or do one small store write.
 CALL_TIMEOUT = 30.0
@@ -80,6 +81,66 @@ class ClusterStatus:
     models: int
     gateway_url: str
     unplaceable: tuple[str, ...]
+    serving_stopped: bool = False
+    admission: tuple[TenantAdmission, ...] = ()  # per tenant, this control plane's gateway
+
+
+# -- tenants, API keys, usage (issue 3) ----------------------------------------------------
+
+
+@attrs.frozen
+class TenantAdmission:
+    """Requests of one tenant since the gateway started; ``in_flight`` includes queued ones."""
+
+    tenant: str
+    admitted: int
+    queued: int
+    shed: int
+    in_flight: int
+
+
+@attrs.frozen
+class TenantRow:
+    """A tenant: ``models`` it may use (None: all) and its limits (0: unlimited)."""
+
+    name: str
+    models: tuple[str, ...] | None
+    max_concurrency: int
+    rpm: int
+    tpm: int
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@attrs.frozen
+class KeyRow:
+    """An API key (never its secret); ``revoked_at`` is None while it is active."""
+
+    id: str
+    tenant: str
+    name: str
+    created_at: float
+    revoked_at: float | None
+
+
+@attrs.frozen
+class UsageRow:
+    """Requests and tokens of one tenant on one model (stored totals plus what is not flushed yet)."""
+
+    tenant: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _tenant_from(t: Any) -> TenantRow:
+    return TenantRow(t.name, None if t.allModels else tuple(t.models), t.maxConcurrency, t.rpm, t.tpm,
+                     t.createdAt, t.updatedAt)
+
+
+def _key_from(k: Any) -> KeyRow:
+    return KeyRow(k.id, k.tenant, k.name, k.createdAt, k.revokedAt or None)
 
 
 def remote_message(exc: capnp.KjException) -> str:
@@ -118,8 +179,48 @@ class ClusterClient:
         r = (await self._call("status")).status
         return ClusterStatus(
             r.version, r.nodesOnline, r.nodesLost, r.replicasReady, r.replicasTotal, r.models, r.gatewayUrl,
-            tuple(r.unplaceable),
+            tuple(r.unplaceable), r.servingStopped,
+            tuple(TenantAdmission(a.tenant, a.admitted, a.queued, a.shed, a.inFlight) for a in r.admission),
         )
+
+    # -- tenants, API keys, usage, serving (issue 3) --------------------------------------
+
+    async def tenants(self) -> list[TenantRow]:
+        """Return every tenant, ordered by name."""
+        return [_tenant_from(t) for t in (await self._call("listTenants")).tenants]
+
+    async def put_tenant(self, tenant: TenantRow, *, create: bool) -> TenantRow:
+        """Add (``create``) or replace a tenant; returns it as stored. Fails naming a bad field,
+        on a duplicate name (create) or an unknown one (update)."""
+        wire = {"name": tenant.name, "allModels": tenant.models is None, "models": list(tenant.models or ()),
+                "maxConcurrency": tenant.max_concurrency, "rpm": tenant.rpm, "tpm": tenant.tpm}
+        return _tenant_from((await self._call("putTenant", wire, create)).tenant)
+
+    async def remove_tenant(self, name: str) -> bool:
+        """Remove a tenant and revoke its keys; returns whether it existed."""
+        return bool((await self._call("removeTenant", name)).removed)
+
+    async def create_key(self, tenant: str, name: str = "") -> tuple[KeyRow, str]:
+        """Create an API key for ``tenant``; returns it and the key itself (shown this once)."""
+        result = await self._call("createKey", tenant, name)
+        return _key_from(result.key), str(result.secret)
+
+    async def keys(self) -> list[KeyRow]:
+        """Return every API key, revoked ones included, oldest first."""
+        return [_key_from(k) for k in (await self._call("listKeys")).keys]
+
+    async def revoke_key(self, key_id: str) -> KeyRow:
+        """Revoke a key (at once, on this control plane's gateway); fails if there is none."""
+        return _key_from((await self._call("revokeKey", key_id)).key)
+
+    async def usage(self) -> list[UsageRow]:
+        """Return requests and tokens per tenant and model."""
+        return [UsageRow(u.tenant, u.model, u.requests, u.promptTokens, u.completionTokens)
+                for u in (await self._call("usage")).rows]
+
+    async def set_serving_stopped(self, stopped: bool) -> bool:
+        """Stop (every POST under /v1/ answers 503) or resume serving; returns the new state."""
+        return bool((await self._call("setServingStopped", stopped)).stopped)
 
     async def nodes(self) -> list[NodeRow]:
         result = await self._call("listNodes")

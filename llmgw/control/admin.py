@@ -14,6 +14,7 @@ import trio
 
 from llmgw import __version__
 from llmgw.control.catalog import model_to_dict, validate_model
+from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
 from llmgw.control.registry import NodeState
 from llmgw.rpc import convert, schema
 from llmgw.spec import ShardState
@@ -28,7 +29,7 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
     """Return an ``Admin`` server object acting for ``actor`` (the certificate's name)."""
     s = schema.load()
 
-    class AdminServer(s.Admin.Server):
+    class AdminServer(AccessAdminMixin, s.Admin.Server):  # tenants, keys, usage: keys_admin.py
         async def status(self, _context: Any, **_: Any) -> None:
             fleet = plane.registry.snapshot()
             shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]
@@ -42,6 +43,8 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                 "models": len(models),
                 "gatewayUrl": plane.gateway_url,
                 "unplaceable": plane.unplaceable_reasons(),
+                "servingStopped": plane.gateway is not None and plane.gateway.stopped,
+                "admission": admission_rows(plane),
             }
 
         async def listNodes(self, _context: Any, **_: Any) -> None:
@@ -127,4 +130,6 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                 ) from None
             _context.results.output = await session.check_engine(engine_name)
 
-    return AdminServer()
+    server = AdminServer()
+    server.bind_access(plane, actor)
+    return server

@@ -12,6 +12,7 @@ Nursery tree::
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import ssl
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw.config import GatewayConfig, TracingConfig
+from llmgw.config import AuthConfig, GatewayConfig, ServingConfig, TracingConfig
 from llmgw.control.cluster import handle_connection
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import Registry
@@ -28,7 +29,10 @@ from llmgw.control.store import Store, open_store
 from llmgw.rpc import net
 from llmgw.rpc.kjtrio import unwrap_single_group
 from llmgw.rpc.tls import Identity
-from llmgw.router.app import create_app
+from llmgw.control.keys import AccessSync
+from llmgw.router.admission import Admission, AdmissionLimits
+from llmgw.router.app import Gateway, create_app, gateway_of
+from llmgw.router.auth import AuthTable
 from llmgw.router.replicas import Replica, ReplicaTable
 from llmgw.router.serve import serve_gateway
 from llmgw.router.tracing import create_tracer
@@ -54,6 +58,8 @@ class ControlPlane:
     rpc_port: int = 0
     http_port: int = 0
     node_versions: dict[str, str] = attrs.field(factory=dict)
+    gateway: Gateway | None = None
+    access: AccessSync | None = None  # keys, tenants, serving.stopped -> gateway; usage -> store
     _catalog_version: int = 0
     _catalog_event: trio.Event = attrs.field(factory=trio.Event)
 
@@ -131,6 +137,8 @@ async def run_control_plane(
     replace_grace: float = 30.0,
     gateway: GatewayConfig | None = None,
     tracing: TracingConfig | None = None,
+    auth: AuthConfig = AuthConfig(),
+    serving: ServingConfig = ServingConfig(),
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane until cancelled.
@@ -142,7 +150,8 @@ async def run_control_plane(
     is taken. Cancellation closes every connection and the store; engines on
     the nodes are not touched. ``gateway`` sets the upstream deadlines and ``tracing``
     the OpenTelemetry export (``server.yaml`` sections; None: defaults, tracing off);
-    ``RuntimeError`` if tracing is on but OpenTelemetry is not installed.
+    ``RuntimeError`` if tracing is on but OpenTelemetry is not installed. ``auth`` and
+    ``serving`` are the API-key switch and admission limits (``server.yaml`` sections).
     """
     with unwrap_single_group():
         async with open_store(store_url) as store, trio.open_nursery() as nursery:
@@ -159,7 +168,22 @@ async def run_control_plane(
             plane.reconciler = Reconciler(registry, plane._catalog, sessions)
             await nursery.start(plane.reconciler.run)
             await nursery.start(plane.feed_gateway)
-            gateway_app = create_app(plane.table, timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing))
+            gateway_app = create_app(
+                plane.table, timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing),
+                auth=AuthTable(enabled=auth.enabled),
+                admission=Admission(AdmissionLimits(
+                    serving.max_inflight_per_replica, serving.queue_size, serving.queue_timeout)),
+                max_request_bytes=serving.max_request_bytes,
+            )
+            plane.gateway = gateway_of(gateway_app)
+            plane.access = AccessSync(store, plane.gateway, usage_flush_interval=serving.usage_flush_interval)
+            await nursery.start(plane.access.run)
+            if not auth.enabled and not _is_loopback(http_host):
+                log.warning(
+                    "API KEYS ARE OFF (auth.enabled: false) AND THE GATEWAY LISTENS ON %s, NOT LOOPBACK: "
+                    "ANYONE WHO CAN REACH IT CAN USE EVERY MODEL. Turn auth on for anything but a "
+                    "loopback demo.", http_host,
+                )
             plane.http_port = await nursery.start(serve_gateway, gateway_app, http_host, http_port)
             plane.gateway_url = f"http://{_url_host(http_host)}:{plane.http_port}"
 
@@ -178,6 +202,16 @@ def _upstream_timeouts(gateway: GatewayConfig | None) -> UpstreamTimeouts:
     return UpstreamTimeouts(
         connect=gateway.connect_timeout, first_byte=gateway.first_byte_timeout, chunk=gateway.chunk_timeout
     )
+
+
+def _is_loopback(host: str) -> bool:
+    """Return whether ``host`` (an address or name to listen on) is loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _url_host(host: str) -> str:

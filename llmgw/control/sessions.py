@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import capnp
 import trio
 
 from llmgw.control.registry import Registry
@@ -115,7 +116,10 @@ class NodeSession:
     async def check_engine(self, engine: str) -> str:
         """Returns the output of ``engine``'s version and device check on this node."""
         with trio.fail_after(CHECK_ENGINE_TIMEOUT):
-            result = await self.agent.checkEngine(engine)
+            try:
+                result = await self.agent.checkEngine(engine)
+            except capnp.KjException as exc:
+                raise RuntimeError(f"node {self.node_id}: {_remote_reason(exc)}") from None
             return str(result.output)
 
     async def adopt(self, shard_id: str) -> None:
@@ -191,6 +195,15 @@ class NodeSessions:
 
     async def stop_replica(self, node_id: str, shard_id: str) -> None:
         await self.get(node_id).stop_shard(shard_id)
+
+
+def _remote_reason(exc: capnp.KjException) -> str:
+    """Returns the agent's own sentence from a remote exception (without kj's trace lines)."""
+    text = (exc.description or str(exc)).strip()
+    for line in text.splitlines():
+        if "Error: " in line:
+            return line.split("Error: ", 1)[1].strip()
+    return text.splitlines()[0] if text else exc.type
 
 
 def engines_changed(registry: Registry, node_id: str, engines: list[EngineInfo], epoch: int) -> None:

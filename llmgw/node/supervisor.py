@@ -41,7 +41,7 @@ import trio
 from llmgw.node import shard_state
 from llmgw.node.engines import ENGINES, Engine, EngineRefused, base_environment, get_engine
 from llmgw.node.engines import compute as engine_compute
-from llmgw.node.fetch import FetchError, fetch_weights, is_remote
+from llmgw.node.fetch import FetchError, FetchSettings, fetch_weights, is_remote
 from llmgw.node.process import (
     EngineProcess,
     OutputTail,

@@ -76,8 +76,13 @@ def too_many(message: str, code: str, retry_after: float) -> GatewayError:
     """429 with Retry-After (whole seconds, at least 1)."""
     return GatewayError(
         429, message, "rate_limit_error", code=code,
-        headers={"Retry-After": str(max(1, math.ceil(retry_after)))},
+        headers={"Retry-After": str(_whole_seconds(retry_after))},
     )
+
+
+def _whole_seconds(seconds: float) -> int:
+    """Return ``seconds`` rounded up to a whole second, at least 1 (float noise ignored)."""
+    return max(1, math.ceil(seconds - 1e-6))
 
 
 def system_stopped() -> GatewayError:
@@ -310,7 +315,7 @@ class Admission:
             if wait:
                 raise too_many(
                     f"Tenant '{tenant.name}' is over its limit of {tenant.rpm} requests per minute; "
-                    f"retry in {math.ceil(wait)} seconds.",
+                    f"retry in {_whole_seconds(wait)} seconds.",
                     "rate_limit_exceeded", wait,
                 )
         charge = 0.0
@@ -320,7 +325,7 @@ class Admission:
             if wait:
                 raise too_many(
                     f"Tenant '{tenant.name}' is over its limit of {tenant.tpm} tokens per minute "
-                    f"(this request needs about {charge:g}); retry in {math.ceil(wait)} seconds.",
+                    f"(this request needs about {charge:g}); retry in {_whole_seconds(wait)} seconds.",
                     "tokens_limit_exceeded", wait,
                 )
         return charge

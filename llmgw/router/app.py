@@ -35,7 +35,9 @@ from . import errors
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
+from .fastpath import FastForward, ForwardCall, ForwardResult
 from .replicas import LeastOutstanding, Lease, LoadTracker, ReplicaTable, RequestInfo, RoutingPolicy
+from .h1pool import H1Response
 from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
 
@@ -159,6 +161,8 @@ class Gateway:
         # read deadline between chunks instead of a total response timeout.
         app.config["RESPONSE_TIMEOUT"] = None
         app.extensions["llmgw.gateway"] = self
+        # POSTs on the forwarded paths skip Quart (llmgw/router/fastpath.py: same forward()).
+        app.asgi_app = FastForward(app.asgi_app, self, FORWARDED_PATHS, BODY_TIMEOUT_S)  # type: ignore[method-assign]
         app.asgi_app = _RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
         app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]
 
@@ -244,23 +248,43 @@ class Gateway:
     # -- forwarding -----------------------------------------------------------------------
 
     async def _forward(self) -> Response:
-        """Route the request to a replica and return its answer (see the module docstring).
+        """The Quart view of the forwarded paths; returns :meth:`forward`'s answer as a Response.
+
+        Served POSTs normally never get here: :class:`~llmgw.router.fastpath.FastForward`
+        runs :meth:`forward` without Quart. This view serves callers that bypass the ASGI
+        middlewares (Quart's test client).
+        """
+
+        async def read_body() -> bytes:
+            body = await request.get_data(cache=False)
+            assert isinstance(body, bytes)
+            return body
+
+        call = ForwardCall(request.path, request.query_string, request.headers, g.request_id,
+                           request.content_length, request.max_content_length, request.scope, read_body)
+        status, headers, content = await self.forward(call)
+        return Response(content, status=status, headers=headers)
+
+    async def forward(self, call: ForwardCall) -> ForwardResult:
+        """Route the request to a replica and return (status, headers, body) (see the module docstring).
+
+        The body is bytes, or for an event stream an async iterator of chunks that
+        releases the replica's lease when it ends or is closed (the caller must close it).
 
         Order: key (401), ``serving.stopped`` (503), size (413), body (400), the tenant's
         models (403), catalog (404), ready replicas (503), admission (429/503), route.
         Raises GatewayError for anything the client should see as an error.
         """
-        tenant = self.auth.authenticate(request.headers.get("authorization"))
-        labels = request.scope.setdefault("extensions", {}).setdefault("llmgw", {})
+        tenant = self.auth.authenticate(call.headers.get("authorization"))
+        labels = call.scope.setdefault("extensions", {}).setdefault("llmgw", {})
         labels["tenant"] = tenant.name
         if self.stopped:
             raise system_stopped()
-        limit = request.max_content_length
-        if limit is not None and (request.content_length or 0) > limit:
+        limit = call.max_bytes
+        if limit is not None and (call.content_length or 0) > limit:
             raise request_too_large(limit)
-        body = await request.get_data(cache=False)
-        assert isinstance(body, bytes)
-        info = _parse_request(request.path, body)
+        body = await call.read_body()
+        info = _parse_request(call.path, body)
         labels["model"] = info.model
         if not tenant.allows(info.model):
             raise model_not_allowed(tenant.name, info.model)
@@ -274,7 +298,7 @@ class Gateway:
             raise GatewayError(503, "The gateway is shutting down.", "service_unavailable")
 
         stack = _request_stack()
-        trace = request.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
+        trace = call.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
         with trace.span("admission") if trace is not None else _NO_SPAN:
             ticket = await self.admission.admit(
                 tenant, info.model, len(candidates), lambda: estimate_tokens(info.body)
@@ -306,17 +330,17 @@ class Gateway:
                 response = await upstream.open(
                     replica,
                     "POST",
-                    request.path,
-                    query=request.query_string,
-                    headers=request.headers,
+                    call.path,
+                    query=call.query,
+                    headers=call.headers,
                     body=body,
-                    request_id=g.request_id,
+                    request_id=call.request_id,
                     extra_headers=trace_headers,
                 )
             except UpstreamConnectError as error:
                 lease.release()
                 tried.add(replica.id)
-                log.warning("request %s: %s", g.request_id, error)
+                log.warning("request %s: %s", call.request_id, error)
                 continue
             except httpx.TimeoutException as error:
                 lease.release()
@@ -326,24 +350,20 @@ class Gateway:
                 raise errors.upstream_failed(info.model, _describe(error)) from error
             stack.push_async_callback(close_quietly, response)
             labels["replica"] = replica.id
-            return await self._relay(response, lease, info, accounting)
+            return await self._relay(response, lease, info, accounting, call.request_id)
         raise errors.replicas_unreachable(info.model, len(tried))
 
     async def _relay(
-        self, upstream: httpx.Response, lease: Lease, info: RequestInfo, accounting: _Accounting
-    ) -> Response:
-        """Return the client response for ``upstream``; releases ``lease`` when the body is done."""
+        self, upstream: H1Response, lease: Lease, info: RequestInfo, accounting: _Accounting, request_id: str
+    ) -> ForwardResult:
+        """Return (status, headers, body) for ``upstream``; releases ``lease`` when the body is done."""
         content_type = upstream.headers.get("content-type", "application/json")
-        headers = {"content-type": content_type, "x-request-id": g.request_id}
+        headers = {"content-type": content_type, "x-request-id": request_id}
         if content_type.split(";")[0].strip().lower() == _EVENT_STREAM:
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
             chunks = self.upstream_client().iter_body(upstream, lease.replica_id)  # under deadlines
-            return Response(
-                _relay_stream(upstream, lease, info.model, g.request_id, accounting, chunks),
-                status=upstream.status_code,
-                headers=headers,
-            )
+            return upstream.status_code, headers, _relay_stream(upstream, lease, info.model, request_id, accounting, chunks)
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
@@ -354,7 +374,7 @@ class Gateway:
             lease.release()
             await close_quietly(upstream)
         accounting.done(usage_from_body(content) if upstream.status_code == 200 else None)
-        return Response(content, status=upstream.status_code, headers=headers)
+        return upstream.status_code, headers, content
 
 
 class _Accounting:
@@ -402,7 +422,7 @@ def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]
 
 
 async def _relay_stream(
-    upstream: httpx.Response, lease: Lease, model: str, request_id: str, accounting: _Accounting,
+    upstream: H1Response, lease: Lease, model: str, request_id: str, accounting: _Accounting,
     body: AsyncIterator[bytes],
 ) -> AsyncIterator[bytes]:
     """Yield the upstream body's bytes as they arrive; release ``lease`` and close at the end.

@@ -96,6 +96,22 @@ class H1Response:
                         return
                 yield data
 
+    def take_complete(self) -> bytes | None:
+        """Return the whole body if it has already arrived with the head, else None (read it then).
+
+        The common case for short JSON answers: no await, no deadline machinery needed.
+        """
+        if self._closed:
+            return None
+        if self._done:
+            return b"" if self._framing in ("length", "none") else None
+        if self._framing == "length" and len(self._conn.buffer) >= self._remaining:
+            data = self._conn.take(self._remaining)
+            self._remaining = 0
+            self._done = True
+            return data
+        return None
+
     async def aread(self) -> bytes:
         """Return the whole body (see :meth:`aiter_raw` for errors)."""
         parts = [data async for data in self.aiter_raw()]

@@ -48,8 +48,11 @@ def _config(graceful_timeout: float) -> Config:
     return config
 
 
-async def _bind(host: str, port: int) -> socket.socket:
+async def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """Return a non-blocking TCP socket bound to ``host``:``port`` and listening.
+
+    With ``reuse_port`` the socket sets SO_REUSEPORT, so several gateway processes can
+    listen on the same port and the kernel spreads new connections over them.
 
     Raises ``OSError`` with the address in the message if it cannot be bound.
     """
@@ -60,6 +63,8 @@ async def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, type_, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SSE chunks go out at once
         try:
             sock.bind(address)
@@ -82,6 +87,7 @@ async def serve_gateway(
     port: int,
     *,
     graceful_timeout: float = GRACEFUL_SHUTDOWN_S,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` (an ASGI app, normally from :func:`~llmgw.router.app.create_app`) on host:port.
@@ -98,10 +104,11 @@ async def serve_gateway(
     ``graceful_timeout +`` :data:`SHUTDOWN_SLACK_S`.
 
     Raises ``OSError`` (before ``started``) if the address cannot be bound, e.g. the
-    port is in use.
+    port is in use. ``reuse_port`` lets other processes bind the same port with
+    ``reuse_port`` too (one gateway per core; each has its own routing state).
     """
     config = _config(graceful_timeout)
-    sock = await _bind(host, port)
+    sock = await _bind(host, port, reuse_port)
     bound_port: int = sock.getsockname()[1]
     shutdown = trio.Event()
     server_scope = trio.CancelScope(shield=True)

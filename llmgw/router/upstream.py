@@ -250,6 +250,9 @@ class UpstreamClient:
 
         Raises as :meth:`iter_body` does; does not close ``response``.
         """
+        whole = response.take_complete()  # already here with the head: no deadlines to apply
+        if whole is not None:
+            return whole
         parts = []
         async with contextlib.aclosing(self.iter_body(response, replica_id)) as chunks:
             async for chunk in chunks:

@@ -1,7 +1,7 @@
 """Per-model queues through the real gateway: FIFO hand-over, a full queue shed, the deadline.
 
-Time is trio's MockClock, moved by hand (never autojump: real sockets are in play), and
-only by less than any socket timeout involved.
+Time is trio's MockClock running at real speed and jumped by hand past the deadline
+(never autojump: real sockets are in play), by less than any socket timeout involved.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ async def test_a_queued_request_runs_when_a_slot_frees_and_a_full_queue_sheds() 
 
 
 async def test_a_queued_request_gets_503_at_its_deadline(mock_clock: trio.testing.MockClock) -> None:
+    mock_clock.rate = 1.0  # time flows (sockets, polling) and the test jumps it past the deadline
     async with gateway(limits=LIMITS) as env:
         acme = env.headers("acme")
         admission = env.gateway.admission

@@ -85,16 +85,18 @@ async def test_migrations_apply_once_and_are_recorded(db_url: str) -> None:
 
 
 async def test_failing_migration_is_rolled_back_and_not_recorded(db_url: str) -> None:
-    bad = Migration(2, "half-done", ("CREATE TABLE extra (x INTEGER)", "INSERT INTO missing VALUES (1)"))
+    bad = Migration(LATEST + 1, "half-done", ("CREATE TABLE extra (x INTEGER)", "INSERT INTO missing VALUES (1)"))
     with pytest.raises(StoreError):
         await open_store(db_url, migrations=(*MIGRATIONS, bad))
     async with open_store(db_url) as store:
-        assert await store.schema_version() == 1
+        assert await store.schema_version() == LATEST
     # Had the failed migration's CREATE TABLE survived, this one would fail.
-    good = Migration(2, "extra", ("CREATE TABLE extra (x INTEGER)",))
+    good = Migration(LATEST + 1, "extra", ("CREATE TABLE extra (x INTEGER)",))
     async with open_store(db_url, migrations=(*MIGRATIONS, good)) as store:
-        assert await store.schema_version() == 2
-    assert raw_query(db_url, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+        assert await store.schema_version() == LATEST + 1
+    assert raw_query(db_url, "SELECT version FROM schema_migrations ORDER BY version") == [
+        (v,) for v in range(1, LATEST + 2)
+    ]
 
 
 async def test_newer_schema_is_refused(db_url: str) -> None:

@@ -121,9 +121,15 @@ async def test_compute_is_read_from_the_engine_output(served: Served) -> None:
     compute = parse_vllm_output(lines)
     assert compute is not None, "vLLM's startup output names its platform and KV cache"
     assert compute.backend == "CPU" and compute.source == "engine"
-    row = next(iter_replicas(served.cluster, MODEL))
-    if row.get("compute"):  # reported with READY once the agent reads engine output
-        assert "CPU" in str(row["compute"])
+    assert compute.kv_buffer_mb == 1024.0, "VLLM_CPU_KVCACHE_SPACE=1 (GiB), as vLLM reported it"
+
+    async def reported() -> dict[str, Any] | None:  # the agent reads it at READY and reports it up
+        row = next(iter_replicas(served.cluster, MODEL))
+        return row if row.get("compute") else None
+
+    row = await eventually(reported, "the replica's compute reported")
+    assert row["compute"]["backend"] == "CPU" and row["compute"]["source"] == "engine", row["compute"]
+    assert row["compute"]["kv_buffer_mb"] == 1024.0 and row["compute_summary"].startswith("CPU")
 
 
 async def test_argv_carries_the_agents_settings(served: Served) -> None:
@@ -166,3 +172,21 @@ async def test_forbidden_settings_are_refused_by_ctl(served: Served) -> None:
                              "--env", "NCCL_NET_PLUGIN=/x.so")
     assert out.returncode != 0 and "NCCL_NET_PLUGIN" in out.stderr + out.stdout
     assert not list(iter_replicas(served.cluster, "bad"))
+
+
+async def test_forbidden_settings_are_refused_by_the_node_before_start(tmp_path: Path, nursery: trio.Nursery) -> None:
+    # A spec that bypassed the catalog (an older catalog, a hand-made call): the node's own
+    # check refuses it before any process starts, naming every offending setting.
+    from llmgw.node.engines import EngineRefused
+    from llmgw.node.supervisor import Supervisor
+    from llmgw.spec import ShardSpec
+
+    vllm_python()
+    sup = Supervisor(tmp_path / "state")
+    await nursery.start(sup.run)
+    spec = ShardSpec(id="bad-1", model="bad", engine="vllm", source=str(tmp_path),
+                     args=("--max-model-len", "64", "--middleware", "evil.Mod"), env={"LD_PRELOAD": "/x.so"})
+    with pytest.raises(EngineRefused) as err:
+        await sup.start_shard(spec, None)
+    assert "shard bad-1" in str(err.value) and "--middleware" in str(err.value) and "LD_PRELOAD" in str(err.value)
+    assert not engines_below(tmp_path), "nothing was started"

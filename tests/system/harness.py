@@ -109,7 +109,7 @@ class Cluster:
     """A control plane with its CA in ``root``/server, plus agents, all real processes."""
 
     def __init__(self, root: Path, *, store_url: str | None = None, lost_after: str = "10s",
-                 replace_grace: str = "30s", heartbeat: str = "0.5s") -> None:
+                 replace_grace: str = "30s", heartbeat: str = "0.5s", auth: bool = False) -> None:
         self.root = root
         self.server_dir = root / "server"
         self.server_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +121,8 @@ class Cluster:
             "node_lost_after": lost_after,
             "replace_grace": replace_grace,
             "log_level": "info",
+            # API keys off unless a test is about them: the gateway listens on loopback only.
+            "auth": {"enabled": auth},
         }
         if store_url:
             config["store"] = {"dsn": store_url} if store_url.startswith("postgres") else {"path": store_url}

@@ -177,3 +177,4 @@ def test_parse_gpu_output_and_silence() -> None:
     assert "KV cache: 806,128 tokens" in compute.notes
     assert VllmEngine(roots=[]).gpu_failure(compute, spec(gpus=(0,))) is None
     assert parse_vllm_output(["nothing useful", ""]) is None
+    assert VllmEngine(roots=[]).gpu_failure(None, spec(gpus=(0,))) is None

@@ -79,6 +79,50 @@ class SettingVersion:
     actor: str
 
 
+# -- tenants, API keys, usage (migration 2) ------------------------------------------------
+
+
+class NotFoundError(StoreError):
+    """The record the write refers to does not exist (e.g. an API key for an unknown tenant)."""
+
+
+@attrs.frozen
+class TenantRecord:
+    """A tenant: ``models`` it may use (None: every model) and its limits (0: unlimited)."""
+
+    name: str
+    models: tuple[str, ...] | None = None
+    max_concurrency: int = 0
+    rpm: int = 0
+    tpm: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@attrs.frozen
+class ApiKeyRecord:
+    """An API key as stored: never the key itself, only the SHA-256 of its secret (hex)."""
+
+    id: str
+    tenant: str
+    name: str
+    secret_sha256: str
+    created_at: float = 0.0
+    revoked_at: float | None = None
+
+
+@attrs.frozen
+class UsageRecord:
+    """Requests and tokens of one tenant on one model, added up over every gateway."""
+
+    tenant: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    updated_at: float = 0.0
+
+
 class Store(abc.ABC):
     """The control plane's persistent state, behind one interface for SQLite and PostgreSQL.
 
@@ -182,3 +226,43 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def setting_history(self, key: str) -> list[SettingVersion]:
         """Return every version of ``key``, oldest first (empty if it was never set)."""
+
+    # -- tenants, API keys, usage (migration 2) ------------------------------------------
+    # Not abstract, so a Store implementation without them still works for everything else.
+
+    async def put_tenant(self, tenant: TenantRecord, *, create_only: bool) -> TenantRecord:
+        """Store ``tenant`` and return it as stored (with its times).
+
+        With ``create_only`` an existing tenant of that name raises :class:`ConflictError`;
+        without it the tenant must exist (:class:`NotFoundError` otherwise) and is replaced,
+        keeping ``created_at``.
+        """
+        raise NotImplementedError
+
+    async def list_tenants(self) -> list[TenantRecord]:
+        """Return every tenant, ordered by name."""
+        raise NotImplementedError
+
+    async def delete_tenant(self, name: str) -> bool:
+        """Delete tenant ``name`` and revoke its keys; return whether there was one."""
+        raise NotImplementedError
+
+    async def create_api_key(self, key: ApiKeyRecord) -> ApiKeyRecord:
+        """Store a new key of an existing tenant (:class:`NotFoundError` if it does not exist)."""
+        raise NotImplementedError
+
+    async def list_api_keys(self) -> list[ApiKeyRecord]:
+        """Return every key, revoked ones included, oldest first."""
+        raise NotImplementedError
+
+    async def revoke_api_key(self, key_id: str) -> ApiKeyRecord | None:
+        """Revoke key ``key_id`` (no-op if already revoked); return it, or None if unknown."""
+        raise NotImplementedError
+
+    async def add_usage(self, rows: list[UsageRecord]) -> None:
+        """Add ``rows``' counts to the stored totals of each (tenant, model), in one transaction."""
+        raise NotImplementedError
+
+    async def list_usage(self) -> list[UsageRecord]:
+        """Return the stored totals, ordered by tenant and model."""
+        raise NotImplementedError

@@ -116,6 +116,49 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=2,
+        name="tenants, api keys, usage",
+        statements=(
+            # models: a JSON list of catalog model names, or JSON null for every model.
+            # Limits: 0 means unlimited.
+            """
+            CREATE TABLE tenants (
+                name TEXT PRIMARY KEY,
+                models {json} NOT NULL,
+                max_concurrency INTEGER NOT NULL,
+                rpm INTEGER NOT NULL,
+                tpm BIGINT NOT NULL,
+                created_at {ts} NOT NULL,
+                updated_at {ts} NOT NULL
+            )
+            """,
+            # Only the SHA-256 of a key's secret is kept; id is the key's public prefix.
+            """
+            CREATE TABLE api_keys (
+                id TEXT PRIMARY KEY,
+                tenant TEXT NOT NULL,
+                name TEXT NOT NULL,
+                secret_sha256 TEXT NOT NULL,
+                created_at {ts} NOT NULL,
+                revoked_at {ts}
+            )
+            """,
+            "CREATE INDEX api_keys_tenant ON api_keys (tenant)",
+            # Requests and tokens per tenant and model, added to by every gateway's flush.
+            """
+            CREATE TABLE usage (
+                tenant TEXT NOT NULL,
+                model TEXT NOT NULL,
+                requests BIGINT NOT NULL,
+                prompt_tokens BIGINT NOT NULL,
+                completion_tokens BIGINT NOT NULL,
+                updated_at {ts} NOT NULL,
+                PRIMARY KEY (tenant, model)
+            )
+            """,
+        ),
+    ),
 )
 
 

@@ -16,8 +16,12 @@ import attrs
 import trio
 
 from llmgw.control.store.base import (
+    ApiKeyRecord,
     AuditEntry,
     ConflictError,
+    NotFoundError,
+    TenantRecord,
+    UsageRecord,
     NodeRecord,
     SchemaTooNewError,
     SettingVersion,
@@ -364,3 +368,134 @@ class SqlStore(Store):
             return [_setting(r) for r in rows]
 
         return await self._run(read, write=False)
+
+    # -- tenants, API keys, usage (migration 2) ------------------------------------------
+
+    async def put_tenant(self, tenant: TenantRecord, *, create_only: bool) -> TenantRecord:
+        models = _dump_json(list(tenant.models) if tenant.models is not None else None)
+        now = time.time()
+        limits = (tenant.max_concurrency, tenant.rpm, tenant.tpm)
+
+        def write(tx: Tx) -> TenantRecord:
+            if create_only:
+                rows = tx.execute(
+                    "INSERT INTO tenants (name, models, max_concurrency, rpm, tpm, created_at, updated_at) "
+                    f"VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO NOTHING RETURNING {_TENANT_COLUMNS}",
+                    (tenant.name, models, *limits, now, now),
+                )
+                if not rows:
+                    raise ConflictError(
+                        f"tenant {tenant.name!r} already exists: choose another name, or change it "
+                        "with `llmgw ctl tenants update`"
+                    )
+            else:
+                rows = tx.execute(
+                    "UPDATE tenants SET models = ?, max_concurrency = ?, rpm = ?, tpm = ?, updated_at = ? "
+                    f"WHERE name = ? RETURNING {_TENANT_COLUMNS}",
+                    (models, *limits, now, tenant.name),
+                )
+                if not rows:
+                    raise NotFoundError(f"no tenant {tenant.name!r} (see `llmgw ctl tenants list`)")
+            return _tenant(rows[0])
+
+        return await self._run(write, write=True)
+
+    async def list_tenants(self) -> list[TenantRecord]:
+        def read(tx: Tx) -> list[TenantRecord]:
+            return [_tenant(r) for r in tx.execute(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY name")]
+
+        return await self._run(read, write=False)
+
+    async def delete_tenant(self, name: str) -> bool:
+        now = time.time()
+
+        def write(tx: Tx) -> bool:
+            tx.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE tenant = ? AND revoked_at IS NULL", (now, name)
+            )
+            return bool(tx.execute("DELETE FROM tenants WHERE name = ? RETURNING name", (name,)))
+
+        return await self._run(write, write=True)
+
+    async def create_api_key(self, key: ApiKeyRecord) -> ApiKeyRecord:
+        now = time.time()
+
+        def write(tx: Tx) -> ApiKeyRecord:
+            if not tx.execute("SELECT 1 FROM tenants WHERE name = ?", (key.tenant,)):
+                raise NotFoundError(
+                    f"no tenant {key.tenant!r}: create it first with `llmgw ctl tenants add {key.tenant}`"
+                )
+            rows = tx.execute(
+                "INSERT INTO api_keys (id, tenant, name, secret_sha256, created_at, revoked_at) "
+                f"VALUES (?, ?, ?, ?, ?, NULL) ON CONFLICT (id) DO NOTHING RETURNING {_KEY_COLUMNS}",
+                (key.id, key.tenant, key.name, key.secret_sha256, now),
+            )
+            if not rows:
+                raise ConflictError(f"an API key with id {key.id!r} already exists")
+            return _api_key(rows[0])
+
+        return await self._run(write, write=True)
+
+    async def list_api_keys(self) -> list[ApiKeyRecord]:
+        def read(tx: Tx) -> list[ApiKeyRecord]:
+            return [_api_key(r) for r in tx.execute(
+                f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at, id"
+            )]
+
+        return await self._run(read, write=False)
+
+    async def revoke_api_key(self, key_id: str) -> ApiKeyRecord | None:
+        now = time.time()
+
+        def write(tx: Tx) -> ApiKeyRecord | None:
+            tx.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now, key_id))
+            rows = tx.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,))
+            return _api_key(rows[0]) if rows else None
+
+        return await self._run(write, write=True)
+
+    async def add_usage(self, rows: list[UsageRecord]) -> None:
+        if not rows:
+            return
+        now = time.time()
+
+        def write(tx: Tx) -> None:
+            for row in rows:
+                tx.execute(
+                    "INSERT INTO usage (tenant, model, requests, prompt_tokens, completion_tokens, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, model) DO UPDATE SET "
+                    "requests = usage.requests + excluded.requests, "
+                    "prompt_tokens = usage.prompt_tokens + excluded.prompt_tokens, "
+                    "completion_tokens = usage.completion_tokens + excluded.completion_tokens, "
+                    "updated_at = excluded.updated_at",
+                    (row.tenant, row.model, row.requests, row.prompt_tokens, row.completion_tokens, now),
+                )
+
+        await self._run(write, write=True)
+
+    async def list_usage(self) -> list[UsageRecord]:
+        def read(tx: Tx) -> list[UsageRecord]:
+            return [UsageRecord(*r) for r in tx.execute(
+                "SELECT tenant, model, requests, prompt_tokens, completion_tokens, updated_at "
+                "FROM usage ORDER BY tenant, model"
+            )]
+
+        return await self._run(read, write=False)
+
+
+_TENANT_COLUMNS = "name, models, max_concurrency, rpm, tpm, created_at, updated_at"
+_KEY_COLUMNS = "id, tenant, name, secret_sha256, created_at, revoked_at"
+
+
+def _tenant(row: Row) -> TenantRecord:
+    name, models, max_concurrency, rpm, tpm, created_at, updated_at = row
+    parsed = json.loads(models) if isinstance(models, str) else models
+    return TenantRecord(
+        name=name, models=tuple(parsed) if parsed is not None else None, max_concurrency=max_concurrency,
+        rpm=rpm, tpm=tpm, created_at=created_at, updated_at=updated_at,
+    )
+
+
+def _api_key(row: Row) -> ApiKeyRecord:
+    key_id, tenant, name, secret_sha256, created_at, revoked_at = row
+    return ApiKeyRecord(key_id, tenant, name, secret_sha256, created_at, revoked_at)

@@ -376,9 +376,10 @@ class VllmEngine:
         """Returns the compute vLLM printed while starting (see :func:`parse_vllm_output`)."""
         return parse_vllm_output(lines)
 
-    def gpu_failure(self, compute: Compute, spec: ShardSpec) -> str | None:
-        """Returns vLLM's own words when a shard given GPUs runs on the CPU, else None."""
-        if not spec.gpus or compute.backend.upper() != "CPU":
+    def gpu_failure(self, compute: Compute | None, spec: ShardSpec) -> str | None:
+        """Returns vLLM's own words when a shard given GPUs runs on the CPU, else None
+        (also None when vLLM said nothing: nvidia-smi decides then)."""
+        if compute is None or not spec.gpus or compute.backend.upper() != "CPU":
             return None
         words = next((n for n in compute.notes if _NO_GPU.search(n)), "vLLM detected the CPU platform")
         return f"shard was given GPUs {list(spec.gpus)} but vLLM found no usable GPU: {words}"

@@ -500,9 +500,10 @@ async def _run_build_step(argv: Sequence[str], log: Path, progress: ProgressFn, 
         logf.flush()
         try:
             with trio.fail_after(BUILD_TIMEOUT):
-                async with await trio.lowlevel.open_process(
+                proc = await trio.lowlevel.open_process(
                     list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-                ) as proc:
+                )
+                try:
                     assert proc.stdout is not None
                     buf, last = b"", 0.0
                     async for chunk in proc.stdout:
@@ -516,6 +517,12 @@ async def _run_build_step(argv: Sequence[str], log: Path, progress: ProgressFn, 
                                 last = time.monotonic()
                                 progress(f"{what}: step {int(m.group(1))}/{int(m.group(2))}")
                     code = await proc.wait()
+                finally:
+                    # Cancelled or timed out: the build must not outlive its installer.
+                    if proc.returncode is None:
+                        proc.kill()
+                        with trio.CancelScope(shield=True):
+                            await proc.wait()
         except trio.TooSlowError:
             raise InstallError(f"{what} took over {BUILD_TIMEOUT / 60:.0f} minutes; see {log}") from None
         except OSError as exc:

@@ -1,0 +1,239 @@
+"""``llmgw ctl tenants|keys|usage|stop|start``: who may use the gateway, and how much.
+
+Registered on the ``ctl`` group by :mod:`llmgw.cli.ctl` (imported at its end). Every
+command takes ``--json``; every change is audited by the control plane and applies to
+its gateway before the command returns.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import click
+
+from llmgw.cli.ctl import _target, ctl, json_option
+from llmgw.cli.output import fail, print_json, print_table
+from llmgw.client import TenantRow
+from llmgw.control.keys import AccessError, validate_tenant
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _limit(value: int) -> str:
+    return str(value) if value else "unlimited"
+
+
+def _models_option(value: str | None) -> list[str] | None:
+    """``--models a,b`` -> ["a", "b"]; ``--models '*'`` or ``all`` -> None (every model)."""
+    if value is None or value.strip() in ("*", "all"):
+        return None
+    return [m.strip() for m in value.split(",") if m.strip()]
+
+
+def _checked(data: dict[str, Any]) -> TenantRow:
+    try:
+        record = validate_tenant(data)
+    except AccessError as exc:
+        fail(str(exc))
+    return TenantRow(record.name, record.models, record.max_concurrency, record.rpm, record.tpm)
+
+
+def _print_tenants(rows: list[TenantRow]) -> None:
+    print_table(
+        ["TENANT", "MODELS", "MAX CONCURRENCY", "RPM", "TPM", "UPDATED"],
+        [[t.name, ",".join(t.models) if t.models is not None else "all", _limit(t.max_concurrency),
+          _limit(t.rpm), _limit(t.tpm), _when(t.updated_at)] for t in rows],
+        empty="no tenants: add one with `llmgw ctl tenants add NAME`",
+    )
+
+
+# -- tenants ---------------------------------------------------------------------------------
+
+
+@ctl.group()
+def tenants() -> None:
+    """Tenants: the models their API keys may use and their limits."""
+
+
+def _limit_options(fn: Any) -> Any:
+    fn = click.option("--tpm", type=click.IntRange(min=0), help="Tokens per minute (0: unlimited).")(fn)
+    fn = click.option("--rpm", type=click.IntRange(min=0), help="Requests per minute (0: unlimited).")(fn)
+    fn = click.option("--max-concurrency", type=click.IntRange(min=0),
+                      help="Requests in flight at once (0: unlimited).")(fn)
+    fn = click.option("--models", help="Comma-separated models its keys may use; '*' for all.")(fn)
+    return fn
+
+
+@tenants.command("add")
+@click.argument("name")
+@_limit_options
+@json_option
+@click.pass_context
+def tenants_add(ctx: click.Context, name: str, models: str | None, max_concurrency: int | None,
+                rpm: int | None, tpm: int | None, as_json: bool) -> None:
+    """Add a tenant (every model and no limits unless given)."""
+    row = _checked({"name": name, "models": _models_option(models), "max_concurrency": max_concurrency or 0,
+                    "rpm": rpm or 0, "tpm": tpm or 0})
+    target = _target(ctx, as_json)
+    saved = target.run(lambda c: c.put_tenant(row, create=True))
+    if target.json:
+        return print_json(saved)
+    click.echo(f"tenant {saved.name!r} added; give it a key with `llmgw ctl keys create --tenant {saved.name}`")
+
+
+@tenants.command("update")
+@click.argument("name")
+@_limit_options
+@json_option
+@click.pass_context
+def tenants_update(ctx: click.Context, name: str, models: str | None, max_concurrency: int | None,
+                   rpm: int | None, tpm: int | None, as_json: bool) -> None:
+    """Change a tenant's models or limits (options not given stay as they are)."""
+    target = _target(ctx, as_json)
+
+    async def update(c: Any) -> TenantRow:
+        current = {t.name: t for t in await c.tenants()}.get(name)
+        if current is None:
+            fail(f"no tenant {name!r} (see `llmgw ctl tenants list`)")
+        row = _checked({
+            "name": name,
+            "models": _models_option(models) if models is not None else
+            (list(current.models) if current.models is not None else None),
+            "max_concurrency": current.max_concurrency if max_concurrency is None else max_concurrency,
+            "rpm": current.rpm if rpm is None else rpm,
+            "tpm": current.tpm if tpm is None else tpm,
+        })
+        return await c.put_tenant(row, create=False)
+
+    saved = target.run(update)
+    if target.json:
+        return print_json(saved)
+    _print_tenants([saved])
+
+
+@tenants.command("list")
+@json_option
+@click.pass_context
+def tenants_list(ctx: click.Context, as_json: bool) -> None:
+    """Tenants and their limits."""
+    target = _target(ctx, as_json)
+    rows = target.run(lambda c: c.tenants())
+    if target.json:
+        return print_json(rows)
+    _print_tenants(rows)
+
+
+@tenants.command("remove")
+@click.argument("name")
+@json_option
+@click.pass_context
+def tenants_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Remove a tenant; its API keys are revoked."""
+    target = _target(ctx, as_json)
+    removed = target.run(lambda c: c.remove_tenant(name))
+    if target.json:
+        return print_json({"removed": removed, "name": name})
+    if not removed:
+        fail(f"no tenant {name!r} (see `llmgw ctl tenants list`)")
+    click.echo(f"tenant {name!r} removed; its API keys are revoked")
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+@ctl.group()
+def keys() -> None:
+    """API keys for the gateway (Authorization: Bearer KEY)."""
+
+
+@keys.command("create")
+@click.option("--tenant", "-t", required=True, help="The tenant the key belongs to.")
+@click.option("--name", "-n", default="", help="What the key is for (shown in `keys list`).")
+@json_option
+@click.pass_context
+def keys_create(ctx: click.Context, tenant: str, name: str, as_json: bool) -> None:
+    """Create a key; it is printed this once and only its hash is stored."""
+    target = _target(ctx, as_json)
+    row, key = target.run(lambda c: c.create_key(tenant, name))
+    if target.json:
+        return print_json({"key": key, "id": row.id, "tenant": row.tenant, "name": row.name,
+                           "created_at": row.created_at})
+    click.echo(key)
+    click.echo(f"(key {row.id} for tenant {row.tenant!r}: store it now, it cannot be shown again; "
+               f"revoke it with `llmgw ctl keys revoke {row.id}`)", err=True)
+
+
+@keys.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Include revoked keys.")
+@json_option
+@click.pass_context
+def keys_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
+    """API keys (ids, never the keys themselves)."""
+    target = _target(ctx, as_json)
+    rows = target.run(lambda c: c.keys())
+    if not show_all:
+        rows = [k for k in rows if k.revoked_at is None]
+    if target.json:
+        return print_json(rows)
+    print_table(["KEY ID", "TENANT", "NAME", "CREATED", "REVOKED"],
+                [[k.id, k.tenant, k.name or "-", _when(k.created_at), _when(k.revoked_at)] for k in rows],
+                empty="no API keys: create one with `llmgw ctl keys create --tenant NAME`")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@json_option
+@click.pass_context
+def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
+    """Revoke a key (by its id, the part after `llmgw_`); refused from now on."""
+    target = _target(ctx, as_json)
+    row = target.run(lambda c: c.revoke_key(key_id))
+    if target.json:
+        return print_json(row)
+    click.echo(f"key {row.id} (tenant {row.tenant!r}) revoked")
+
+
+# -- usage, stop, start ----------------------------------------------------------------------
+
+
+@ctl.command()
+@json_option
+@click.pass_context
+def usage(ctx: click.Context, as_json: bool) -> None:
+    """Requests and tokens per tenant and model, as the engines reported them."""
+    target = _target(ctx, as_json)
+    rows = target.run(lambda c: c.usage())
+    if target.json:
+        return print_json(rows)
+    print_table(["TENANT", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
+                [[u.tenant, u.model, u.requests, u.prompt_tokens, u.completion_tokens] for u in rows],
+                empty="no usage yet")
+
+
+@ctl.command()
+@json_option
+@click.pass_context
+def stop(ctx: click.Context, as_json: bool) -> None:
+    """Stop serving: every POST under /v1/ answers 503 system_stopped (setting serving.stopped)."""
+    target = _target(ctx, as_json)
+    stopped = target.run(lambda c: c.set_serving_stopped(True))
+    if target.json:
+        return print_json({"serving_stopped": stopped})
+    click.echo("serving stopped: the gateway answers 503 system_stopped until `llmgw ctl start`")
+
+
+@ctl.command()
+@json_option
+@click.pass_context
+def start(ctx: click.Context, as_json: bool) -> None:
+    """Resume serving after `llmgw ctl stop`."""
+    target = _target(ctx, as_json)
+    stopped = target.run(lambda c: c.set_serving_stopped(False))
+    if target.json:
+        return print_json({"serving_stopped": stopped})
+    click.echo("serving resumed")

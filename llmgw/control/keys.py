@@ -1,0 +1,181 @@
+"""Tenants, API keys and serving switches: from the store into the gateway, and usage back.
+
+* :func:`validate_tenant` checks operator input (``llmgw ctl tenants ...``).
+* :func:`new_api_key` makes a key; the store keeps only the SHA-256 of its secret.
+* :class:`AccessSync` keeps the gateway's in-memory view fresh: the active keys with their
+  tenants (:class:`~llmgw.router.auth.AuthTable`) and the cluster setting
+  ``serving.stopped``. It reloads at start, right after every change made through this
+  control plane's Admin API (:meth:`AccessSync.reload`), and every
+  :data:`RELOAD_INTERVAL_S` for changes made through another control plane. It also
+  flushes the gateway's usage counters into the store every ``usage_flush_interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Iterable, Mapping
+
+import trio
+
+from llmgw.control.store import Store
+from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
+from llmgw.router.app import Gateway
+from llmgw.router.auth import KeyEntry, Tenant, generate_key
+
+log = logging.getLogger(__name__)
+
+#: The cluster setting that stops serving (every POST under /v1/ answers 503).
+SERVING_STOPPED = "serving.stopped"
+#: Seconds between reloads of keys, tenants and settings, for changes made through
+#: another control plane (changes through this one apply at once).
+RELOAD_INTERVAL_S = 5.0
+#: Seconds between writes of the usage counters to the store.
+DEFAULT_USAGE_FLUSH_S = 10.0
+#: Bound on one reload or flush: the store's own statement timeouts are shorter.
+STORE_CALL_TIMEOUT_S = 30.0
+
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_KEY_NAME_MAX = 200
+#: The largest limit a tenant may have (a UInt32 on the wire).
+_LIMIT_MAX = 2**32 - 1
+
+
+class AccessError(ValueError):
+    """Operator input for a tenant or key is invalid; the message names the field."""
+
+
+def validate_tenant(data: Mapping[str, Any]) -> TenantRecord:
+    """Return a :class:`TenantRecord` from ``name``, ``models`` (list or None: all),
+    ``max_concurrency``, ``rpm``, ``tpm``; raise :class:`AccessError` naming the bad field."""
+    name = data.get("name")
+    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
+        raise AccessError(
+            f"name: {name!r} is not a tenant name (letters, digits, '.', '_', '-'; up to 63, "
+            "starting with a letter or digit)"
+        )
+    models = data.get("models")
+    if models is not None:
+        if isinstance(models, str) or not isinstance(models, (list, tuple)):
+            raise AccessError("models: expected a list of model names, or nothing for every model")
+        if not all(isinstance(m, str) and m for m in models):
+            raise AccessError("models: every model name must be a non-empty string")
+        models = tuple(sorted(set(models)))
+    limits = {}
+    for field in ("max_concurrency", "rpm", "tpm"):
+        value = data.get(field, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _LIMIT_MAX:
+            raise AccessError(f"{field}: expected a whole number >= 0 (0: unlimited), got {value!r}")
+        limits[field] = value
+    return TenantRecord(name=name, models=models, **limits)
+
+
+def new_api_key(tenant: str, name: str) -> tuple[ApiKeyRecord, str]:
+    """Return a new key's record (to store) and the key itself (to show once, never stored)."""
+    if len(name) > _KEY_NAME_MAX:
+        raise AccessError(f"name: at most {_KEY_NAME_MAX} characters")
+    made = generate_key()
+    return ApiKeyRecord(made.key_id, tenant, name, made.secret_hash), made.key
+
+
+def gateway_tenant(record: TenantRecord) -> Tenant:
+    """Return the gateway's view of a stored tenant."""
+    models = frozenset(record.models) if record.models is not None else None
+    return Tenant(record.name, models, record.max_concurrency, record.rpm, record.tpm)
+
+
+def key_entries(tenants: Iterable[TenantRecord], keys: Iterable[ApiKeyRecord]) -> list[KeyEntry]:
+    """Return the gateway entries of the active keys whose tenant exists."""
+    by_name = {t.name: gateway_tenant(t) for t in tenants}
+    return [
+        KeyEntry(k.id, bytes.fromhex(k.secret_sha256), by_name[k.tenant])
+        for k in keys
+        if k.revoked_at is None and k.tenant in by_name
+    ]
+
+
+class AccessSync:
+    """Keeps ``gateway``'s keys, tenants and ``serving.stopped`` equal to the store's;
+    flushes its usage counters into the store."""
+
+    def __init__(self, store: Store, gateway: Gateway, *, usage_flush_interval: float = DEFAULT_USAGE_FLUSH_S) -> None:
+        self.store = store
+        self.gateway = gateway
+        self.usage_flush_interval = usage_flush_interval
+        self._reload_lock = trio.Lock()
+        # Held while counts move from the gateway to the store, so a reader sees them in
+        # exactly one of the two places (usage_totals).
+        self._flush_lock = trio.Lock()
+
+    async def reload(self) -> None:
+        """Read tenants, keys and ``serving.stopped`` and apply them to the gateway.
+
+        Raises the store's error (the gateway keeps its previous view) or
+        ``trio.TooSlowError`` after :data:`STORE_CALL_TIMEOUT_S`.
+        """
+        async with self._reload_lock:
+            with trio.fail_after(STORE_CALL_TIMEOUT_S):
+                tenants = await self.store.list_tenants()
+                keys = await self.store.list_api_keys()
+                stopped = await self.store.get_setting(SERVING_STOPPED)
+            self.gateway.auth.replace(key_entries(tenants, keys))
+            self.gateway.stopped = bool(stopped.value) if stopped is not None else False
+
+    async def flush_usage(self) -> None:
+        """Write the usage counted since the last flush to the store.
+
+        On failure the counts are kept for the next flush and the error is raised.
+        """
+        async with self._flush_lock:
+            drained = self.gateway.usage.drain()
+            if not drained:
+                return
+            rows = [UsageRecord(tenant, model, c.requests, c.prompt_tokens, c.completion_tokens)
+                    for (tenant, model), c in drained.items()]
+            try:
+                with trio.fail_after(STORE_CALL_TIMEOUT_S):
+                    await self.store.add_usage(rows)
+            except BaseException:
+                self.gateway.usage.restore(drained)
+                raise
+
+    async def usage_totals(self) -> list[UsageRecord]:
+        """Return the stored usage plus what this gateway counted since the last flush,
+        ordered by tenant and model (each count in exactly one of the two)."""
+        async with self._flush_lock:
+            with trio.fail_after(STORE_CALL_TIMEOUT_S):
+                stored = await self.store.list_usage()
+            pending = self.gateway.usage.pending()
+        totals = {(u.tenant, u.model): [u.requests, u.prompt_tokens, u.completion_tokens] for u in stored}
+        for key, counts in pending.items():
+            row = totals.setdefault(key, [0, 0, 0])
+            row[0] += counts.requests
+            row[1] += counts.prompt_tokens
+            row[2] += counts.completion_tokens
+        return [UsageRecord(tenant, model, *row) for (tenant, model), row in sorted(totals.items())]
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load once (errors propagate, so a broken store stops start-up), report started,
+        then reload and flush periodically until cancelled; later errors are logged and
+        retried. On cancellation the pending usage gets one last, shielded flush."""
+        await self.reload()
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._every, RELOAD_INTERVAL_S, self.reload, "reload API keys and settings")
+                nursery.start_soon(self._every, self.usage_flush_interval, self.flush_usage, "store usage")
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(STORE_CALL_TIMEOUT_S):
+                try:
+                    await self.flush_usage()
+                except Exception as exc:  # noqa: BLE001 - shutting down; say what was lost
+                    log.warning("could not store the last usage counts: %s", exc)
+
+    @staticmethod
+    async def _every(interval: float, action: Any, what: str) -> None:
+        while True:
+            await trio.sleep(interval)
+            try:
+                await action()
+            except Exception as exc:  # noqa: BLE001 - keep serving with the last good view
+                log.warning("could not %s: %s (retrying in %gs)", what, exc, interval)
