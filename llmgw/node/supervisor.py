@@ -660,6 +660,9 @@ class _Shard:
         in the engine's words, or None. Called once per run, when the engine is first healthy.
         """
         assert self.engine is not None
+        # The engine wrote its startup lines before it answered the health check, but the
+        # follower reads the log on a timer: catch up first, or READY races the parser.
+        self.tail.read_new()
         lines = self.collector.close() or list(self.tail.lines)  # adopted runs: what the log still holds
         parsed = engine_compute.engine_compute(self.engine, lines)
         failure = engine_compute.engine_gpu_failure(self.engine, parsed, self.spec)

@@ -92,7 +92,7 @@ async def test_install_progress_reaches_ctl_nodes_and_placement(tmp_path: Path) 
 
             add = await trio.run_process(
                 [*LLMGW, "ctl", "--server", cluster.rpc, "--tls-dir", str(cluster.admin_dir),
-                 "models", "add", "m-fake", "--engine", "sglang"], capture_stdout=True, capture_stderr=True, check=False)
+                 "models", "add", "m-fake", "--engine", "sglang", "--source", "/models/tiny"], capture_stdout=True, capture_stderr=True, check=False)
             assert add.returncode == 0, add.stderr.decode()
 
             async def refused() -> str | None:
