@@ -66,6 +66,8 @@ DEFAULT_NODE_LOST_AFTER = 10.0
 DEFAULT_REPLACE_GRACE = 30.0
 #: An agent that cannot reach any control plane retries with exponential backoff capped here.
 DEFAULT_RECONNECT_BACKOFF_MAX = 30.0
+#: Where Hugging Face repositories (hf://org/repo) are fetched from; a mirror can replace it.
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_LOG_LEVEL = "info"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -139,6 +141,9 @@ class GatewayConfig:
     connect_timeout: float = DEFAULT_UPSTREAM_CONNECT_TIMEOUT
     first_byte_timeout: float = DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT
     chunk_timeout: float = DEFAULT_UPSTREAM_CHUNK_TIMEOUT
+    #: Gateway processes on the HTTP port (1: in the server process; N > 1: N worker
+    #: processes with SO_REUSEPORT, fed by the control plane; docs/gateway.md).
+    workers: int = 1
 
 
 @attrs.frozen
@@ -238,6 +243,12 @@ class AgentConfig:
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
     reconnect_backoff_max: float = DEFAULT_RECONNECT_BACKOFF_MAX
     log_level: str = DEFAULT_LOG_LEVEL
+    weights_dir: Path = attrs.field(default=attrs.Factory(lambda c: c.state_dir / "weights", takes_self=True))
+    install_dir: Path = attrs.field(default=attrs.Factory(lambda c: c.state_dir / "engines", takes_self=True))
+    cache_dir: Path = attrs.field(default=attrs.Factory(lambda c: c.state_dir / "cache", takes_self=True))
+    engine_urls: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
+    pypi_index: str = ""
+    hf_endpoint: str = DEFAULT_HF_ENDPOINT
 
 
 # --- value parsers (raise ValueError with the reason; the loader adds file and key) -----
@@ -641,6 +652,7 @@ def _read_gateway(reader: _Reader, raw: Any) -> GatewayConfig:
         connect_timeout=section.get("connect_timeout", seconds, DEFAULT_UPSTREAM_CONNECT_TIMEOUT),
         first_byte_timeout=section.get("first_byte_timeout", seconds, DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT),
         chunk_timeout=section.get("chunk_timeout", seconds, DEFAULT_UPSTREAM_CHUNK_TIMEOUT),
+        workers=section.get("workers", _count(1), 1),
     )
     section.finish()
     return config
@@ -780,9 +792,38 @@ def load_agent_config(
         reconnect_backoff_max=top.get("reconnect_backoff_max", _positive(parse_duration),
                                       DEFAULT_RECONNECT_BACKOFF_MAX),
         log_level=top.get("log_level", _parse_log_level, DEFAULT_LOG_LEVEL),
+        weights_dir=top.get_path("weights_dir", state_dir / "weights"),
+        install_dir=top.get_path("install_dir", state_dir / "engines"),
+        cache_dir=top.get_path("cache_dir", state_dir / "cache"),
+        engine_urls=_read_engine_urls(reader, top.raw("engine_urls")),
+        pypi_index=top.get("pypi_index", _parse_url_or_empty, ""),
+        hf_endpoint=top.get("hf_endpoint", _parse_url_or_empty, DEFAULT_HF_ENDPOINT) or DEFAULT_HF_ENDPOINT,
     )
     top.finish()
     return config
+
+
+def _parse_url_or_empty(value: Any) -> str:
+    text = _parse_str(value) if value not in (None, "") else ""
+    if text and not text.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http(s) URL, got {_show(value)}")
+    return text.rstrip("/")
+
+
+def _read_engine_urls(reader: _Reader, raw: Any) -> dict[str, str]:
+    """``engine_urls``: engine name -> download URL template (a mirror for air-gapped sites)."""
+    if raw is _MISSING:
+        return {}
+    section = reader.section(raw, "engine_urls")
+    urls: dict[str, str] = {}
+    for name in list(section.data):
+        if not _ENGINE_NAME.fullmatch(name):
+            raise reader.error(f"engine_urls.{name}", "engine names are lower-case letters, digits, '.', '_' and '-'")
+        try:
+            urls[name] = _parse_url_or_empty(section.raw(name))
+        except ValueError as exc:
+            raise reader.error(f"engine_urls.{name}", str(exc)) from None
+    return urls
 
 
 def _read_agent_tls(reader: _Reader, raw: Any, state_dir: Path) -> AgentTLS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     replace_grace=config.replace_grace,
                     gateway=config.gateway,
                     tracing=config.tracing,
+                    engines=config.engines,
                     auth=config.auth,
                     serving=config.serving,
                     task_status=task_status,
@@ -129,6 +131,8 @@ def agent(config_path: Path | None) -> None:
              "set node_id to match, or issue a certificate for this node id")
     from llmgw.node import discovery
     from llmgw.node.agent import Agent
+    from llmgw.node.fetch import FetchSettings
+    from llmgw.node.install import Converger, InstallSettings, build_installers
     from llmgw.node.supervisor import Supervisor
     from llmgw.rpc.kjtrio import capnp_runtime
 
@@ -141,14 +145,26 @@ def agent(config_path: Path | None) -> None:
 
     async def main() -> None:
         async with capnp_runtime():
+            gpus, _ = discovery.read_gpus()
+            installers = build_installers(InstallSettings(
+                install_dir=config.install_dir,
+                cache_dir=config.cache_dir,
+                url_templates=config.engine_urls,
+                pypi_index=config.pypi_index,
+                has_nvidia_gpu=bool(gpus),
+            ))
+            fetch = FetchSettings(weights_dir=config.weights_dir, hf_endpoint=config.hf_endpoint,
+                                  hf_token=os.environ.get("HF_TOKEN", ""))
             node = Agent(
                 node_id=config.node_id,
                 control_planes=planes,
                 context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
-                supervisor=Supervisor(config.state_dir / "shards", host=engine_host),
+                supervisor=Supervisor(config.state_dir / "shards", host=engine_host, fetch_settings=fetch),
                 engine_host=engine_host,
                 backoff_max=config.reconnect_backoff_max,
                 heartbeat_interval=config.heartbeat_interval,
+                converger=Converger(installers),
+                weights_dir=config.weights_dir,
             )
             await node.run()
 

@@ -24,7 +24,7 @@ from llmgw.cli.common import default_up_dir, run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
 from llmgw.control.catalog import CatalogError, validate_model
-from llmgw.config import AuthConfig
+from llmgw.config import AuthConfig, GatewayConfig
 from llmgw.control.plane import ControlPlane, run_control_plane
 from llmgw.node.agent import Agent
 from llmgw.node.supervisor import Supervisor
@@ -74,10 +74,14 @@ async def wait_for_ready(plane: ControlPlane, model: str, timeout: float) -> lis
 @click.option("--auth/--no-auth", "auth", default=False, show_default=True,
               help="Require API keys. Off by default: `up` listens on 127.0.0.1 only. With --auth a "
                    "fresh key of tenant 'demo' is printed in the banner (once).")
+@click.option("--gateway-workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Gateway processes on the HTTP port (1: in this process; N > 1: N worker processes, "
+                   "see docs/gateway.md).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, replicas: int,
-       engine: str, model_source: Path | None, keep_engines: bool, auth: bool, log_level: str) -> None:
+       engine: str, model_source: Path | None, keep_engines: bool, auth: bool, gateway_workers: int,
+       log_level: str) -> None:
     """Start a one-machine cluster: control plane, gateway and an agent, on 127.0.0.1."""
     setup_logging(log_level)
     state_dir = (state_dir or default_up_dir()).expanduser().resolve()
@@ -119,6 +123,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                         server_context=server_ssl_context(server_creds.ca_pem, server_creds.cert_pem,
                                                           server_creds.key_pem),
                         auth=AuthConfig(enabled=auth),
+                        gateway=GatewayConfig(workers=gateway_workers),
                         task_status=task_status,
                     )
                 )

@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
+from llmgw.node.fetch import FetchError, is_remote, parse_source
 from llmgw.spec import ModelSpec, Profile
 
 #: Engines a model may name; each has an adapter in llmgw/node/engines.
@@ -171,9 +172,16 @@ def validate_model(data: Mapping[str, Any]) -> ModelSpec:
         )
     source = _string(data, "source", "source", required=engine not in FREE_SOURCE_ENGINES)
     if engine not in FREE_SOURCE_ENGINES:
-        if not source.startswith("/"):
+        if is_remote(source):
+            try:
+                parse_source(source)
+            except FetchError as exc:
+                raise CatalogError("source", str(exc)) from None
+        elif not source.startswith("/"):
             raise CatalogError(
-                "source", f"must be an absolute local path for engine {engine!r}, got {source!r}"
+                "source",
+                f"must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine {engine!r}, "
+                f"got {source!r}",
             )
         if "\0" in source:
             raise CatalogError("source", "must not contain a NUL character")

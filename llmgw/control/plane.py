@@ -6,7 +6,8 @@ Nursery tree::
     ├── registry watchdog (marks silent nodes LOST)
     ├── reconciler (catalog vs fleet, one placement pass at a time)
     ├── gateway feed (registry changes -> the gateway's replica table)
-    ├── gateway (hypercorn + quart-trio)
+    ├── gateway (hypercorn + quart-trio), or with gateway.workers > 1 the GatewayPool
+    │   (worker processes on the same port, fed over a channel each: gateway_pool.py)
     └── rpc listener ── per connection: Cluster bootstrap ── node session / admin
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import ssl
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 import trio
@@ -30,6 +31,9 @@ from llmgw.rpc import net
 from llmgw.rpc.kjtrio import unwrap_single_group
 from llmgw.rpc.tls import Identity
 from llmgw.control.keys import AccessSync
+from llmgw.control.gateway_pool import (
+    GatewayPool, ObservedAuthTable, ObservedTable, PooledAccessSync, PooledAdmission, WorkerSettings,
+)
 from llmgw.router.admission import Admission, AdmissionLimits
 from llmgw.router.app import Gateway, create_app, gateway_of
 from llmgw.router.auth import AuthTable
@@ -139,6 +143,7 @@ async def run_control_plane(
     tracing: TracingConfig | None = None,
     auth: AuthConfig = AuthConfig(),
     serving: ServingConfig = ServingConfig(),
+    engines: Mapping[str, str] | None = None,
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane until cancelled.
@@ -152,31 +157,50 @@ async def run_control_plane(
     the OpenTelemetry export (``server.yaml`` sections; None: defaults, tracing off);
     ``RuntimeError`` if tracing is on but OpenTelemetry is not installed. ``auth`` and
     ``serving`` are the API-key switch and admission limits (``server.yaml`` sections).
+    ``engines`` (name -> version, "" = the installer's default) is what every node is told
+    to install.
     """
     with unwrap_single_group():
         async with open_store(store_url) as store, trio.open_nursery() as nursery:
             registry = Registry(lost_after=lost_after, replace_grace=replace_grace)
-            sessions = NodeSessions(registry)
+            sessions = NodeSessions(registry, wanted_engines=dict(engines or {}))
+            workers = gateway.workers if gateway is not None else 1
             plane = ControlPlane(
                 store=store,
                 registry=registry,
                 sessions=sessions,
-                table=ReplicaTable(),
+                table=ObservedTable() if workers > 1 else ReplicaTable(),
                 heartbeat_interval=heartbeat_interval,
             )
             await nursery.start(registry.watchdog)
             plane.reconciler = Reconciler(registry, plane._catalog, sessions)
             await nursery.start(plane.reconciler.run)
             await nursery.start(plane.feed_gateway)
-            gateway_app = create_app(
-                plane.table, timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing),
-                auth=AuthTable(enabled=auth.enabled),
-                admission=Admission(AdmissionLimits(
-                    serving.max_inflight_per_replica, serving.queue_size, serving.queue_timeout)),
-                max_request_bytes=serving.max_request_bytes,
-            )
-            plane.gateway = gateway_of(gateway_app)
-            plane.access = AccessSync(store, plane.gateway, usage_flush_interval=serving.usage_flush_interval)
+            limits = AdmissionLimits(serving.max_inflight_per_replica, serving.queue_size, serving.queue_timeout)
+            pool: GatewayPool | None = None
+            if workers > 1:
+                # Gateway worker processes serve HTTP; this gateway object is their master
+                # state (never served). llmgw/control/gateway_pool.py, docs/gateway.md.
+                gateway_app = create_app(
+                    plane.table, auth=ObservedAuthTable(enabled=auth.enabled), admission=PooledAdmission(limits),
+                    max_request_bytes=serving.max_request_bytes,
+                )
+                plane.gateway = gateway_of(gateway_app)
+                pool = GatewayPool(plane.gateway, http_host, workers, WorkerSettings(
+                    timeouts=_upstream_timeouts(gateway), auth_enabled=auth.enabled, limits=limits,
+                    max_request_bytes=serving.max_request_bytes, tracing=tracing,
+                ))
+                plane.access = PooledAccessSync(store, plane.gateway, pool,
+                                                usage_flush_interval=serving.usage_flush_interval)
+            else:
+                gateway_app = create_app(
+                    plane.table, timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing),
+                    auth=AuthTable(enabled=auth.enabled),
+                    admission=Admission(limits),
+                    max_request_bytes=serving.max_request_bytes,
+                )
+                plane.gateway = gateway_of(gateway_app)
+                plane.access = AccessSync(store, plane.gateway, usage_flush_interval=serving.usage_flush_interval)
             await nursery.start(plane.access.run)
             if not auth.enabled and not _is_loopback(http_host):
                 log.warning(
@@ -184,7 +208,11 @@ async def run_control_plane(
                     "ANYONE WHO CAN REACH IT CAN USE EVERY MODEL. Turn auth on for anything but a "
                     "loopback demo.", http_host,
                 )
-            plane.http_port = await nursery.start(serve_gateway, gateway_app, http_host, http_port)
+            if pool is not None:
+                assert isinstance(plane.access, PooledAccessSync)
+                plane.http_port = await nursery.start(plane.access.run_pool, http_port)
+            else:
+                plane.http_port = await nursery.start(serve_gateway, gateway_app, http_host, http_port)
             plane.gateway_url = f"http://{_url_host(http_host)}:{plane.http_port}"
 
             async def handler(stream: trio.SSLStream, identity: Identity) -> None:

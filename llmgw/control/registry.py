@@ -302,6 +302,21 @@ class Registry:
         if changed:
             self._bump()
 
+    def engines_changed(self, node_id: str, engines: Sequence[EngineInfo], *, epoch: int | None = None) -> None:
+        """Record a node's new engine list (install progress included).
+
+        Wakes waiters when the list changed: placement sees the new engines, and its
+        refusal text the install progress. Raises :class:`UnknownNode` or
+        :class:`StaleSession`.
+        """
+        node = self._live(node_id, epoch)
+        engines = tuple(engines)
+        if node.engines == engines:
+            return
+        node.engines = engines
+        self._touch(node_id)
+        self._bump()
+
     def shard_status(self, node_id: str, status: ShardStatus, *, epoch: int | None = None) -> bool:
         """Record the latest status of one shard; return False if the shard is unknown
         (e.g. already removed after a stop), in which case the report is dropped.

@@ -104,7 +104,7 @@ class NodeSession:
             async def reportEngines(self, engines: Any, **_: Any) -> None:
                 infos = [convert.engine_from(e) for e in engines]
                 session.last_heartbeat = trio.current_time()
-                engines_changed(session.registry, session.node_id, infos, session.epoch)
+                session.registry.engines_changed(session.node_id, infos, epoch=session.epoch)
 
         return NodeDeskServer()
 
@@ -204,23 +204,6 @@ def _remote_reason(exc: capnp.KjException) -> str:
         if "Error: " in line:
             return line.split("Error: ", 1)[1].strip()
     return text.splitlines()[0] if text else exc.type
-
-
-def engines_changed(registry: Registry, node_id: str, engines: list[EngineInfo], epoch: int) -> None:
-    """Record a node's new engine list (install progress included) in the live view.
-
-    Ignored for a stale session (another ``epoch``) or an unknown node. Wakes the
-    reconciler: placement sees the new list (and its refusal text the install progress).
-    """
-    try:
-        node = registry._live(node_id, epoch)  # noqa: SLF001 - see the report: belongs in Registry
-    except Exception:  # noqa: BLE001 - a late report from a replaced session
-        return
-    if node.engines == tuple(engines):
-        return
-    node.engines = tuple(engines)
-    registry._touch(node_id)  # noqa: SLF001 - drop the cached view of this node
-    registry._bump()  # noqa: SLF001 - a new pass: placement's refusal text shows install progress
 
 
 async def watch_heartbeats(session: NodeSession, lost_after: float) -> None:

@@ -109,7 +109,8 @@ class Cluster:
     """A control plane with its CA in ``root``/server, plus agents, all real processes."""
 
     def __init__(self, root: Path, *, store_url: str | None = None, lost_after: str = "10s",
-                 replace_grace: str = "30s", heartbeat: str = "0.5s", auth: bool = False) -> None:
+                 replace_grace: str = "30s", heartbeat: str = "0.5s", auth: bool = False,
+                 extra: dict[str, Any] | None = None) -> None:
         self.root = root
         self.server_dir = root / "server"
         self.server_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +128,7 @@ class Cluster:
         if store_url:
             config["store"] = {"dsn": store_url} if store_url.startswith("postgres") else {"path": store_url}
         self.server_yaml = root / "server.yaml"
+        config.update(extra or {})
         self.server_yaml.write_text(yaml.safe_dump(config))
         self.server: Proc | None = None
         self.server_starts = 0

@@ -84,8 +84,8 @@ def test_valid_names(name: str) -> None:
         ({"name": "x"}, "engine: required"),
         (base(engine="vlm"), "engine: unknown engine 'vlm' (known: llama.cpp, sglang, sim, vllm)"),
         ({"name": "x", "engine": "vllm"}, "source: required"),
-        (base(source="models/q.gguf"), "source: must be an absolute local path for engine 'llama.cpp', got 'models/q.gguf'"),
-        (base(source=""), "source: must be an absolute local path for engine 'llama.cpp', got ''"),
+        (base(source="models/q.gguf"), "source: must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine 'llama.cpp', got 'models/q.gguf'"),
+        (base(source=""), "source: must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine 'llama.cpp', got ''"),
         (base(sorce="/x"), "sorce: unknown key (did you mean 'source'?)"),
         (base(colour="red"), "colour: unknown key (known: engine, name, profile, source)"),
         (base(profile=[1]), "profile: must be a mapping, got [1]"),
@@ -225,3 +225,11 @@ def test_round_trip(
     data = model_to_dict(spec)
     assert validate_model(data) == spec
     assert model_to_dict(validate_model(data)) == data
+
+
+def test_remote_weights_sources_are_accepted_and_checked() -> None:
+    for source in ("hf://Qwen/Qwen2.5-0.5B-Instruct", "hf://org/repo@v1.0", "https://example.org/m.gguf",
+                   "https://huggingface.co/org/repo"):
+        assert validate_model({"name": "m", "engine": "vllm", "source": source}).source == source
+    with pytest.raises(CatalogError, match="64 hex digits"):
+        validate_model({"name": "m", "engine": "llama.cpp", "source": "https://example.org/m.gguf#sha256=zz"})

@@ -270,8 +270,9 @@ def test_server_errors(tmp_path: Path, text: str, message: str) -> None:
         ("engine_host: 'a b'\n", 'engine_host: "a b" is neither an IP address nor a host name'),
         ("reconnect_backoff_max: 0s\n", 'reconnect_backoff_max: must be more than 0 seconds, got "0s"'),
         ("servers: [a:1]\n",
-         "unknown key 'servers' (known keys: control_planes, engine_host, heartbeat_interval, "
-         "log_level, node_id, reconnect_backoff_max, state_dir, tls)"),
+         "unknown key 'servers' (known keys: cache_dir, control_planes, engine_host, engine_urls, "
+         "heartbeat_interval, hf_endpoint, install_dir, log_level, node_id, pypi_index, "
+         "reconnect_backoff_max, state_dir, tls, weights_dir)"),
     ],
 )
 def test_agent_errors(tmp_path: Path, text: str, message: str) -> None:

@@ -57,6 +57,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 from pathlib import Path, PurePosixPath
@@ -102,7 +103,8 @@ SDIST_VERSION = "0.3.36"
 #: sha256 of llama_cpp_python-0.3.36.tar.gz as downloaded from PyPI; a different file is refused.
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-#: PyPI's stable redirect for an sdist; override (mirror) with ``sdist_url=``.
+SDIST_PROJECT = "llama-cpp-python"
+#: Default: fetched with ``pip download`` (the machine's index and mirrors); ``sdist_url=`` another URL.
 SDIST_URL = f"https://files.pythonhosted.org/packages/source/l/llama_cpp_python/{SDIST_NAME}"
 #: Inside the sdist: the llama.cpp tree that is built.
 SDIST_LLAMA_DIR = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp"
@@ -540,6 +542,25 @@ def _build_tools() -> list[str]:
     return missing
 
 
+async def _pip_download_sdist(dest: Path, progress: ProgressFn) -> None:
+    """Fetches the pinned sdist with ``pip download`` into ``dest``.
+
+    pip, not a hard-coded URL: it honours the machine's index, mirrors and proxy
+    configuration (pip.conf), as every other package install here does. Raises
+    InstallError with pip's last words if it fails.
+    """
+    progress(f"downloading {SDIST_NAME} from the package index (pip download)")
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_PROJECT,
+                f"{SDIST_PROJECT}=={SDIST_VERSION}", "--dest", tmp, "--quiet"]
+        result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+        got = Path(tmp) / SDIST_NAME
+        if result.returncode != 0 or not got.is_file():
+            last = result.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            raise InstallError(f"pip download {SDIST_PROJECT}=={SDIST_VERSION} failed: {' | '.join(last)}")
+        os.replace(got, dest)
+
+
 async def build_from_sdist(
     root: Path,
     cache: Path | None = None,
@@ -570,7 +591,11 @@ async def build_from_sdist(
     sdist = cache / "downloads" / SDIST_NAME
     if not sdist.is_file() or await trio.to_thread.run_sync(sha256_file, sdist) != SDIST_SHA256:
         sdist.unlink(missing_ok=True)
-        await _download(sdist_url, sdist, progress)
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        if sdist_url == SDIST_URL:
+            await _pip_download_sdist(sdist, progress)
+        else:
+            await _download(sdist_url, sdist, progress)
         progress(f"checking the sha256 of {SDIST_NAME}")
         actual = await trio.to_thread.run_sync(sha256_file, sdist)
         if actual != SDIST_SHA256:
@@ -700,6 +725,8 @@ class LlamaCppInstaller:
     """llama.cpp for :mod:`llmgw.node.install` (see that module's contract).
 
     ``root``: install directories; ``cache``: downloads/sources/builds; templates as in :func:`install`.
+    ``search``: more roots where an installed llama-server counts (the agent passes the default
+    root, where `make test` and `llmgw up` build it); installs always go to ``root``.
     """
 
     name = ENGINE_NAME
@@ -713,8 +740,10 @@ class LlamaCppInstaller:
         url_template: str = ARCHIVE_URL_TEMPLATE,
         checksums_template: str = CHECKSUMS_URL_TEMPLATE,
         sdist_url: str = SDIST_URL,
+        search: Sequence[Path] = (),
     ) -> None:
         self.root = root or default_root()
+        self.roots = [self.root, *search]
         self.cache = cache or self.root
         self.url_template = url_template
         self.checksums_template = checksums_template
@@ -725,7 +754,7 @@ class LlamaCppInstaller:
 
         ``installable`` when a release archive exists for this CPU/OS or the build tools are present.
         """
-        inst = find_installed([self.root])
+        inst = find_installed(self.roots)
         missing = _build_tools()
         installable = _asset_name(DEFAULT_VERSION) is not None or not missing
         if inst is not None:
@@ -746,7 +775,7 @@ class LlamaCppInstaller:
         A binary that no longer passes has its marker removed (so it probes as not installed
         and is installed again) and InstallError is raised.
         """
-        inst = find_installed([self.root])
+        inst = find_installed(self.roots)
         if inst is None:
             raise InstallError("llama.cpp is not installed on this node")
         try:
@@ -770,7 +799,8 @@ def installers(settings: Any) -> list[LlamaCppInstaller]:
         EXTRA_ROOTS.append(root)
     templates = dict(getattr(settings, "url_templates", {}) or {})
     template = templates.get(ENGINE_NAME) or templates.get("llamacpp") or ARCHIVE_URL_TEMPLATE
-    return [LlamaCppInstaller(root, Path(settings.cache_dir) / ENGINE_NAME, url_template=template)]
+    return [LlamaCppInstaller(root, Path(settings.cache_dir) / ENGINE_NAME, url_template=template,
+                              search=[default_root()])]
 
 
 # -- command line ---------------------------------------------------------------------

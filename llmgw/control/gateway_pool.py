@@ -1,0 +1,498 @@
+"""Gateway worker processes: N gateways on one HTTP port, fed by the control plane.
+
+With ``gateway.workers: N`` above 1 the control plane does not serve HTTP itself; it
+starts N worker processes (``python -m llmgw.router.worker``), each a complete gateway
+listening on the same port with SO_REUSEPORT (the kernel spreads connections over
+them). The control plane keeps the *master* :class:`~llmgw.router.app.Gateway`: its
+replica table (fed by ``ControlPlane.feed_gateway``), keys and ``serving.stopped``
+(fed by :class:`~llmgw.control.keys.AccessSync`), usage meter and admission counters.
+:class:`GatewayPool` mirrors that state into every worker and brings the workers'
+usage, in-flight counts, admission counters and metrics back. docs/gateway.md has the
+design and its trade-offs.
+
+Nursery tree::
+
+    GatewayPool.run
+    ├── pusher (state changed -> one snapshot to every worker)
+    ├── reporter wake-ups (scrapes: merge every worker's samples)
+    └── per worker slot: supervise (start, wait for "ready", read reports, restart with backoff)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import attrs
+import trio
+
+from llmgw.config import TracingConfig
+from llmgw.control.keys import DEFAULT_USAGE_FLUSH_S, STORE_CALL_TIMEOUT_S, AccessSync
+from llmgw.control.store import Store
+from llmgw.control.store.base import UsageRecord
+from llmgw.router.admission import Admission, AdmissionLimits, TenantCounters
+from llmgw.router.app import Gateway
+from llmgw.router.auth import AuthTable, KeyEntry
+from llmgw.router.channel import Channel, ChannelClosed, Message
+from llmgw.router.replicas import Replica, ReplicaTable
+from llmgw.router.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
+from llmgw.router.upstream import UpstreamTimeouts
+from llmgw.router.workerstate import (
+    decode_admission, decode_usage, encode_keys, encode_table, merge_metrics,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds a worker gets from spawn to listening (importing the gateway takes ~1 s on a
+#: busy 2-core machine; a real failure reports itself long before).
+START_TIMEOUT_S = 60.0
+#: Restart backoff after a worker dies: doubles from the first to the last value, and
+#: starts again from the first once a worker has run for STABLE_S.
+RESTART_BACKOFF_S = (0.2, 10.0)
+STABLE_S = 30.0
+#: Seconds a stopped worker gets to finish its requests and hand over its last usage
+#: (its own graceful shutdown plus slack) before it is killed.
+STOP_TIMEOUT_S = GRACEFUL_SHUTDOWN_S + SHUTDOWN_SLACK_S + 2.0
+#: Seconds to push one state snapshot into one worker's socket; a worker that does not
+#: read for that long is stuck and is killed (then restarted).
+PUSH_TIMEOUT_S = 10.0
+#: Seconds an admin change waits for every worker to apply it (then it logs and returns:
+#: the workers apply it when they catch up).
+SYNC_TIMEOUT_S = 5.0
+#: Seconds to collect every worker's report for a scrape or `ctl usage`.
+COLLECT_TIMEOUT_S = 3.0
+
+WORKER_MODULE = "llmgw.router.worker"
+
+
+class WorkerStartError(RuntimeError):
+    """A gateway worker could not start (the message says why, e.g. the port is taken)."""
+
+
+@attrs.frozen
+class WorkerSettings:
+    """What every worker is configured with (server.yaml ``gateway``/``serving``/``auth``/``tracing``)."""
+
+    timeouts: UpstreamTimeouts = UpstreamTimeouts()
+    auth_enabled: bool = True
+    limits: AdmissionLimits = AdmissionLimits()
+    max_request_bytes: int = 16 * 1024 * 1024
+    tracing: TracingConfig | None = None
+
+
+class ObservedTable(ReplicaTable):
+    """A :class:`ReplicaTable` that calls ``on_change()`` after every update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def set_model_replicas(self, model: str, replicas: Sequence[Replica]) -> None:
+        super().set_model_replicas(model, replicas)
+        self._changed()
+
+    def replace_all(self, mapping: Mapping[str, Sequence[Replica]]) -> None:
+        super().replace_all(mapping)
+        self._changed()
+
+    def remove_model(self, model: str) -> None:
+        super().remove_model(model)
+        self._changed()
+
+
+class ObservedAuthTable(AuthTable):
+    """An :class:`AuthTable` that keeps its entries (to mirror them) and calls ``on_change()``."""
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.on_change: Callable[[], None] | None = None
+        self.entries: tuple[KeyEntry, ...] = ()
+        super().__init__(enabled=enabled)
+
+    def replace(self, keys: Iterable[KeyEntry]) -> None:
+        """Replace the keys (as :meth:`AuthTable.replace`); ``on_change()`` only if they differ."""
+        entries = tuple(keys)
+        changed = entries != self.entries
+        self.entries = entries
+        super().replace(entries)
+        if changed and self.on_change is not None:
+            self.on_change()
+
+
+class PooledAdmission(Admission):
+    """The master gateway's admission view: the counters are the sum of every worker's
+    (a dead worker's admitted/queued/shed counts are kept; its in-flight ends with it)."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        super().__init__(limits)
+        self.by_worker: dict[int, dict[str, TenantCounters]] = {}
+        self.retired: dict[str, TenantCounters] = {}
+
+    def retire(self, slot: int) -> None:
+        """Fold a gone worker's counters into the kept totals (its in-flight requests are over)."""
+        for name, c in self.by_worker.pop(slot, {}).items():
+            kept = self.retired.setdefault(name, TenantCounters())
+            kept.admitted += c.admitted
+            kept.queued += c.queued
+            kept.shed += c.shed
+
+    def snapshot(self) -> dict[str, TenantCounters]:
+        """Return every tenant's counters summed over the workers (and retired ones)."""
+        total = {name: attrs.evolve(c) for name, c in self.retired.items()}
+        for counters in self.by_worker.values():
+            for name, c in counters.items():
+                row = total.setdefault(name, TenantCounters())
+                row.admitted += c.admitted
+                row.queued += c.queued
+                row.shed += c.shed
+                row.in_flight += c.in_flight
+        return total
+
+
+class _Slot:
+    """One running worker process and its channel."""
+
+    def __init__(self, index: int, generation: int, process: trio.Process, channel: Channel) -> None:
+        self.index = index
+        self.generation = generation
+        self.process = process
+        self.channel = channel
+        self.sent = -1  # state version last sent
+        self.applied = -1  # state version the worker says it applied
+        self.ready = False
+        self.state_lock = trio.Lock()
+
+
+class GatewayPool:
+    """N gateway worker processes on ``host``:``port`` mirroring ``master``'s state.
+
+    ``master`` is the control plane's gateway object (never served): its ``table`` must
+    be an :class:`ObservedTable` (or call :meth:`state_changed` after changing it), its
+    ``auth``/``stopped`` are pushed after :meth:`state_changed` (AccessSync's reload
+    calls it, see :class:`PooledAccessSync`), worker usage is added to its ``usage``
+    meter, and its ``admission`` should be a :class:`PooledAdmission`.
+    """
+
+    def __init__(self, master: Gateway, host: str, workers: int, settings: WorkerSettings) -> None:
+        if workers < 2:
+            raise ValueError("a gateway pool needs at least 2 workers (1 is the in-process gateway)")
+        self.master = master
+        self.host = host
+        self.workers = workers
+        self.settings = settings
+        self.port = 0
+        self.slots: dict[int, _Slot] = {}
+        self.pids: dict[int, int] = {}
+        self.load: dict[int, dict[str, int]] = {}
+        self._version = 0
+        self._changed = trio.Event()
+        self._progress = trio.Event()  # set (and replaced) on every ack, report and slot change
+        self._ids = itertools.count()
+        self._collects: dict[int, dict[int, Message]] = {}
+        self._generations = itertools.count()
+        self._nursery: trio.Nursery | None = None
+        for observed in (master.table, master.auth):
+            if isinstance(observed, (ObservedTable, ObservedAuthTable)):
+                observed.on_change = self.state_changed
+
+    # -- state down ---------------------------------------------------------------------
+
+    def state_changed(self) -> None:
+        """Note that the master's table, keys or ``stopped`` changed; the pusher sends a snapshot."""
+        self._version += 1
+        self._changed.set()
+
+    def _state(self) -> Message:
+        m = self.master
+        return {
+            "t": "state", "version": self._version, "table": encode_table(m.table),
+            "keys": encode_keys(m.auth.entries if isinstance(m.auth, ObservedAuthTable) else (), self.workers),
+            "stopped": m.stopped,
+        }
+
+    async def _sync(self, slot: _Slot) -> None:
+        """Send ``slot`` the current state if it has an older one; kill it if it does not take it."""
+        async with slot.state_lock:
+            if slot.sent >= self._version:
+                return
+            message = self._state()
+            try:
+                with trio.fail_after(PUSH_TIMEOUT_S):
+                    await slot.channel.send(message)
+            except trio.TooSlowError:
+                log.error("gateway worker %d does not read its channel; killing it", slot.index)
+                slot.process.kill()
+                return
+            except ChannelClosed:
+                return
+            slot.sent = message["version"]
+
+    async def _pusher(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed = trio.Event()
+            async with trio.open_nursery() as nursery:
+                for slot in list(self.slots.values()):
+                    nursery.start_soon(self._sync, slot)
+
+    async def synced(self, timeout: float = SYNC_TIMEOUT_S) -> bool:
+        """Return True once every worker applied the state as of now; False after ``timeout``."""
+        target = self._version
+        with trio.move_on_after(timeout):
+            while any(s.applied < target for s in self.slots.values()):
+                await self._progress.wait()
+            return True
+        log.warning("gateway workers did not all apply a change within %gs; they will when they catch up", timeout)
+        return False
+
+    def _notify(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    # -- reports up ---------------------------------------------------------------------
+
+    def _on_report(self, slot: _Slot, message: Message) -> None:
+        usage = decode_usage(message.get("usage") or ())
+        if usage:
+            self.master.usage.restore(usage)
+        self.load[slot.index] = {str(k): int(v) for k, v in (message.get("load") or {}).items()}
+        admission = self.master.admission
+        if isinstance(admission, PooledAdmission):
+            admission.by_worker[slot.index] = decode_admission(message.get("admission") or {})
+        request_id = message.get("id")
+        if request_id is not None and request_id in self._collects:
+            self._collects[request_id][slot.generation] = message
+
+    async def collect(self, *, metrics: bool = False, timeout: float = COLLECT_TIMEOUT_S) -> list[Message]:
+        """Ask every ready worker for a report now; return the reports that came in time.
+
+        Usage in them is already added to the master's meter when this returns.
+        """
+        request_id = next(self._ids)
+        got: dict[int, Message] = {}
+        self._collects[request_id] = got
+        try:
+            asked = [s for s in self.slots.values() if s.ready]
+            for slot in asked:
+                try:
+                    await slot.channel.send({"t": "collect", "id": request_id, "metrics": metrics})
+                except ChannelClosed:
+                    pass
+            with trio.move_on_after(timeout):
+                while any(s.generation not in got and self.slots.get(s.index) is s for s in asked):
+                    await self._progress.wait()
+            return list(got.values())
+        finally:
+            del self._collects[request_id]
+
+    async def _serve_scrape(self, slot: _Slot, scrape_id: Any) -> None:
+        reports = await self.collect(metrics=True)
+        body = merge_metrics(r["metrics"] for r in reports if r.get("metrics") is not None)
+        try:
+            await slot.channel.send({"t": "scraped", "id": scrape_id, "body": body})
+        except ChannelClosed:
+            pass
+
+    def in_flight(self) -> dict[str, int]:
+        """Return requests in flight per replica, summed over the workers (as of their last report)."""
+        total: dict[str, int] = {}
+        for counts in self.load.values():
+            for replica, n in counts.items():
+                total[replica] = total.get(replica, 0) + n
+        return total
+
+    # -- processes ----------------------------------------------------------------------
+
+    def _config(self, index: int) -> Message:
+        s = self.settings
+        limits = s.limits
+        return {
+            "t": "config", "index": index, "host": self.host, "port": self.port,
+            "timeouts": {"connect": s.timeouts.connect, "first_byte": s.timeouts.first_byte,
+                         "chunk": s.timeouts.chunk},
+            "auth_enabled": s.auth_enabled,
+            # Each worker admits its share: see docs/gateway.md.
+            "admission": [math.ceil(limits.max_inflight_per_replica / self.workers),
+                          math.ceil(limits.queue_size / self.workers), limits.queue_timeout],
+            "max_request_bytes": s.max_request_bytes,
+            "tracing": attrs.asdict(s.tracing) if s.tracing is not None and s.tracing.endpoint else None,
+        }
+
+    async def _spawn(self, index: int) -> _Slot:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            env = {**os.environ, "LLMGW_WORKER_LOG_LEVEL": logging.getLevelName(logging.getLogger().getEffectiveLevel())}
+            process = await trio.lowlevel.open_process(
+                [sys.executable, "-m", WORKER_MODULE, str(child.fileno())],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env,
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        return _Slot(index, next(self._generations), process, Channel.from_socket(parent))
+
+    async def _run_one(self, index: int, on_ready: Callable[[int], None]) -> None:
+        """Run one worker process until it exits; call ``on_ready(port)`` once it listens.
+
+        Raises :class:`WorkerStartError` if it fails before listening. Cancellation
+        stops it gracefully (its last usage is collected) and kills it past
+        :data:`STOP_TIMEOUT_S`.
+        """
+        slot = await self._spawn(index)
+        try:
+            await slot.channel.send(self._config(index))
+            self.slots[index] = slot
+            await self._sync(slot)
+            with trio.fail_after(START_TIMEOUT_S):
+                while not slot.ready:
+                    try:
+                        message = await slot.channel.receive()
+                    except ChannelClosed:
+                        raise WorkerStartError(f"gateway worker {index} exited before listening "
+                                               f"(its output is in the server log)") from None
+                    if message.get("t") == "failed":
+                        raise WorkerStartError(f"gateway worker {index}: {message.get('error')}")
+                    self._handle(slot, message)
+            self.pids[index] = slot.process.pid
+            log.info("gateway worker %d listening on %s:%d (pid %d)", index, self.host, self.port, slot.process.pid)
+            on_ready(self.port)
+            await self._sync(slot)  # anything that changed while it started
+            while True:
+                try:
+                    message = await slot.channel.receive()
+                except ChannelClosed:
+                    return
+                self._handle(slot, message)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop(slot)
+
+    def _handle(self, slot: _Slot, message: Message) -> None:
+        kind = message.get("t")
+        if kind == "applied":
+            slot.applied = max(slot.applied, int(message["version"]))
+        elif kind == "ready":
+            if not self.port:
+                self.port = int(message["port"])
+            slot.ready = True
+        elif kind == "report":
+            self._on_report(slot, message)
+        elif kind == "scrape" and self._nursery is not None:
+            self._nursery.start_soon(self._serve_scrape, slot, message.get("id"))
+        self._notify()
+
+    async def _stop(self, slot: _Slot) -> None:
+        """Stop ``slot``'s process (gracefully if it still runs), keep its last report, reap it."""
+        if slot.process.returncode is None:
+            with trio.move_on_after(STOP_TIMEOUT_S):
+                try:
+                    await slot.channel.send({"t": "stop"})
+                    while True:
+                        self._handle(slot, await slot.channel.receive())
+                except (ChannelClosed, ValueError):
+                    pass
+                await slot.process.wait()
+            if slot.process.returncode is None:
+                log.warning("gateway worker %d did not stop in %gs; killing it", slot.index, STOP_TIMEOUT_S)
+                slot.process.kill()
+        await slot.process.wait()
+        await slot.channel.aclose()
+        if self.slots.get(slot.index) is slot:
+            del self.slots[slot.index]
+            self.load.pop(slot.index, None)
+            if isinstance(self.master.admission, PooledAdmission):
+                self.master.admission.retire(slot.index)
+        self._notify()
+
+    async def _supervise(self, index: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep worker ``index`` running: start it, restart it with backoff whenever it exits.
+
+        The first start's failure is raised (a server that cannot serve should say so);
+        later ones are logged and retried.
+        """
+        first = True
+        backoff = RESTART_BACKOFF_S[0]
+        while True:
+            started = trio.current_time()
+
+            def ready(port: int) -> None:
+                nonlocal first
+                if first:
+                    first = False
+                    task_status.started(port)
+
+            try:
+                await self._run_one(index, ready)
+                what = "exited"
+            except (WorkerStartError, OSError, ChannelClosed, trio.TooSlowError) as error:
+                if first:
+                    raise
+                what = f"failed: {error}"
+            if trio.current_time() - started > STABLE_S:
+                backoff = RESTART_BACKOFF_S[0]
+            log.warning("gateway worker %d %s; restarting in %gs", index, what, backoff)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+
+    async def run(self, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the workers on ``port`` (0: a free one) until cancelled.
+
+        Reports the bound port once every worker is listening. Raises
+        :class:`WorkerStartError` if one cannot start. Cancellation stops every worker
+        gracefully (their last usage reaches the master's meter) before returning.
+        """
+        self.port = port
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._pusher)
+            # The first worker binds (port 0 picks one); the others join its port.
+            self.port = await nursery.start(self._supervise, 0)
+            for index in range(1, self.workers):
+                await nursery.start(self._supervise, index)
+            task_status.started(self.port)
+
+
+class PooledAccessSync(AccessSync):
+    """:class:`AccessSync` for a pool: a reload is pushed to every worker before it returns,
+    and usage totals include what the workers counted up to the moment of the call."""
+
+    def __init__(self, store: Store, gateway: Gateway, pool: GatewayPool, *,
+                 usage_flush_interval: float = DEFAULT_USAGE_FLUSH_S) -> None:
+        super().__init__(store, gateway, usage_flush_interval=usage_flush_interval)
+        self.pool = pool
+
+    async def reload(self) -> None:
+        """Reload from the store (as :meth:`AccessSync.reload`), then wait (bounded by
+        :data:`SYNC_TIMEOUT_S`) until every worker has applied it."""
+        stopped = self.gateway.stopped
+        await super().reload()  # changed keys reach the pool through ObservedAuthTable
+        if self.gateway.stopped != stopped:  # a plain attribute: say so here
+            self.pool.state_changed()
+        await self.pool.synced()
+
+    async def usage_totals(self) -> list[UsageRecord]:
+        """Collect every worker's counts first, then return :meth:`AccessSync.usage_totals`."""
+        await self.pool.collect()
+        return await super().usage_totals()
+
+    async def run_pool(self, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the pool (:meth:`GatewayPool.run`); once it has stopped, store the workers' last usage."""
+        try:
+            await self.pool.run(port, task_status=task_status)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(STORE_CALL_TIMEOUT_S):
+                try:
+                    await self.flush_usage()
+                except Exception as exc:  # noqa: BLE001 - shutting down; say what was lost
+                    log.warning("could not store the gateway workers' last usage counts: %s", exc)

@@ -1,0 +1,237 @@
+"""A gateway worker process: ``python -m llmgw.router.worker FD``.
+
+Started by the control plane (:mod:`llmgw.control.gateway_pool`) when ``gateway.workers``
+is above 1; ``FD`` is its end of a Unix socketpair (:mod:`llmgw.router.channel`). The
+worker serves the same gateway app as the single-process server on the shared HTTP port
+(SO_REUSEPORT: the kernel spreads connections over the workers). Protocol::
+
+    control -> worker   {"t": "config", ...}               first: where to listen, deadlines, limits
+    control -> worker   {"t": "state", "version", ...}      routing state (whole); first one before listening
+    worker  -> control  {"t": "applied", "version"}         after every state
+    worker  -> control  {"t": "ready", "port", "pid"}       listening (or {"t": "failed", "error"})
+    worker  -> control  {"t": "report", "id", ...}          usage drained, in-flight, admission counters;
+                                                            every REPORT_INTERVAL_S (id None) or when asked
+    control -> worker   {"t": "collect", "id", "metrics"}   asks for a report now (metrics: with samples)
+    worker  -> control  {"t": "scrape", "id"}               GET /metrics arrived: merge everyone's samples
+    control -> worker   {"t": "scraped", "id", "body"}      the merged exposition
+    control -> worker   {"t": "stop"}                       shut down gracefully (EOF does the same)
+
+The worker never listens before its first state, so it never answers with an empty
+table. When the control plane goes away (EOF, even after SIGKILL) the worker shuts down.
+Every response carries ``x-llmgw-worker: <index>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from .admission import Admission, AdmissionLimits
+from .app import Gateway, create_app, gateway_of
+from .auth import AuthTable
+from .channel import Channel, ChannelClosed, Message
+from .serve import serve_gateway
+from .upstream import UpstreamTimeouts
+from .workerstate import (
+    MirrorTable, decode_keys, decode_table, encode_admission, encode_metrics, encode_usage,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds between unsolicited reports (usage, in-flight, admission). Usage counted in
+#: the last interval before a worker crash is lost; `ctl usage` asks for a fresh report.
+REPORT_INTERVAL_S = 0.5
+#: Seconds a GET /metrics waits for the control plane to merge every worker's samples.
+SCRAPE_TIMEOUT_S = 5.0
+#: Header naming the worker that answered (tests and operators tell workers apart by it).
+WORKER_HEADER = b"x-llmgw-worker"
+
+
+class WorkerFront:
+    """ASGI wrapper: answers GET /metrics with every worker's merged samples and tags responses."""
+
+    def __init__(self, app: Any, index: int, scrape: Callable[[], Awaitable[bytes | None]]) -> None:
+        self._app = app
+        self._tag = (WORKER_HEADER, str(index).encode())
+        self._scrape = scrape
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        tag = self._tag
+        if scope["path"] == "/metrics" and scope["method"] == "GET":
+            body = await self._scrape()
+            status = 200 if body is not None else 503
+            if body is None:
+                body = b"the control plane did not merge the workers' metrics in time; retry\n"
+            await send({"type": "http.response.start", "status": status, "headers": [
+                (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()), tag]})
+            await send({"type": "http.response.body", "body": body})
+            return
+
+        async def tagged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), tag]}
+            await send(message)
+
+        await self._app(scope, receive, tagged)
+
+
+class Worker:
+    """One worker's gateway and its side of the channel."""
+
+    def __init__(self, channel: Channel, config: Message) -> None:
+        self.channel = channel
+        self.index = int(config["index"])
+        self.host = str(config["host"])
+        self.port = int(config["port"])
+        self.table = MirrorTable()
+        limits = config["admission"]
+        app = create_app(
+            self.table,
+            timeouts=UpstreamTimeouts(**config["timeouts"]),
+            tracer=_tracer(config.get("tracing")),
+            auth=AuthTable(enabled=bool(config["auth_enabled"])),
+            admission=Admission(AdmissionLimits(int(limits[0]), int(limits[1]), float(limits[2]))),
+            max_request_bytes=int(config["max_request_bytes"]),
+        )
+        self.gateway: Gateway = gateway_of(app)
+        self.front = WorkerFront(app, self.index, self.scrape)
+        self._scrape_ids = itertools.count()
+        self._scrapes: dict[int, tuple[trio.Event, list[bytes]]] = {}
+
+    def apply(self, state: Message) -> None:
+        """Make the gateway's table, keys and ``stopped`` equal to ``state``."""
+        replicas, created = decode_table(state["table"])
+        self.table.load(replicas, created)
+        self.gateway.auth.replace(decode_keys(state["keys"]))
+        self.gateway.stopped = bool(state["stopped"])
+
+    def report(self, request_id: Any = None, metrics: bool = False) -> Message:
+        """Return a report; drains the usage meter (the counts now belong to the control plane)."""
+        g = self.gateway
+        return {
+            "t": "report", "id": request_id,
+            "usage": encode_usage(g.usage.drain()),
+            "load": g.load.snapshot(),
+            "admission": encode_admission(g.admission.snapshot()),
+            "metrics": encode_metrics(g.metrics.registry) if metrics else None,
+        }
+
+    async def scrape(self) -> bytes | None:
+        """Return every worker's metrics merged by the control plane, or None after the deadline."""
+        scrape_id = next(self._scrape_ids)
+        done, box = trio.Event(), []
+        self._scrapes[scrape_id] = (done, box)
+        try:
+            await self.channel.send({"t": "scrape", "id": scrape_id})
+            with trio.move_on_after(SCRAPE_TIMEOUT_S):
+                await done.wait()
+        except ChannelClosed:
+            return None
+        finally:
+            del self._scrapes[scrape_id]
+        return box[0] if box else None
+
+    async def read(self, stop: trio.CancelScope) -> None:
+        """Handle messages from the control plane; cancel ``stop`` on "stop" or EOF."""
+        try:
+            while True:
+                message = await self.channel.receive()
+                kind = message.get("t")
+                if kind == "state":
+                    self.apply(message)
+                    await self.channel.send({"t": "applied", "version": message["version"]})
+                elif kind == "collect":
+                    await self.channel.send(self.report(message.get("id"), bool(message.get("metrics"))))
+                elif kind == "scraped":
+                    waiting = self._scrapes.get(message["id"])
+                    if waiting is not None:
+                        waiting[1].append(bytes(message["body"]))
+                        waiting[0].set()
+                elif kind == "stop":
+                    break
+        except ChannelClosed:
+            log.warning("gateway worker %d: the control plane went away; stopping", self.index)
+        stop.cancel()
+
+    async def report_periodically(self) -> None:
+        while True:
+            await trio.sleep(REPORT_INTERVAL_S)
+            await self.channel.send(self.report())
+
+
+def _tracer(tracing: Any) -> Any:
+    if not tracing:
+        return None
+    from llmgw.config import TracingConfig
+    from .tracing import create_tracer
+
+    return create_tracer(TracingConfig(**tracing))
+
+
+async def _main(fd: int) -> None:
+    channel = Channel.from_socket(socket.socket(fileno=fd))
+    try:
+        config = await channel.receive()
+        if config.get("t") != "config":
+            raise ValueError(f"gateway worker: expected config first, got {config.get('t')!r}")
+        try:
+            worker = Worker(channel, config)
+        except Exception as error:
+            await channel.send({"t": "failed", "error": f"{type(error).__name__}: {error}"})
+            raise
+        while True:  # the first state before listening: never serve an empty table
+            message = await channel.receive()
+            if message.get("t") == "state":
+                worker.apply(message)
+                await channel.send({"t": "applied", "version": message["version"]})
+                break
+            if message.get("t") == "stop":
+                return
+        async with trio.open_nursery() as nursery:
+            serving = trio.CancelScope()
+            nursery.start_soon(worker.read, serving)
+            with serving:
+                async with trio.open_nursery() as inner:
+                    try:
+                        port = await inner.start(lambda task_status: serve_gateway(
+                            worker.front, worker.host, worker.port, reuse_port=True, task_status=task_status))
+                    except OSError as error:
+                        await channel.send({"t": "failed", "error": str(error)})
+                        raise
+                    await channel.send({"t": "ready", "port": port, "pid": os.getpid()})
+                    inner.start_soon(worker.report_periodically)
+            # Stopped: every request is finished (serve_gateway's graceful shutdown), so
+            # this last report carries all of the usage.
+            try:
+                await channel.send(worker.report())
+            except ChannelClosed:
+                log.warning("gateway worker %d: could not hand over its last usage counts", worker.index)
+            nursery.cancel_scope.cancel()
+    except ChannelClosed:
+        pass
+    finally:
+        with trio.CancelScope(shield=True):
+            await channel.aclose()
+
+
+def main(argv: list[str]) -> None:
+    """Entry point: ``argv`` is ``[FD]``. SIGINT is ignored: the control plane decides when to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    level = os.environ.get("LLMGW_WORKER_LOG_LEVEL", "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    trio.run(_main, int(argv[0]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,162 @@
+"""What crosses the control-plane <-> gateway-worker channel, as plain msgpack values.
+
+Down (control plane -> worker): the routing state as one snapshot (catalog models with
+their ready replicas and ``created`` times, the active API keys with their tenants'
+limits, ``serving.stopped``). Up (worker -> control plane): usage counts, in-flight per
+replica, admission counters, and on request the worker's Prometheus samples. Functions
+here are pure conversions; nothing does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+
+from .admission import TenantCounters
+from .auth import KeyEntry, Tenant
+from .replicas import Replica, ReplicaTable
+from .usage import UsageCounts
+
+
+# -- routing state (down) ----------------------------------------------------------------
+
+
+def scaled_tenant(tenant: Tenant, workers: int) -> Tenant:
+    """Return ``tenant`` with each non-zero limit divided by ``workers``, rounded up.
+
+    Every worker enforces its share alone, so the cluster-wide limit is between the
+    configured one and ``workers`` x the rounded-up share (docs/gateway.md).
+    """
+    if workers <= 1:
+        return tenant
+    share = lambda limit: math.ceil(limit / workers) if limit else 0  # noqa: E731
+    return Tenant(tenant.name, tenant.models, share(tenant.max_concurrency), share(tenant.rpm), share(tenant.tpm))
+
+
+def encode_table(table: ReplicaTable) -> dict[str, Any]:
+    """Return the table's models, their replicas and ``created`` times as msgpack values."""
+    models = table.models()
+    return {
+        "created": {m.name: m.created for m in models},
+        "replicas": {
+            m.name: [[r.id, r.endpoint, r.node_id] for r in table.replicas(m.name) or ()] for m in models
+        },
+    }
+
+
+def decode_table(data: Mapping[str, Any]) -> tuple[dict[str, list[Replica]], dict[str, int]]:
+    """Return ``(replicas by model, created by model)`` from :func:`encode_table`'s value."""
+    replicas = {
+        model: [Replica(rid, model, endpoint, node) for rid, endpoint, node in rows]
+        for model, rows in data["replicas"].items()
+    }
+    return replicas, dict(data["created"])
+
+
+def encode_keys(entries: Iterable[KeyEntry], workers: int) -> list[list[Any]]:
+    """Return the active keys, each tenant's limits divided among ``workers``."""
+    out = []
+    for entry in entries:
+        t = scaled_tenant(entry.tenant, workers)
+        models = sorted(t.models) if t.models is not None else None
+        out.append([entry.key_id, entry.secret_hash, t.name, models, t.max_concurrency, t.rpm, t.tpm])
+    return out
+
+
+def decode_keys(rows: Sequence[Sequence[Any]]) -> list[KeyEntry]:
+    """Return :class:`KeyEntry` values from :func:`encode_keys`' rows (tenants shared by name)."""
+    tenants: dict[tuple[Any, ...], Tenant] = {}
+    entries = []
+    for key_id, secret_hash, name, models, concurrency, rpm, tpm in rows:
+        spec = (name, tuple(models) if models is not None else None, concurrency, rpm, tpm)
+        tenant = tenants.get(spec)
+        if tenant is None:
+            tenant = tenants[spec] = Tenant(
+                name, frozenset(models) if models is not None else None, concurrency, rpm, tpm)
+        entries.append(KeyEntry(key_id, bytes(secret_hash), tenant))
+    return entries
+
+
+class MirrorTable(ReplicaTable):
+    """A worker's copy of the control plane's table, ``created`` times included."""
+
+    def load(self, replicas: Mapping[str, Sequence[Replica]], created: Mapping[str, int]) -> None:
+        """Make the table exactly ``replicas``, each model with the control plane's ``created``."""
+        self.replace_all(replicas)
+        now = int(time.time())
+        self._created = {model: int(created.get(model, now)) for model in replicas}
+
+
+# -- reports (up) -------------------------------------------------------------------------
+
+
+def encode_usage(drained: Mapping[tuple[str, str], UsageCounts]) -> list[list[Any]]:
+    return [[t, m, c.requests, c.prompt_tokens, c.completion_tokens] for (t, m), c in drained.items()]
+
+
+def decode_usage(rows: Sequence[Sequence[Any]]) -> dict[tuple[str, str], UsageCounts]:
+    return {(t, m): UsageCounts(int(r), int(p), int(c)) for t, m, r, p, c in rows}
+
+
+def encode_admission(snapshot: Mapping[str, TenantCounters]) -> dict[str, list[int]]:
+    return {name: [c.admitted, c.queued, c.shed, c.in_flight] for name, c in snapshot.items()}
+
+
+def decode_admission(data: Mapping[str, Sequence[int]]) -> dict[str, TenantCounters]:
+    return {name: TenantCounters(*map(int, row)) for name, row in data.items()}
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+#: Samples whose value is a creation timestamp: the earliest wins instead of the sum.
+_TIMESTAMP_SUFFIX = "_created"
+
+
+def encode_metrics(registry: CollectorRegistry) -> list[list[Any]]:
+    """Return every family of ``registry`` as ``[name, help, type, [[sample, labels, value], ...]]``."""
+    return [
+        [family.name, family.documentation, family.type, [[s.name, dict(s.labels), float(s.value)] for s in family.samples]]
+        for family in registry.collect()
+    ]
+
+
+def merge_metrics(parts: Iterable[Sequence[Sequence[Any]]]) -> bytes:
+    """Return the Prometheus text exposition of several workers' :func:`encode_metrics` output.
+
+    Samples with the same name and labels are added up (counters, histogram buckets,
+    sums and counts, and the in-flight and queued gauges are all per-worker shares of a
+    total); ``*_created`` timestamps take the earliest.
+    """
+    families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
+    for part in parts:
+        for name, documentation, type_, samples in part:
+            entry = families.setdefault(name, (documentation, type_, {}))
+            values = entry[2]
+            for sample_name, labels, value in samples:
+                key = (sample_name, tuple(sorted(labels.items())))
+                if key in values and sample_name.endswith(_TIMESTAMP_SUFFIX):
+                    values[key] = min(values[key], value)
+                else:
+                    values[key] = values.get(key, 0.0) + value
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(families))
+    return generate_latest(registry)
+
+
+class _Merged:
+    """A collector yielding fixed, already merged families."""
+
+    def __init__(self, families: Mapping[str, tuple[str, str, Mapping[tuple[str, tuple[tuple[str, str], ...]], float]]]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        for name, (documentation, type_, values) in self._families.items():
+            metric = Metric(name, documentation, type_)
+            for (sample_name, labels), value in values.items():
+                metric.add_sample(sample_name, dict(labels), value)
+            yield metric
