@@ -227,11 +227,11 @@ def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int)
     """Start llmgw's gateway (router only) in its own process over ``replicas``."""
     port = free_tcp_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    procs = []
-    for _ in range(workers):  # several workers share the port with SO_REUSEPORT
-        cmd = [sys.executable, "-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", str(workers),
-               *[f"http://{h}:{p}" for h, p in replicas]]
-        procs.append(fleet.spawn("llmgw", cmd, env))
+    # One process; with --workers N > 1 it runs llmgw's GatewayPool (the server's
+    # gateway.workers): N worker processes on the port, fed over their channels.
+    cmd = [sys.executable, "-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", str(workers),
+           *[f"http://{h}:{p}" for h, p in replicas]]
+    procs = [fleet.spawn("llmgw", cmd, env)]
     for proc in procs:
         _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
     from importlib.metadata import version
@@ -641,7 +641,20 @@ def serve_llmgw(port: int, urls: Sequence[str], workers: int) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(serve_gateway, create_app(table), HOST, port, reuse_port=workers > 1))
+            if workers > 1:
+                from llmgw.control.gateway_pool import (
+                    GatewayPool, ObservedAuthTable, ObservedTable, PooledAdmission, WorkerSettings)
+                from llmgw.router import gateway_of
+                from llmgw.router.admission import AdmissionLimits
+
+                observed = ObservedTable()
+                observed.replace_all({MODEL: table.replicas(MODEL) or ()})
+                master = gateway_of(create_app(observed, auth=ObservedAuthTable(enabled=False),
+                                               admission=PooledAdmission(AdmissionLimits())))
+                pool = GatewayPool(master, HOST, workers, WorkerSettings(auth_enabled=False))
+                await nursery.start(pool.run, port)
+            else:
+                await nursery.start(partial(serve_gateway, create_app(table), HOST, port))
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()

@@ -84,6 +84,7 @@ def test_a_failed_step_leaves_nothing_installed(tmp_path: Path, monkeypatch: pyt
 
 
 async def test_agent_installer_probe_install_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(python_env.ROOT_ENV, str(tmp_path / "default-root"))  # not this machine's real vLLM
     installers = {i.name: i for i in python_env.installers(InstallSettings(install_dir=tmp_path, cache_dir=tmp_path))}
     vllm, sglang = installers["vllm"], installers["sglang"]
     assert isinstance(vllm, EnvInstaller)

@@ -160,7 +160,7 @@ def find_installed(engine: PythonEngine, roots: Sequence[Path] | None = None) ->
     Cheap: reads directory listings and small JSON files only.
     """
     found: list[tuple[float, Path, dict[str, Any]]] = []
-    for root in roots if roots is not None else [default_root()]:
+    for root in roots if roots is not None else [default_root(), *EXTRA_ROOTS]:
         base = Path(root) / engine.name
         try:
             children = list(base.iterdir())
@@ -366,7 +366,7 @@ class EnvInstaller:
         """Returns an EngineInfo: installed (with version) from the marker; installable if a lock fits."""
         from llmgw.spec import EngineInfo
 
-        found = find_installed(self.engine, [self.root])
+        found = find_installed(self.engine, [self.root, default_root()])
         if found is not None:
             directory, marker = found
             return EngineInfo(name=self.name, installed=True, version=str(marker.get("version", "")),
@@ -419,9 +419,19 @@ class EnvInstaller:
         raise InstallError(f"{self.name}: import check did not finish within {IMPORT_TIMEOUT:g} s")
 
 
+#: Install roots the agent's installers use besides :func:`default_root`; the engine adapters
+#: search them too, so an environment installed by the agent is found where it was put.
+EXTRA_ROOTS: list[Path] = []
+
+
 def installers(settings: Any) -> list[EnvInstaller]:
-    """Returns the vLLM and SGLang installers for the agent (``settings``: InstallSettings)."""
+    """Returns the vLLM and SGLang installers for the agent (``settings``: InstallSettings).
+
+    Registers the agent's install root in :data:`EXTRA_ROOTS`.
+    """
     root = Path(settings.install_dir)
+    if root not in EXTRA_ROOTS:
+        EXTRA_ROOTS.append(root)
     return [
         EnvInstaller(engine, root, gpu=settings.has_nvidia_gpu, index_url=settings.pypi_index)
         for engine in (VLLM, SGLANG)
