@@ -36,6 +36,7 @@ from llmgw.config import TracingConfig
 from llmgw.control.keys import DEFAULT_USAGE_FLUSH_S, STORE_CALL_TIMEOUT_S, AccessSync
 from llmgw.control.store import Store
 from llmgw.control.store.base import UsageRecord
+from llmgw.rpc.kjtrio import unwrap_single_group
 from llmgw.router.admission import Admission, AdmissionLimits, TenantCounters
 from llmgw.router.app import Gateway
 from llmgw.router.auth import AuthTable, KeyEntry
@@ -71,7 +72,7 @@ COLLECT_TIMEOUT_S = 3.0
 WORKER_MODULE = "llmgw.router.worker"
 
 
-class WorkerStartError(RuntimeError):
+class WorkerStartError(OSError):
     """A gateway worker could not start (the message says why, e.g. the port is taken)."""
 
 
@@ -453,6 +454,10 @@ class GatewayPool:
         gracefully (their last usage reaches the master's meter) before returning.
         """
         self.port = port
+        with unwrap_single_group():
+            await self._run(port, task_status)
+
+    async def _run(self, port: int, task_status: trio.TaskStatus[int]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._pusher)

@@ -27,11 +27,12 @@ import uuid
 from typing import Any, AsyncIterator, Mapping
 
 import httpx
+import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import errors
+from . import errors, hypercorn_fix
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
@@ -48,6 +49,9 @@ from .tracing import GatewayTracer
 
 log = logging.getLogger(__name__)
 
+# Hypercorn 0.18 can crash the whole server on a close race (see hypercorn_fix.py).
+hypercorn_fix.install()
+
 # Attempts per request: the chosen replica plus one other if the first refused the
 # connection. More would add latency for little gain: the control plane takes a dead
 # replica out of the table within a heartbeat.
@@ -63,6 +67,11 @@ BODY_TIMEOUT_S = 60.0
 # A client-supplied x-request-id is kept if it looks like an id (it ends up in logs and
 # upstream headers), otherwise a fresh one is generated.
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+# Seconds the last body message of a response may take to send while shielded from
+# cancellation (see _RequestCleanup): it only writes a final chunk and closes or recycles
+# the connection, so this bounds a client that stopped reading.
+FINAL_SEND_TIMEOUT_S = 10.0
 
 # Paths forwarded to replicas, as Quart routes.
 FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -82,6 +91,13 @@ class _RequestCleanup:
     the request ends in a way the view never sees: the client disconnecting before the
     streaming body was started, a cancellation between the view returning and Quart
     iterating the body, or a failure while sending headers.
+
+    It also shields the last ``http.response.body`` message from cancellation. Hypercorn
+    finishes the exchange inside that ``send`` (closes a ``Connection: close`` /
+    HTTP/1.0 connection, or re-arms the keep-alive idle timer), and that same ``send``
+    delivers ``http.disconnect`` to the app's receiver, which (in Quart-Trio and in
+    :class:`~llmgw.router.fastpath.FastForward`) cancels the request at once; unshielded,
+    the cancellation lands in Hypercorn's close and the connection stays open forever.
     """
 
     def __init__(self, inner: Any) -> None:
@@ -91,10 +107,18 @@ class _RequestCleanup:
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
             return
+
+        async def send_last_shielded(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True), trio.move_on_after(FINAL_SEND_TIMEOUT_S):
+                    await send(message)
+            else:
+                await send(message)
+
         async with contextlib.AsyncExitStack() as stack:
             token = _cleanup_stack.set(stack)
             try:
-                await self._inner(scope, receive, send)
+                await self._inner(scope, receive, send_last_shielded)
             finally:
                 _cleanup_stack.reset(token)
 
@@ -464,7 +488,9 @@ def _parse_request(path: str, body: bytes) -> RequestInfo:
     """Return what routing needs from a JSON request body; raise a 400 GatewayError if unusable."""
     try:
         parsed = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError covers bad JSON, invalid UTF-8 and integers past Python's digit limit;
+    # RecursionError is JSON nested deeper than the interpreter's recursion limit.
+    except (ValueError, RecursionError) as error:
         raise errors.invalid_request(
             f"The request body is not valid JSON ({error}). Send a JSON object with at least a 'model' field."
         ) from error

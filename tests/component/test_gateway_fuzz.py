@@ -61,6 +61,7 @@ class GatewayThread:
     def __init__(self) -> None:
         self.key = generate_key()
         self.port = 0
+        self.crashed: BaseException | None = None
         self._started: queue.Queue[int | BaseException] = queue.Queue()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -74,15 +75,19 @@ class GatewayThread:
         self.port = started
 
     def stop(self) -> None:
-        if self._token is not None and self._stop is not None:
+        """Stop the gateway; raise what ended its trio run early, if anything did."""
+        if self._thread.is_alive() and self._token is not None and self._stop is not None:
             trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(START_TIMEOUT_S)
         assert not self._thread.is_alive(), "the gateway did not shut down"
+        if self.crashed is not None:
+            raise AssertionError("the gateway's trio run crashed") from self.crashed
 
     def _run(self) -> None:
         try:
             trio.run(self._main)
         except BaseException as error:  # reported to start() if it happened before the port
+            self.crashed = error
             self._started.put(error)
 
     async def _main(self) -> None:
@@ -196,7 +201,9 @@ def parse_answer(data: bytes) -> Answer:
 def check(request: Request, answer: Answer) -> None:
     """Assert the properties in the module docstring for one exchange."""
     if answer.status is None:
-        assert request.half_close, f"the server closed without answering a complete request: {request!r:.300}"
+        assert request.half_close or not request.framing_ok, (
+            f"the server closed without answering a complete request: {request!r:.300}"
+        )
         return
     assert answer.status != 500, f"500 for {request!r:.400}: {answer.body[:400]!r}"
     if answer.status >= 500:
@@ -349,9 +356,12 @@ def requests(draw: st.DrawFn, key: str, methods: st.SearchStrategy[str], paths: 
     if framing == "length":
         headers.append((b"content-length", str(len(body)).encode()))
     elif framing == "none":
-        pass
+        # A body without a length is read as none, and its bytes as a (bad) pipelined
+        # request, which Hypercorn rejects, racing the app's answer: a close is fine.
+        framing_ok = not body
     elif framing == "smaller" and body:
         headers.append((b"content-length", str(draw(st.integers(0, len(body) - 1))).encode()))
+        framing_ok = False  # trailing bytes: as for "none"
     elif framing == "larger" or framing == "smaller":
         headers.append((b"content-length", str(len(body) + draw(st.integers(1, 10**6))).encode()))
         framing_ok, half_close = False, True

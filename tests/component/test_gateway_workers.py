@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from llmgw.control.gateway_pool import (
-    GatewayPool, ObservedAuthTable, ObservedTable, PooledAdmission, WorkerSettings,
+    GatewayPool, ObservedAuthTable, ObservedTable, PooledAdmission, WorkerSettings, WorkerStartError,
 )
 from llmgw.router.admission import AdmissionLimits
 from llmgw.router.app import Gateway, create_app, gateway_of
@@ -152,3 +152,21 @@ async def test_a_killed_worker_is_restarted(pooled: Pooled) -> None:
         assert response.status_code == 200
         seen.add(response.headers["x-llmgw-worker"])
     assert seen == {"0", "1"}
+
+
+async def test_a_worker_that_cannot_bind_fails_the_start(engine: str) -> None:
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: nobody may share it
+    taken.listen()
+    try:
+        table = ObservedTable()
+        master = gateway_of(create_app(table, auth=ObservedAuthTable(enabled=False),
+                                       admission=PooledAdmission(AdmissionLimits())))
+        pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False))
+        with pytest.raises(WorkerStartError, match="cannot bind the gateway"), trio.fail_after(60):
+            await pool.run(taken.getsockname()[1])
+        assert not pool.slots
+    finally:
+        taken.close()
