@@ -202,14 +202,16 @@ class Cluster:
 
 
 def engines_under(root: Path) -> list[psutil.Process]:
-    """Simulated engines whose working directory (their shard's state dir) is under ``root``."""
+    """Engines (any engine: sim, llama-server, vLLM) whose working directory is under ``root``.
+
+    The supervisor starts every engine in its shard's state directory, so this finds
+    exactly the engines of a cluster whose state lives under ``root``.
+    """
     found = []
-    for p in psutil.process_iter(["cmdline", "cwd"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.Error, TypeError):
-            continue
-        if "llmgw.sim" in cmd and p.info.get("cwd") and str(root) in str(p.info["cwd"]):
+    me = os.getpid()
+    for p in psutil.process_iter(["cwd"]):
+        cwd = p.info.get("cwd")
+        if p.pid != me and cwd and Path(cwd).is_relative_to(root):
             found.append(p)
     return found
 
