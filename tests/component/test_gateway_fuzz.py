@@ -48,6 +48,9 @@ FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
     database=None,
+    # The same examples every run, so CI is reproducible; to explore new ones locally,
+    # set derandomize=False (and raise EXAMPLES).
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 
