@@ -249,6 +249,7 @@ class AgentConfig:
     engine_urls: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping)
     pypi_index: str = ""
     hf_endpoint: str = DEFAULT_HF_ENDPOINT
+    llamacpp_threads: int | None = None  # llamacpp.threads: None = half this node's CPUs
 
 
 # --- value parsers (raise ValueError with the reason; the loader adds file and key) -----
@@ -798,6 +799,7 @@ def load_agent_config(
         engine_urls=_read_engine_urls(reader, top.raw("engine_urls")),
         pypi_index=top.get("pypi_index", _parse_url_or_empty, ""),
         hf_endpoint=top.get("hf_endpoint", _parse_url_or_empty, DEFAULT_HF_ENDPOINT) or DEFAULT_HF_ENDPOINT,
+        llamacpp_threads=_read_llamacpp_threads(reader, top.raw("llamacpp")),
     )
     top.finish()
     return config
@@ -808,6 +810,22 @@ def _parse_url_or_empty(value: Any) -> str:
     if text and not text.startswith(("http://", "https://")):
         raise ValueError(f"expected an http(s) URL, got {_show(value)}")
     return text.rstrip("/")
+
+
+def _read_llamacpp_threads(reader: _Reader, raw: Any) -> int | None:
+    """``llamacpp.threads``: threads of this node's CPU llama.cpp replicas (a profile's cpu_cores wins)."""
+    if raw is _MISSING:
+        return None
+    section = reader.section(raw, "llamacpp")
+    value = section.raw("threads") if "threads" in section.data else None
+    for key in section.data:
+        if key != "threads":
+            raise reader.error(f"llamacpp.{key}", "unknown key (known keys: threads)")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise reader.error("llamacpp.threads", f"expected a whole number >= 1, got {_show(value)}")
+    return value
 
 
 def _read_engine_urls(reader: _Reader, raw: Any) -> dict[str, str]:

@@ -131,6 +131,7 @@ def agent(config_path: Path | None) -> None:
              "set node_id to match, or issue a certificate for this node id")
     from llmgw.node import discovery
     from llmgw.node.agent import Agent
+    from llmgw.node.engines import node_engines
     from llmgw.node.fetch import FetchSettings
     from llmgw.node.install import Converger, InstallSettings, build_installers
     from llmgw.node.supervisor import Supervisor
@@ -159,7 +160,8 @@ def agent(config_path: Path | None) -> None:
                 node_id=config.node_id,
                 control_planes=planes,
                 context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
-                supervisor=Supervisor(config.state_dir / "shards", host=engine_host, fetch_settings=fetch),
+                supervisor=Supervisor(config.state_dir / "shards", host=engine_host, fetch_settings=fetch,
+                                      engines=node_engines(config.llamacpp_threads)),
                 engine_host=engine_host,
                 backoff_max=config.reconnect_backoff_max,
                 heartbeat_interval=config.heartbeat_interval,

@@ -145,3 +145,13 @@ ENGINES: dict[str, Engine] = {SimEngine.name: SimEngine(), VllmEngine.name: Vllm
 from llmgw.node.engines.llamacpp import LlamaCppEngine  # noqa: E402
 
 ENGINES[LlamaCppEngine.name] = LlamaCppEngine()
+
+
+def node_engines(llamacpp_threads: int | None = None) -> dict[str, Engine]:
+    """Returns the adapters for this node: :data:`ENGINES` with the node's own settings applied
+    (``llamacpp_threads``: agent.yaml ``llamacpp.threads``, the thread count of CPU llama.cpp
+    replicas whose profile reserves no cores)."""
+    engines = dict(ENGINES)
+    if llamacpp_threads is not None:
+        engines[LlamaCppEngine.name] = LlamaCppEngine(threads=llamacpp_threads)
+    return engines
