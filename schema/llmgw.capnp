@@ -250,8 +250,6 @@ interface Admin {
   # Fails with the validation error, naming the field, when the model is invalid.
   removeModel @5 (name :Text) -> (removed :Bool);
   replicaLogs @6 (id :Text, lines :UInt32) -> (lines :List(Text));
-  # PLACEHOLDERS so @20 loads while @7..@19 (assigned to other work) are not all written yet:
-  # whoever adds the method with one of these ordinals deletes its placeholder line. Never called.
   # Tenants and API keys (issue 3). Each change is audited and reaches the gateway at once.
   listTenants @7 () -> (tenants :List(Tenant));
   putTenant @8 (tenant :Tenant, create :Bool) -> (tenant :Tenant);
@@ -265,11 +263,6 @@ interface Admin {
   usage @13 () -> (rows :List(UsageRow));
   setServingStopped @14 (stopped :Bool) -> (stopped :Bool);
   # Sets the cluster setting serving.stopped (every POST under /v1/ answers 503 system_stopped).
-  reservedAdmin15 @15 () -> ();
-  reservedAdmin16 @16 () -> ();
-  reservedAdmin17 @17 () -> ();
-  reservedAdmin18 @18 () -> ();
-  reservedAdmin19 @19 () -> ();
-  checkEngine @20 (node :Text, engine :Text) -> (output :Text);
+  checkEngine @15 (node :Text, engine :Text) -> (output :Text);
   # Runs ENGINE's version and device check on NODE (through its agent) and returns the output.
 }
