@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 from pathlib import Path
 
@@ -162,7 +163,11 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                 _print_banner(plane, first, endpoints, state_dir, demo_key)
                 if tiny and models[0].source == demo.source:
                     _print_tiny_warning(demo.source)
-                await trio.sleep_forever()
+                # SIGTERM (a service manager, `kill`) ends `up` like Ctrl-C: engines stopped unless kept.
+                with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        click.echo("\nllmgw up: terminated; stopping", err=True)
+                        break
             finally:
                 if not keep_engines:
                     with trio.CancelScope(shield=True):

@@ -32,7 +32,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import errors, hypercorn_fix
+from . import errors, hypercorn_fast, hypercorn_fix
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # Hypercorn 0.18 can crash the whole server on a close race (see hypercorn_fix.py).
 hypercorn_fix.install()
+# Hypercorn's per-response idle-timer churn and split head/body writes (see hypercorn_fast.py).
+hypercorn_fast.install()
 
 # Attempts per request: the chosen replica plus one other if the first refused the
 # connection. More would add latency for little gain: the control plane takes a dead

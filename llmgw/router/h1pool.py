@@ -117,6 +117,18 @@ class H1Response:
         parts = [data async for data in self.aiter_raw()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def release_if_reusable(self) -> bool:
+        """Return True if the response is now released: already closed, or read to the end on a
+        reusable connection (which goes back to the pool, no await needed). False: use :meth:`aclose`."""
+        if self._closed:
+            return True
+        conn = self._conn
+        if self._done and self._framing != "close" and conn.keep_alive and not conn.buffer:
+            self._closed = True
+            self._pool.put_back(conn)
+            return True
+        return False
+
     async def aclose(self) -> None:
         """Release the connection: back to the pool if reusable, else closed. Idempotent."""
         if self._closed:

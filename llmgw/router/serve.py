@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import Any
+from wsgiref.handlers import format_date_time
 
 import trio
 from hypercorn.config import Config, Sockets
@@ -37,8 +39,26 @@ KEEP_ALIVE_S = 5.0
 LISTEN_BACKLOG = 1024
 
 
+class _GatewayConfig(Config):
+    """Hypercorn's Config, formatting the ``date`` response header once per second
+    instead of once per response (the header has one-second resolution anyway)."""
+
+    _date_second = -1
+    _date_value = b""
+
+    def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
+        if not self.include_date_header or self.include_server_header or self.alt_svc_headers \
+                or self._quic_addresses:
+            return super().response_headers(protocol)
+        now = int(time.time())
+        if now != self._date_second:
+            self._date_value = format_date_time(now).encode("ascii")
+            self._date_second = now
+        return [(b"date", self._date_value)]
+
+
 def _config(graceful_timeout: float) -> Config:
-    config = Config()
+    config = _GatewayConfig()
     config.graceful_timeout = graceful_timeout
     config.keep_alive_timeout = KEEP_ALIVE_S
     config.backlog = LISTEN_BACKLOG

@@ -275,6 +275,8 @@ async def close_quietly(response: H1Response) -> None:
     not raised, because this runs during cleanup of a request that already failed or
     finished.
     """
+    if response.release_if_reusable():  # the common case: nothing to await, no cancel scopes
+        return
     with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
         try:
             await response.aclose()

@@ -102,3 +102,16 @@ async def test_up_serves_the_demo_model_and_ctl_finds_it(tmp_path: Path) -> None
 def test_llmgw_runs_as_a_module() -> None:
     out = subprocess.run([sys.executable, "-m", "llmgw", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "llmgw" in out.stdout
+
+
+async def test_up_stops_its_engines_on_sigterm(tmp_path: Path) -> None:
+    env = {"XDG_DATA_HOME": str(tmp_path / "xdg")}
+    up = Proc([*LLMGW, "up", "--engine", "sim", "--http-port", "0", "--rpc-port", "0"], tmp_path / "up.log", env=env)
+    try:
+        await up.wait_for_line(r"OpenAI endpoint : (\S+)/v1 .*1 ready replica")
+        assert engines_under(tmp_path), "the demo engine runs under the cluster's state directory"
+        up.signal(signal.SIGTERM)
+        assert await up.wait_exit() == 0
+        assert engines_under(tmp_path) == []
+    finally:
+        up.kill()

@@ -1,0 +1,155 @@
+"""Hypercorn as patched by llmgw.router.hypercorn_fast, served by serve_gateway on real sockets.
+
+Checks what the patch must not change: keep-alive connections serve many requests and
+close once idle past the keep-alive timeout (never while a request is in progress),
+shutdown closes idle connections, a response with content-length arrives whole and
+well-formed, and a streamed response's head is not held back until its first chunk.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+import trio
+
+import llmgw.router.app  # noqa: F401  (installs the Hypercorn patches, as the gateway does)
+from llmgw.router import hypercorn_fast, serve
+from llmgw.router.serve import serve_gateway
+
+DEADLINE_S = 20
+SHORT_KEEP_ALIVE_S = 0.3
+
+
+class App:
+    """ASGI app: ``/len`` answers with content-length, ``/slow`` the same after a pause,
+    ``/stream`` sends its head and then one chunk once ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            await self.release.wait()
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if scope["path"] == "/slow":
+            await trio.sleep(SHORT_KEEP_ALIVE_S * 3)  # a slow answer, longer than the keep-alive
+        body = b'{"ok": true}'
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> tuple[bytes, bytes]:
+    """Return (head, body) of one content-length response from ``stream``."""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection before answering"
+        buffer += data
+    end = buffer.index(b"\r\n\r\n")
+    head = bytes(buffer[:end])
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")[1:]
+                  if line.lower().startswith(b"content-length:"))
+    while len(buffer) < end + 4 + length:
+        data = await stream.receive_some(65536)
+        assert data, "the server closed the connection in the middle of a body"
+        buffer += data
+    body = bytes(buffer[end + 4:end + 4 + length])
+    del buffer[:end + 4 + length]
+    return head, body
+
+
+async def _eof(stream: trio.SocketStream) -> None:
+    """Return when the server closes ``stream`` (anything it sends first is an error)."""
+    while True:
+        try:
+            data = await stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            return
+        if not data:
+            return
+        raise AssertionError(f"unexpected bytes from the server: {data!r}")
+
+
+def _request(path: str) -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" % path.encode()
+
+
+def test_patches_are_installed() -> None:
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.trio import tcp_server
+
+    assert getattr(H11Protocol, hypercorn_fast._MARK)
+    assert tcp_server.TrioSingleTask is hypercorn_fast.IdleTimer
+
+
+async def test_keep_alive_serves_many_then_closes_when_idle_but_not_while_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(serve, "KEEP_ALIVE_S", SHORT_KEEP_ALIVE_S)
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_gateway, App(), "127.0.0.1", 0))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            buffer = bytearray()
+            for path in ("/len", "/slow", "/len"):
+                await stream.send_all(_request(path))
+                head, body = await _read_response(stream, buffer)
+                assert head.startswith(b"HTTP/1.1 200 ")
+                assert b"\r\ndate: " in head.lower()
+                assert body == b'{"ok": true}'
+            await _eof(stream)  # idle past the keep-alive: closed by the server
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_shutdown_closes_an_idle_keep_alive_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "KEEP_ALIVE_S", 3600.0)  # only the shutdown can close it
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            server = trio.CancelScope()
+
+            async def run(task_status: trio.TaskStatus[int]) -> None:
+                with server:
+                    await serve_gateway(App(), "127.0.0.1", 0, graceful_timeout=1.0, task_status=task_status)
+
+            port = await nursery.start(run)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(_request("/len"))
+            await _read_response(stream, bytearray())
+            server.cancel()
+            await _eof(stream)
+            await stream.aclose()
+
+
+async def test_a_streamed_response_head_is_sent_before_its_first_chunk() -> None:
+    app = App()
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_gateway, app, "127.0.0.1", 0))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(_request("/stream"))
+            received = b""
+            while b"\r\n\r\n" not in received:  # the head arrives while the app still waits
+                received += await stream.receive_some(65536)
+            assert received.startswith(b"HTTP/1.1 200 ")
+            assert b"transfer-encoding: chunked" in received.lower()
+            app.release.set()
+            while not received.endswith(b"0\r\n\r\n"):
+                received += await stream.receive_some(65536)
+            assert b"data: 1\n\n" in received
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
