@@ -112,7 +112,8 @@ class _RequestCleanup:
 
         async def send_last_shielded(message: Any) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True), trio.move_on_after(FINAL_SEND_TIMEOUT_S):
+                # One scope: shielded from outer cancellation, bounded by its own deadline.
+                with trio.CancelScope(shield=True, relative_deadline=FINAL_SEND_TIMEOUT_S):
                     await send(message)
             else:
                 await send(message)

@@ -28,6 +28,7 @@ import trio
 from . import errors
 from .admission import request_too_large
 from .errors import GatewayError
+from .hypercorn_fast import ON_CLOSE_KEY, on_close_supported
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -100,38 +101,57 @@ class FastForward:
         # The app's MAX_CONTENT_LENGTH, read per request as Quart does (it may be changed live).
         limit: int | None = self._gateway.app.config["MAX_CONTENT_LENGTH"]
         body_timeout = self._body_timeout
+        if on_close_supported():
+            # Hypercorn (as patched by hypercorn_fast) calls on_close when the request's
+            # stream closes: cancelling this scope then does what a task waiting for
+            # http.disconnect would, without a task and a nursery per request.
+            with trio.CancelScope() as request_scope:
+                scope.setdefault("extensions", {})[ON_CLOSE_KEY] = request_scope.cancel
+                await self._serve(scope, headers, request_id, content_length, limit, body_timeout,
+                                  receive, send, None)
+            return
         async with trio.open_nursery() as nursery:
-
-            async def read_body() -> bytes:
-                parts: list[bytes] = []
-                size = 0
-                with trio.move_on_after(body_timeout) as timer:
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            raise _ClientGone()
-                        chunk = message.get("body", b"")
-                        if chunk:
-                            size += len(chunk)
-                            if limit is not None and size > limit:
-                                raise request_too_large(limit)  # the same 413 as the Quart path
-                            parts.append(chunk)
-                        if not message.get("more_body", False):
-                            break
-                if timer.cancelled_caught:
-                    raise errors.http_error(408, f"The request body did not arrive within {body_timeout:g}s.")
-                # From here on the only message left is the disconnect: a client that goes
-                # away cancels the request, and with it the upstream request.
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
-                return parts[0] if len(parts) == 1 else b"".join(parts)
-
-            call = ForwardCall(scope["path"], scope.get("query_string", b""), headers, request_id,
-                               content_length, limit, scope, read_body)
-            try:
-                await self._respond(call, send)
-            except _ClientGone:
-                pass
+            await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send,
+                              nursery)
             nursery.cancel_scope.cancel()
+
+    async def _serve(self, scope: dict[str, Any], headers: dict[str, str], request_id: str,
+                     content_length: int | None, limit: int | None, body_timeout: float, receive: Any, send: Any,
+                     nursery: trio.Nursery | None) -> None:
+        """Read the body on demand, forward, respond; with ``nursery``, watch for the
+        disconnect in a task of it once the body is read (else the caller's scope is
+        cancelled by Hypercorn's on_close)."""
+
+        async def read_body() -> bytes:
+            parts: list[bytes] = []
+            size = 0
+            with trio.move_on_after(body_timeout) as timer:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientGone()
+                    chunk = message.get("body", b"")
+                    if chunk:
+                        size += len(chunk)
+                        if limit is not None and size > limit:
+                            raise request_too_large(limit)  # the same 413 as the Quart path
+                        parts.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+            if timer.cancelled_caught:
+                raise errors.http_error(408, f"The request body did not arrive within {body_timeout:g}s.")
+            # From here on the only message left is the disconnect: a client that goes
+            # away cancels the request, and with it the upstream request.
+            if nursery is not None:
+                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+        call = ForwardCall(scope["path"], scope.get("query_string", b""), headers, request_id,
+                           content_length, limit, scope, read_body)
+        try:
+            await self._respond(call, send)
+        except _ClientGone:
+            pass
 
     async def _respond(self, call: ForwardCall, send: Any) -> None:
         """Run the forward and send its result (or its error) as ASGI messages."""

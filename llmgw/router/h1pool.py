@@ -372,13 +372,15 @@ class H1Pool:
 
     async def _exchange(self, conn: _Conn, payload: bytes, method: str) -> H1Response:
         """Send ``payload`` on ``conn`` and read the response head."""
+        # A plain cancel scope rather than trio.fail_after: the same deadline without a
+        # generator-based context manager per request (measurable on this hot path).
         try:
-            with trio.fail_after(self._write_timeout):
+            with trio.CancelScope(relative_deadline=self._write_timeout) as write_scope:
                 await conn.stream.send_all(payload)
-        except trio.TooSlowError:
-            raise httpx.WriteTimeout(f"sending the request took longer than {self._write_timeout:g}s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise _StaleConnection() from error
+        if write_scope.cancelled_caught:
+            raise httpx.WriteTimeout(f"sending the request took longer than {self._write_timeout:g}s")
         buffer = b""
         while True:
             end = buffer.find(b"\r\n\r\n")

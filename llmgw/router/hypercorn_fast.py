@@ -7,24 +7,31 @@ sixth of the gateway's CPU per request went to two pieces of Hypercorn bookkeepi
   after every response (a lock, a cancelled task, a fresh task started with
   ``nursery.start``) and disarms it with ``stop`` when the next request arrives (the lock
   again, a cancel). :class:`IdleTimer` replaces it, per connection, with one task that
-  lives as long as the connection and whose cancel-scope deadline is moved: arming and
-  disarming are two attribute writes (``TCPServer._close`` ends the task). The behaviour is Hypercorn's: an idle connection is closed
-  ``keep_alive_timeout`` seconds after its last response; when the worker is terminating,
-  an idle connection is closed at once and a busy one as soon as it becomes idle.
+  lives as long as the connection and sleeps on a cancel-scope deadline that is re-armed
+  lazily: arming and disarming are attribute writes (the end of
+  ``TCPServer._read_data`` or ``TCPServer._close`` ends the task). The behaviour is
+  Hypercorn's: an idle connection is closed ``keep_alive_timeout`` seconds after its
+  last response; when the worker is terminating, an idle connection is closed at once
+  and a busy one as soon as it becomes idle. Without ``read_timeout`` (the gateway sets
+  none) the read loop also skips a ``fail_after(inf)`` per receive.
 * **Two writes per response.** ``H11Protocol`` writes the response head, then the body,
   then (for a ``content-length`` body) an empty end-of-message, each through the
   connection's send lock, a shielded cancel scope and a ``send`` syscall. For a response
   that declares its ``content-length`` (whose body therefore follows at once: every
-  non-streaming answer of the gateway), :func:`_stream_send` holds the head's bytes and
+  non-streaming answer of the gateway), the patched ``stream_send`` holds the head's bytes and
   writes them with the first body bytes, or with the end of the message if there is no
   body, and skips the empty write. Responses without ``content-length`` (event streams,
   chunked) are written exactly as before, head first, so a stream's head is never held
   back waiting for the first token.
 
+It also lets the app learn that a request's stream closed without a task of its own
+waiting for ``http.disconnect`` (:data:`ON_CLOSE_KEY`; the gateway's fast path uses it
+to cancel the request, and with it the upstream request, when the client goes away).
+
 :func:`install` patches Hypercorn's classes (idempotent); importing
 :mod:`llmgw.router.app` installs it, as it installs :mod:`llmgw.router.hypercorn_fix`.
-It checks that Hypercorn still has the attributes it relies on and leaves Hypercorn
-untouched (logging why) if not.
+It checks that Hypercorn's TCP server still has the attributes the timer relies on and
+leaves the timer as it is (logging why) if not.
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ from typing import Any
 
 import h11
 import trio
-from hypercorn.events import RawData
+from hypercorn.events import Closed, RawData
 from hypercorn.protocol import h11 as hypercorn_h11
-from hypercorn.protocol.events import Body, EndBody, Response
+from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import tcp_server
 
 log = logging.getLogger(__name__)
@@ -47,6 +55,19 @@ _MARK = "_llmgw_fast_installed"
 
 # Attribute on an H11Protocol holding a response head not yet written (None: none held).
 _HELD = "_llmgw_held_head"
+
+#: Key in an ASGI request's ``scope["extensions"]`` where the app may put a callable
+#: (no arguments, synchronous, must not raise) that Hypercorn calls when the request's
+#: stream closes: the client went away, or the exchange ended. It saves the app a task
+#: per request that would otherwise wait for ``http.disconnect`` (which is still sent).
+ON_CLOSE_KEY = "llmgw.on_close"
+
+_installed = False
+
+
+def on_close_supported() -> bool:
+    """Return whether Hypercorn calls ``scope["extensions"][ON_CLOSE_KEY]`` (i.e. :func:`install` ran)."""
+    return _installed
 
 
 class IdleTimer:
@@ -60,12 +81,13 @@ class IdleTimer:
     ``_idle_timeout`` does. Cancellation of the connection's task group ends the task.
     """
 
-    __slots__ = ("_server", "_scope", "_idle", "_closed", "_became_idle")
+    __slots__ = ("_server", "_scope", "_idle", "_idle_since", "_closed", "_became_idle")
 
     def __init__(self) -> None:
         self._server: Any = None
         self._scope: trio.CancelScope | None = None
         self._idle = False
+        self._idle_since = 0.0
         self._closed = False
         self._became_idle: trio.Event | None = None
 
@@ -77,16 +99,20 @@ class IdleTimer:
         if server is None:
             server = self._server = action.__self__  # TCPServer._idle_timeout, bound
             await task_group._nursery.start(self._watch)
+        now = trio.current_time()
         self._idle = True
-        if self._scope is not None:
-            self._scope.deadline = trio.current_time() + server.config.keep_alive_timeout
+        self._idle_since = now
+        scope = self._scope
+        # A deadline already set (from an earlier idle period) is left alone: when it
+        # fires, the watcher re-arms it from _idle_since. So a busy keep-alive connection
+        # costs no deadline changes per request, only a wake-up per keep-alive period.
+        if scope is not None and scope.deadline == math.inf:
+            scope.deadline = now + server.config.keep_alive_timeout
         self._wake()
 
     async def stop(self) -> None:
         """Disarm the timer (a request is being served)."""
         self._idle = False
-        if self._scope is not None:
-            self._scope.deadline = math.inf
 
     def detach(self) -> None:
         """The connection is closing: end the watching task without closing anything."""
@@ -108,7 +134,8 @@ class IdleTimer:
         while True:
             if self._closed:
                 return
-            deadline = trio.current_time() + server.config.keep_alive_timeout if self._idle else math.inf
+            timeout = server.config.keep_alive_timeout
+            deadline = self._idle_since + timeout if self._idle else math.inf
             scope = self._scope = trio.CancelScope(deadline=deadline)
             with scope:
                 if terminated.is_set():
@@ -118,9 +145,9 @@ class IdleTimer:
             self._scope = None
             if self._closed:
                 return
-            if self._idle:
-                break
             if terminated.is_set():
+                if self._idle:
+                    break
                 # Terminating while a request is being served: Hypercorn closes the
                 # connection once it is idle again (or it closes by itself).
                 woken = self._became_idle = trio.Event()
@@ -128,12 +155,35 @@ class IdleTimer:
                 if self._closed:
                     return
                 break
-            # else: a deadline that a new request beat; wait again, disarmed
+            if self._idle and trio.current_time() >= self._idle_since + timeout:
+                break  # idle for the whole keep-alive period
+            # else: busy, or idle for less than the period: wait again from _idle_since
         with trio.CancelScope(shield=True):
             await server._initiate_server_close()
 
 
+async def _read_until_closed(server: Any) -> None:
+    """``TCPServer._read_data`` for a server without ``read_timeout`` (the gateway's case):
+    the same loop, minus a ``fail_after(inf)`` context manager around every receive.
+
+    Hands every received chunk to the protocol; on EOF, or when the stream is closed or
+    broken, tells the protocol the connection closed and returns.
+    """
+    stream = server.stream
+    protocol = server.protocol
+    while True:
+        try:
+            data = await stream.receive_some(tcp_server.MAX_RECV)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            break
+        await protocol.handle(RawData(bytes(data)))
+        if not data:
+            break
+    await protocol.handle(Closed())
+
+
 def _has_content_length(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Return whether the (lower-case, as ASGI requires) response headers declare a content-length."""
     for name, _ in headers:
         if name == b"content-length":
             return True
@@ -155,7 +205,10 @@ def install() -> None:
     H11Protocol = hypercorn_h11.H11Protocol
     if getattr(H11Protocol, _MARK, False):
         return
-    if not hasattr(tcp_server, "TrioSingleTask") or not hasattr(tcp_server.TCPServer, "_initiate_server_close"):
+    server_class = tcp_server.TCPServer
+    if not all(hasattr(tcp_server, name) for name in ("TrioSingleTask", "MAX_RECV")) or not all(
+        hasattr(server_class, name) for name in ("_initiate_server_close", "_close", "_read_data")
+    ):
         log.warning("hypercorn changed: keep-alive timer left as it is (llmgw.router.hypercorn_fast)")
     else:
         tcp_server.TrioSingleTask = IdleTimer  # type: ignore[attr-defined,misc]
@@ -168,6 +221,23 @@ def install() -> None:
             await original_close(self)
 
         tcp_server.TCPServer._close = _close  # type: ignore[method-assign]
+        original_read_data = tcp_server.TCPServer._read_data
+
+        async def _read_data(self: Any) -> None:
+            # The client's side is done (EOF, error, read timeout): the connection is going
+            # down, so the timer has nothing left to close and must not hold the
+            # connection's task group open.
+            try:
+                if self.config.read_timeout:
+                    await original_read_data(self)
+                else:
+                    await _read_until_closed(self)
+            finally:
+                idle = getattr(self, "idle_task", None)
+                if isinstance(idle, IdleTimer):
+                    idle.detach()
+
+        tcp_server.TCPServer._read_data = _read_data  # type: ignore[method-assign]
     original = H11Protocol.stream_send
 
     async def stream_send(self: Any, event: Any) -> None:
@@ -201,4 +271,18 @@ def install() -> None:
         await original(self, event)
 
     H11Protocol.stream_send = stream_send  # type: ignore[method-assign]
+
+    original_handle = HTTPStream.handle
+
+    async def handle(self: Any, event: Any) -> None:
+        await original_handle(self, event)
+        if type(event) is StreamClosed:
+            scope = getattr(self, "scope", None)
+            hook = scope.get("extensions", {}).get(ON_CLOSE_KEY) if scope else None
+            if hook is not None:
+                hook()
+
+    HTTPStream.handle = handle  # type: ignore[method-assign]
     setattr(H11Protocol, _MARK, True)
+    global _installed
+    _installed = True

@@ -153,3 +153,25 @@ async def test_a_streamed_response_head_is_sent_before_its_first_chunk() -> None
             assert b"data: 1\n\n" in received
             await stream.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_client_leaving_a_non_streamed_request_cancels_it() -> None:
+    """The gateway's fast path learns of the disconnect from Hypercorn's on_close (no watcher task)."""
+    import json
+
+    from tests.component.test_gateway import MODEL, gateway
+
+    async with gateway(replicas=1) as env:
+        upstream = env.upstreams[0]
+        upstream.hold = trio.Event()  # the engine never answers unless told to
+        port = int(env.url.rsplit(":", 1)[1])
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        with trio.fail_after(DEADLINE_S):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await upstream.wait_for(lambda u: len(u.requests) == 1)
+            assert env.load.total() == 1
+            await stream.aclose()  # the client goes away while the engine is still working
+            await env.wait_idle()  # the request was cancelled and its lease released
+        assert not upstream.hold.is_set()
