@@ -215,16 +215,21 @@ def usage(ctx: click.Context, as_json: bool) -> None:
                 empty="no usage yet")
 
 
+def _set_serving_stopped(ctx: click.Context, as_json: bool, stopped: bool, done: str) -> None:
+    target = _target(ctx, as_json)
+    now_stopped = target.run(lambda c: c.set_serving_stopped(stopped))
+    if target.json:
+        return print_json({"serving_stopped": now_stopped})
+    click.echo(done)
+
+
 @ctl.command()
 @json_option
 @click.pass_context
 def stop(ctx: click.Context, as_json: bool) -> None:
     """Stop serving: every POST under /v1/ answers 503 system_stopped (setting serving.stopped)."""
-    target = _target(ctx, as_json)
-    stopped = target.run(lambda c: c.set_serving_stopped(True))
-    if target.json:
-        return print_json({"serving_stopped": stopped})
-    click.echo("serving stopped: the gateway answers 503 system_stopped until `llmgw ctl start`")
+    _set_serving_stopped(ctx, as_json, True,
+                         "serving stopped: the gateway answers 503 system_stopped until `llmgw ctl start`")
 
 
 @ctl.command()
@@ -232,8 +237,4 @@ def stop(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def start(ctx: click.Context, as_json: bool) -> None:
     """Resume serving after `llmgw ctl stop`."""
-    target = _target(ctx, as_json)
-    stopped = target.run(lambda c: c.set_serving_stopped(False))
-    if target.json:
-        return print_json({"serving_stopped": stopped})
-    click.echo("serving resumed")
+    _set_serving_stopped(ctx, as_json, False, "serving resumed")

@@ -23,7 +23,7 @@ from llmgw.router import (
     gateway_of,
     serve_gateway,
 )
-from tests.component.upstream_fixture import FakeUpstream, expected_stream_text
+from tests.component.upstream_fixture import FakeUpstream, expected_stream_text, refused_endpoint  # noqa: F401 (fixture)
 
 MODEL = "tiny-chat"
 DEADLINE_S = 10  # every wait in these tests; a hang is a failure, not a stuck suite
@@ -78,17 +78,6 @@ async def gateway(
         async with httpx.AsyncClient(base_url=url, timeout=DEADLINE_S) as client:
             yield Env(url, client, table, load, upstreams, app)
         nursery.cancel_scope.cancel()
-
-
-@pytest.fixture
-def refused_endpoint() -> Iterator[str]:
-    """An endpoint that refuses connections: a bound socket that never listens."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
 def chat_body(**extra: object) -> dict[str, object]:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import socket
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import attrs
 import httpx
@@ -14,7 +13,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.router import LoadTracker, Replica, ReplicaTable, create_app, serve_gateway
-from tests.component.upstream_fixture import FakeUpstream
+from tests.component.upstream_fixture import FakeUpstream, refused_endpoint  # noqa: F401 (fixture)
 
 MODEL = "tiny-chat"
 DEADLINE_S = 10
@@ -68,17 +67,6 @@ async def gateway(replicas: int = 2, extra: tuple[Replica, ...] = ()) -> AsyncIt
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=DEADLINE_S) as client:
             yield Env(client, load, upstreams)
         nursery.cancel_scope.cancel()
-
-
-@pytest.fixture
-def refused_endpoint() -> Iterator[str]:
-    """An endpoint that refuses connections: a bound socket that never listens."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
 def chat(**extra: object) -> dict[str, object]:

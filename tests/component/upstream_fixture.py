@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+import socket
+from typing import Any, Callable, Iterator
 
 import attrs
 import h11
+import pytest
 import trio
 
 # Seconds an idle keep-alive connection is kept before the fixture closes it; every
@@ -258,3 +260,14 @@ def _error(message: str) -> dict[str, Any]:
 def expected_stream_text() -> str:
     """The text a full stream from :class:`FakeUpstream` adds up to."""
     return "".join(CHUNK_TOKENS)
+
+
+@pytest.fixture
+def refused_endpoint() -> Iterator[str]:
+    """An endpoint that refuses connections: a bound socket that never listens."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
