@@ -63,6 +63,35 @@ class EngineInfo:
 
 
 @attrs.frozen
+class Adapter:
+    """A LoRA adapter of a catalog model. ``name`` shares the model namespace (requests
+    name it as their ``model``); ``source`` is where its files come from (same forms as a
+    model's source: local path, http(s) URL, ``hf://org/repo[@rev]``)."""
+
+    name: str
+    source: str
+
+
+@attrs.frozen
+class KvDelta:
+    """A change to the KV-cache blocks one replica holds, from its engine's KV events.
+
+    ``reset``: the replica now holds exactly ``stored`` (a full copy when a session starts,
+    or a resync after a gap, an engine restart or AllBlocksCleared); otherwise ``stored`` are
+    added and ``removed`` evicted. Hashes are vLLM's 64-bit event form. ``block_size``: tokens
+    per block (0: not known yet). The counters are the shard subscriber's cumulative totals.
+    """
+
+    reset: bool = False
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    block_size: int = 0
+    events_applied: int = 0
+    gaps: int = 0
+    resyncs: int = 0
+
+
+@attrs.frozen
 class ShardSpec:
     """What the control plane asks a node to run: one replica of one model.
 
@@ -80,6 +109,8 @@ class ShardSpec:
     memory_mb: int = 0
     cpu_cores: float = 0.0
     gpus: tuple[int, ...] = ()
+    adapters: tuple[Adapter, ...] = ()  # the model's LoRA adapters (fetched by the node like the weights)
+    max_loaded_adapters: int = 0  # 0: all loaded at start; N: at most N at a time, loaded on demand
 
 
 @attrs.frozen
@@ -148,6 +179,7 @@ class ShardStatus:
     message: str = ""  # the reason for the current state, in words
     last_output: tuple[str, ...] = ()  # last lines the engine printed (on failure/crash)
     compute: Compute | None = None  # what the engine computes on (from its output at READY); None = not known yet
+    adapters: tuple[tuple[str, str], ...] = ()  # adapter name -> path on the node, as the engine loads it
 
 
 @attrs.frozen
@@ -170,3 +202,5 @@ class ModelSpec:
     engine: str
     source: str
     profile: Profile = Profile()
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters; their names share the model namespace
+    max_loaded_adapters: int = 0  # 0: every adapter loaded at start; N: at most N per replica, on demand

@@ -35,6 +35,11 @@ struct EngineInfo {
   state @5 :Text;          # what the agent is doing about it ("installing: downloading X (16 MB)"); "" = idle
 }
 
+struct Adapter {
+  name @0 :Text;           # shares the model namespace: requests name it as their "model"
+  source @1 :Text;         # where its files come from (local path, http(s) URL, hf://org/repo[@rev])
+}
+
 struct Profile {
   replicas @0 :UInt32;
   memoryMb @1 :UInt64;
@@ -49,6 +54,8 @@ struct Model {
   engine @1 :Text;
   source @2 :Text;
   profile @3 :Profile;
+  adapters @4 :List(Adapter);
+  maxLoadedAdapters @5 :UInt32;  # 0: every adapter loaded at start; N: at most N per replica, loaded on demand
 }
 
 struct ShardSpec {
@@ -61,6 +68,8 @@ struct ShardSpec {
   memoryMb @6 :UInt64;
   cpuCores @7 :Float64;
   gpus @8 :List(UInt32);
+  adapters @9 :List(Adapter);    # LoRA adapters of the model; the node fetches each like the weights
+  maxLoadedAdapters @10 :UInt32; # 0: every adapter loaded at start; N: at most N at a time (vLLM, runtime API)
 }
 
 enum ShardState {
@@ -83,6 +92,7 @@ struct ShardStatus {
   lastOutput @6 :List(Text);
   compute @7 :Compute;     # what the engine computes on (read from its output at READY)
   hasCompute @8 :Bool;     # false: not known yet (compute is then empty)
+  adapters @9 :List(KeyValue);  # adapter name -> its path on the node, as the engine loads it
 }
 
 # What an engine says it computes on (llmgw.spec.Compute). Sizes in MiB.
@@ -151,9 +161,22 @@ interface Agent {
   # Runs the engine's version and device check on the node; fails with the reason when it cannot run.
 }
 
+struct KvUpdate {
+  # The KV-cache blocks one engine holds, as its KV events say, net of what was sent before.
+  reset @0 :Bool;          # true: the replica holds exactly `stored` (full copy or resync); false: a net change
+  stored @1 :List(UInt64); # block hashes (vLLM's 64-bit event form) added
+  removed @2 :List(UInt64);# block hashes evicted (empty when reset)
+  blockSize @3 :UInt32;    # tokens per block (0: not known yet)
+  eventsApplied @4 :UInt64;# cumulative counters of the shard's subscriber, for metrics
+  gaps @5 :UInt64;
+  resyncs @6 :UInt64;
+}
+
 interface ShardReporter {
   # Handed by the control plane per shard: status flows up through it, for that shard only.
   status @0 (status :ShardStatus) -> ();
+  kvUpdate @1 (update :KvUpdate) -> ();
+  # KV-cache block changes of this shard's engine (batched by the agent, bounded rate).
 }
 
 interface Shard {
@@ -200,6 +223,7 @@ struct ClusterStatus {
   unplaceable @7 :List(Text);
   servingStopped @8 :Bool;
   admission @9 :List(TenantAdmission);
+  kvAlarms @10 :List(Text);  # KV routing alarms in words (hash mismatch between router and engine, ...)
   # Per tenant, since this control plane's gateway started.
 }
 

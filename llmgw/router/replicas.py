@@ -29,13 +29,17 @@ class Replica:
     """One READY replica of a catalog model.
 
     ``endpoint`` is the base URL of the engine's OpenAI API (``http://host:port``, no
-    ``/v1``); ``id`` is the shard id; ``node_id`` the node it runs on.
+    ``/v1``); ``id`` is the shard id; ``node_id`` the node it runs on; ``engine`` the
+    catalog engine name ("vllm", "llama.cpp", "sim", ...; "" = unknown); ``adapters`` the
+    LoRA adapters it can serve, as (name, path on its node) pairs.
     """
 
     id: str
     model: str
     endpoint: str
     node_id: str = ""
+    engine: str = ""
+    adapters: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen

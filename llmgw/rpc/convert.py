@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
-from llmgw.spec import Compute, ComputeDevice
+from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta
 
 
 def _kv(mapping: Mapping[str, str]) -> list[dict[str, str]]:
@@ -82,7 +82,41 @@ def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
         "memoryMb": s.memory_mb,
         "cpuCores": s.cpu_cores,
         "gpus": list(s.gpus),
+        "adapters": adapters_list(s.adapters),
+        "maxLoadedAdapters": s.max_loaded_adapters,
     }
+
+
+def adapters_list(adapters: tuple[Adapter, ...]) -> list[dict[str, str]]:
+    return [{"name": a.name, "source": a.source} for a in adapters]
+
+
+def adapters_from(items: Any) -> tuple[Adapter, ...]:
+    return tuple(Adapter(a.name, a.source) for a in items)
+
+
+def kv_update_dict(d: KvDelta) -> dict[str, Any]:
+    return {
+        "reset": d.reset,
+        "stored": list(d.stored),
+        "removed": list(d.removed),
+        "blockSize": d.block_size,
+        "eventsApplied": d.events_applied,
+        "gaps": d.gaps,
+        "resyncs": d.resyncs,
+    }
+
+
+def kv_update_from(r: Any) -> KvDelta:
+    return KvDelta(
+        reset=r.reset,
+        stored=tuple(r.stored),
+        removed=tuple(r.removed),
+        block_size=r.blockSize,
+        events_applied=r.eventsApplied,
+        gaps=r.gaps,
+        resyncs=r.resyncs,
+    )
 
 
 def shard_spec_from(r: Any) -> ShardSpec:
@@ -96,6 +130,8 @@ def shard_spec_from(r: Any) -> ShardSpec:
         memory_mb=r.memoryMb,
         cpu_cores=r.cpuCores,
         gpus=tuple(r.gpus),
+        adapters=adapters_from(r.adapters),
+        max_loaded_adapters=r.maxLoadedAdapters,
     )
 
 
@@ -108,6 +144,7 @@ def shard_status_dict(s: ShardStatus) -> dict[str, Any]:
         "restarts": s.restarts,
         "message": s.message,
         "lastOutput": list(s.last_output),
+        "adapters": [{"key": k, "value": v} for k, v in s.adapters],
         **compute_fields(s.compute),
     }
 
@@ -171,6 +208,7 @@ def shard_status_from(r: Any) -> ShardStatus:
         message=r.message,
         last_output=tuple(r.lastOutput),
         compute=compute_from(r),
+        adapters=tuple((item.key, item.value) for item in r.adapters),
     )
 
 
@@ -188,6 +226,8 @@ def model_dict(m: ModelSpec) -> dict[str, Any]:
             "engineArgs": list(p.engine_args),
             "engineEnv": _kv(p.engine_env),
         },
+        "adapters": adapters_list(m.adapters),
+        "maxLoadedAdapters": m.max_loaded_adapters,
     }
 
 
@@ -205,4 +245,6 @@ def model_from(r: Any) -> ModelSpec:
             engine_args=tuple(p.engineArgs),
             engine_env=_from_kv(p.engineEnv),
         ),
+        adapters=adapters_from(r.adapters),
+        max_loaded_adapters=r.maxLoadedAdapters,
     )
