@@ -27,6 +27,11 @@ import cbor2
 #: The seed vLLM hashes when ``PYTHONHASHSEED`` is not set.
 DEFAULT_SEED = "vllm-none-hash"
 
+#: The ``PYTHONHASHSEED`` the agent starts every engine that publishes KV events with
+#: (vLLM and the simulator), and so the seed the router hashes requests with. A profile
+#: that overrides it breaks precise routing; the router's hash-agreement check says so.
+KV_HASH_SEED = "0"
+
 #: Mask applied by vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default)
 #: to turn a 32-byte digest into the uint64 it puts in KV events.
 _UINT64_MASK = (1 << 64) - 1

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 
+from llmgw import kvhash
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, EngineRefused, check_refused
 from llmgw.node.engines.safety import llmgw_options, option_name
 from llmgw.node.install import python_env
@@ -57,7 +58,7 @@ __all__ = [
 
 #: PYTHONHASHSEED of every vLLM engine the agent starts. vLLM seeds its block hashes with
 #: it (NONE_HASH = sha256_cbor(seed)); the router must hash with the same string.
-VLLM_HASH_SEED = "0"
+VLLM_HASH_SEED = kvhash.KV_HASH_SEED
 #: The block hash vLLM computes: sha256 over canonical CBOR, reproducible outside Python
 #: (the default "sha256" pickles).
 PREFIX_CACHING_HASH_ALGO = "sha256_cbor"
