@@ -86,7 +86,7 @@ def test_refused_arguments_are_named(args: tuple[str, ...], env: dict[str, str],
 
 def test_not_installed_is_an_oserror_the_supervisor_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr("llmgw.node.install.llamacpp.EXTRA_ROOTS", [])
+    monkeypatch.setattr("llmgw.node.install.INSTALL_DIRS", [])
     engine = LlamaCppEngine()
     assert not engine.probe().installed
     with pytest.raises(OSError, match="llama-server is not installed"):

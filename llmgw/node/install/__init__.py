@@ -88,6 +88,25 @@ class InstallError(Exception):
     """An engine could not be installed or checked; ``str()`` is the operator's sentence."""
 
 
+#: The agent's install directories (agent.yaml ``install_dir``), registered by the
+#: installers it builds. Engine adapters search them besides each engine's default root,
+#: so an engine the agent installed is found where it was put. Module state on purpose:
+#: the adapters exist before the agent reads its configuration.
+INSTALL_DIRS: list[Path] = []
+
+
+def register_install_dir(directory: Path) -> None:
+    """Adds ``directory`` to :data:`INSTALL_DIRS` (once)."""
+    if directory not in INSTALL_DIRS:
+        INSTALL_DIRS.append(directory)
+
+
+def search_roots(default: Path, subdirectory: str = "") -> list[Path]:
+    """Returns ``default`` then each registered install dir (joined with ``subdirectory``
+    when given): where an engine adapter looks for installed engines, in order."""
+    return [default, *(d / subdirectory if subdirectory else d for d in INSTALL_DIRS)]
+
+
 @attrs.frozen
 class InstallSettings:
     """What installers get from the agent's configuration (agent.yaml).

@@ -66,7 +66,7 @@ from typing import Any, Callable, Iterable, Sequence
 import attrs
 import trio
 
-from llmgw.node.install import InstallError
+from llmgw.node.install import InstallError, register_install_dir, search_roots
 from llmgw.spec import EngineInfo
 
 __all__ = [
@@ -190,12 +190,6 @@ class Installed:
     source: str  # "sdist" or the archive URL
 
 
-#: Extra roots searched by :func:`find_installed` (the agent's install_dir, registered by
-#: :func:`installers`), after the default root. Module state on purpose: the engine adapter
-#: is created before the agent reads its configuration.
-EXTRA_ROOTS: list[Path] = []
-
-
 def read_marker(directory: Path) -> Installed | None:
     """Returns the install recorded in ``directory``'s marker, or None if unmarked, malformed, or the binary is gone."""
     try:
@@ -210,11 +204,11 @@ def read_marker(directory: Path) -> Installed | None:
 
 def find_installed(roots: Iterable[Path] | None = None, version: str = DEFAULT_VERSION) -> Installed | None:
     """Returns an installed llama-server of ``version`` under ``roots`` (default: the default root
-    and :data:`EXTRA_ROOTS`), preferring a source build over an archive; None if there is none.
+    and the agent's install dirs, see :func:`llmgw.node.install.search_roots`), preferring a source build over an archive; None if there is none.
 
     Cheap (reads markers, no process started): safe to call per shard start.
     """
-    roots = [default_root(), *EXTRA_ROOTS] if roots is None else list(roots)
+    roots = search_roots(default_root(), ENGINE_NAME) if roots is None else list(roots)
     found: list[Installed] = []
     for root in roots:
         try:
@@ -794,9 +788,8 @@ def installers(settings: Any) -> list[LlamaCppInstaller]:
     ``settings.url_templates["llama.cpp"]`` (or ``["llamacpp"]``) overrides the archive URL.
     Registers the install root so the engine adapter finds what is installed there.
     """
+    register_install_dir(Path(settings.install_dir))
     root = Path(settings.install_dir) / ENGINE_NAME
-    if root not in EXTRA_ROOTS:
-        EXTRA_ROOTS.append(root)
     templates = dict(getattr(settings, "url_templates", {}) or {})
     template = templates.get(ENGINE_NAME) or templates.get("llamacpp") or ARCHIVE_URL_TEMPLATE
     return [LlamaCppInstaller(root, Path(settings.cache_dir) / ENGINE_NAME, url_template=template,

@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
+from llmgw.node.install import register_install_dir, search_roots
+
 __all__ = [
     "DEFAULT_ROOT",
     "EXCLUDED",
@@ -160,7 +162,7 @@ def find_installed(engine: PythonEngine, roots: Sequence[Path] | None = None) ->
     Cheap: reads directory listings and small JSON files only.
     """
     found: list[tuple[float, Path, dict[str, Any]]] = []
-    for root in roots if roots is not None else [default_root(), *EXTRA_ROOTS]:
+    for root in roots if roots is not None else search_roots(default_root()):
         base = Path(root) / engine.name
         try:
             children = list(base.iterdir())
@@ -419,19 +421,13 @@ class EnvInstaller:
         raise InstallError(f"{self.name}: import check did not finish within {IMPORT_TIMEOUT:g} s")
 
 
-#: Install roots the agent's installers use besides :func:`default_root`; the engine adapters
-#: search them too, so an environment installed by the agent is found where it was put.
-EXTRA_ROOTS: list[Path] = []
-
-
 def installers(settings: Any) -> list[EnvInstaller]:
     """Returns the vLLM and SGLang installers for the agent (``settings``: InstallSettings).
 
-    Registers the agent's install root in :data:`EXTRA_ROOTS`.
+    Registers the agent's install root (see :func:`llmgw.node.install.search_roots`).
     """
     root = Path(settings.install_dir)
-    if root not in EXTRA_ROOTS:
-        EXTRA_ROOTS.append(root)
+    register_install_dir(root)
     return [
         EnvInstaller(engine, root, gpu=settings.has_nvidia_gpu, index_url=settings.pypi_index)
         for engine in (VLLM, SGLANG)
