@@ -37,6 +37,7 @@ __all__ = [
     "AgentTLS",
     "AuthConfig",
     "ServingConfig",
+    "RoutingConfig",
     "Address",
     "ConfigError",
     "LOG_LEVELS",
@@ -182,6 +183,30 @@ class ServingConfig:
     usage_flush_interval: float = DEFAULT_USAGE_FLUSH_INTERVAL
 
 
+# --- routing (server.yaml `routing:`) -----------------------------------------------------
+# Defaults equal llmgw.router.kvrouting's / llmgw.router.tokens' constants (reasons there).
+ROUTING_POLICIES = ("kv", "least-load", "round-robin")
+DEFAULT_LOAD_GATE_MIN = 1
+DEFAULT_LOAD_GATE_SHARE = 0.25
+DEFAULT_UNCONFIRMED_TTL = 2.0
+DEFAULT_TOKENIZE_TIMEOUT = 0.5
+DEFAULT_AGREEMENT_WINDOW = 10.0
+DEFAULT_MISMATCH_ALARM_AFTER = 3
+
+
+@attrs.frozen
+class RoutingConfig:
+    """``routing:``: how the gateway picks a replica (KV-cache aware by default)."""
+
+    policy: str = "kv"
+    load_gate_min: int = DEFAULT_LOAD_GATE_MIN
+    load_gate_share: float = DEFAULT_LOAD_GATE_SHARE
+    unconfirmed_ttl: float = DEFAULT_UNCONFIRMED_TTL
+    tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT
+    agreement_window: float = DEFAULT_AGREEMENT_WINDOW
+    mismatch_alarm_after: int = DEFAULT_MISMATCH_ALARM_AFTER
+
+
 @attrs.frozen
 class ServerConfig:
     """``server.yaml``: one control plane (and its gateway)."""
@@ -200,6 +225,7 @@ class ServerConfig:
     tracing: TracingConfig = TracingConfig()
     auth: AuthConfig = AuthConfig()
     serving: ServingConfig = ServingConfig()
+    routing: RoutingConfig = RoutingConfig()
 
     @property
     def ca_dir(self) -> Path:
@@ -601,6 +627,7 @@ def load_server_config(
         tracing=_read_tracing(reader, top.raw("tracing")),
         auth=_read_auth(reader, top.raw("auth")),
         serving=_read_serving(reader, top.raw("serving")),
+        routing=_read_routing(reader, top.raw("routing")),
     )
     top.finish()
     if config.node_lost_after <= config.heartbeat_interval:
@@ -728,6 +755,30 @@ def _read_serving(reader: _Reader, raw: Any) -> ServingConfig:
         queue_timeout=section.get("queue_timeout", _positive(parse_duration), DEFAULT_QUEUE_TIMEOUT),
         usage_flush_interval=section.get("usage_flush_interval", _positive(parse_duration),
                                          DEFAULT_USAGE_FLUSH_INTERVAL),
+    )
+    section.finish()
+    return config
+
+
+def _parse_policy(value: Any) -> str:
+    if value not in ROUTING_POLICIES:
+        raise ValueError(f"expected one of {', '.join(ROUTING_POLICIES)}, got {_show(value)}")
+    return str(value)
+
+
+def _read_routing(reader: _Reader, raw: Any) -> RoutingConfig:
+    if raw is _MISSING:
+        return RoutingConfig()
+    section = reader.section(raw, "routing")
+    seconds = _positive(parse_duration)
+    config = RoutingConfig(
+        policy=section.get("policy", _parse_policy, "kv"),
+        load_gate_min=section.get("load_gate_min", _count(0), DEFAULT_LOAD_GATE_MIN),
+        load_gate_share=section.get("load_gate_share", _parse_ratio, DEFAULT_LOAD_GATE_SHARE),
+        unconfirmed_ttl=section.get("unconfirmed_ttl", seconds, DEFAULT_UNCONFIRMED_TTL),
+        tokenize_timeout=section.get("tokenize_timeout", seconds, DEFAULT_TOKENIZE_TIMEOUT),
+        agreement_window=section.get("agreement_window", seconds, DEFAULT_AGREEMENT_WINDOW),
+        mismatch_alarm_after=section.get("mismatch_alarm_after", _count(1), DEFAULT_MISMATCH_ALARM_AFTER),
     )
     section.finish()
     return config

@@ -19,6 +19,7 @@ from llmgw.cli.common import default_up_dir, run_trio
 from llmgw.cli.output import fail, print_json, print_table
 from llmgw.client import ClientError, ClusterClient, connect
 from llmgw.control.catalog import CatalogError, model_to_dict, validate_model
+from llmgw.spec import ModelSpec
 
 
 class Target:
@@ -91,6 +92,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
     for reason in st.unplaceable:
         click.echo(f"not placed: {reason}")
+    for alarm in st.kv_alarms:
+        click.echo(f"KV routing alarm: {alarm}")
     if st.serving_stopped:
         click.echo("serving: STOPPED (every request is answered 503; `llmgw ctl start` resumes)")
     if st.admission:
@@ -181,10 +184,32 @@ def models_list(ctx: click.Context, as_json: bool) -> None:
     specs = target.run(lambda c: c.models())
     if target.json:
         return print_json([model_to_dict(m) for m in specs])
-    print_table(["MODEL", "ENGINE", "REPLICAS", "MEMORY", "CPU CORES", "GPUS", "SOURCE"],
+    print_table(["MODEL", "ENGINE", "REPLICAS", "MEMORY", "CPU CORES", "GPUS", "ADAPTERS", "SOURCE"],
                 [[m.name, m.engine, m.profile.replicas, _mb(m.profile.memory_mb) if m.profile.memory_mb else "-",
-                  m.profile.cpu_cores or "-", m.profile.gpus or "-", m.source or "-"] for m in specs],
+                  m.profile.cpu_cores or "-", m.profile.gpus or "-", _adapters_cell(m), m.source or "-"]
+                 for m in specs],
                 empty="the catalog is empty: add a model with `llmgw ctl models add`")
+
+
+def _adapters_cell(model: ModelSpec) -> str:
+    """Returns the adapters column: "a, b" (all loaded at start), "a, b (1 loaded at a time)" or "-"."""
+    if not model.adapters:
+        return "-"
+    names = ", ".join(a.name for a in model.adapters)
+    if model.max_loaded_adapters:
+        return f"{names} ({model.max_loaded_adapters} loaded at a time)"
+    return names
+
+
+def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
+    """Returns ``--adapter NAME=SOURCE`` values as catalog data; exits with a message on a malformed one."""
+    adapters = []
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep or not name:
+            fail(f"--adapter {item!r}: expected NAME=SOURCE (a local path, http(s) URL or hf://org/repo)")
+        adapters.append({"name": name, "source": source})
+    return adapters
 
 
 @models.command("add")
@@ -198,12 +223,17 @@ def models_list(ctx: click.Context, as_json: bool) -> None:
 @click.option("--gpus", type=int, help="Whole GPUs per replica.")
 @click.option("--arg", "args", multiple=True, help="Engine argument (repeat for several).")
 @click.option("--env", "envs", multiple=True, help="Engine environment variable KEY=VALUE (repeat).")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=SOURCE",
+              help="A LoRA adapter: its name (requests name it as their model) and where its files are (repeat).")
+@click.option("--max-loaded-adapters", type=int,
+              help="vllm/sim: at most N adapters loaded per replica, loaded on first use [0: all at start].")
 @click.option("--replace", is_flag=True, help="Replace the model if it exists.")
 @json_option
 @click.pass_context
 def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | None, source: str,
                replicas: int | None, memory_mb: int | None, cpu_cores: float | None, gpus: int | None,
-               args: tuple[str, ...], envs: tuple[str, ...], replace: bool, as_json: bool) -> None:
+               args: tuple[str, ...], envs: tuple[str, ...], adapters: tuple[str, ...],
+               max_loaded_adapters: int | None, replace: bool, as_json: bool) -> None:
     """Add a model to the catalog; the cluster places its replicas."""
     data: dict[str, Any] = {}
     if file is not None:
@@ -236,6 +266,10 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
         profile["engine_env"] = env
     if profile:
         data["profile"] = profile
+    if adapters:
+        data["adapters"] = list(data.get("adapters") or []) + _adapter_options(adapters)
+    if max_loaded_adapters is not None:
+        data["max_loaded_adapters"] = max_loaded_adapters
     try:
         spec = validate_model(data)
     except CatalogError as exc:

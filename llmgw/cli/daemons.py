@@ -75,6 +75,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     engines=config.engines,
                     auth=config.auth,
                     serving=config.serving,
+                    routing=config.routing,
                     task_status=task_status,
                 )
             )

@@ -83,6 +83,7 @@ class ClusterStatus:
     unplaceable: tuple[str, ...]
     serving_stopped: bool = False
     admission: tuple[TenantAdmission, ...] = ()  # per tenant, this control plane's gateway
+    kv_alarms: tuple[str, ...] = ()  # KV routing alarms in words (router/engine hash disagreement)
 
 
 # -- tenants, API keys, usage (issue 3) ----------------------------------------------------
@@ -181,6 +182,7 @@ class ClusterClient:
             r.version, r.nodesOnline, r.nodesLost, r.replicasReady, r.replicasTotal, r.models, r.gatewayUrl,
             tuple(r.unplaceable), r.servingStopped,
             tuple(TenantAdmission(a.tenant, a.admitted, a.queued, a.shed, a.inFlight) for a in r.admission),
+            tuple(r.kvAlarms),
         )
 
     # -- tenants, API keys, usage, serving (issue 3) --------------------------------------

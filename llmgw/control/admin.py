@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _kv_alarms(plane: ControlPlane) -> list[str]:
+    """Return the gateway's KV-routing alarms in words ([] without a KV-aware policy)."""
+    alarms = getattr(plane.gateway.policy, "alarms", None) if plane.gateway is not None else None
+    return list(alarms()) if alarms is not None else []
+
+
 def make_admin(plane: ControlPlane, actor: str) -> Any:
     """Return an ``Admin`` server object acting for ``actor`` (the certificate's name)."""
     s = schema.load()
@@ -45,6 +51,7 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                 "unplaceable": plane.unplaceable_reasons(),
                 "servingStopped": plane.gateway is not None and plane.gateway.stopped,
                 "admission": admission_rows(plane),
+                "kvAlarms": _kv_alarms(plane),
             }
 
         async def listNodes(self, _context: Any, **_: Any) -> None:

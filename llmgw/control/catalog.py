@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from llmgw.node.fetch import FetchError, is_remote, parse_source
-from llmgw.spec import ModelSpec, Profile
+from llmgw.spec import Adapter, ModelSpec, Profile
 
 #: Engines a model may name; each has an adapter in llmgw/node/engines.
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
@@ -25,7 +25,13 @@ NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
 _NAME_RE = re.compile(NAME_PATTERN)
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-_TOP_KEYS = ("name", "engine", "source", "profile")
+_TOP_KEYS = ("name", "engine", "source", "profile", "adapters", "max_loaded_adapters")
+_ADAPTER_KEYS = ("name", "source")
+#: Engines that can load adapters on demand (at most ``max_loaded_adapters`` at a time);
+#: llama.cpp loads every adapter at start and cannot swap them at run time.
+ON_DEMAND_ADAPTER_ENGINES = frozenset({"vllm", "sim"})
+#: Engines that serve LoRA adapters at all (SGLang's adapter support is not wired up yet).
+ADAPTER_ENGINES = ON_DEMAND_ADAPTER_ENGINES | {"llama.cpp"}
 _PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env")
 
 #: The argument/environment policy lives with the engines (the node applies it again
@@ -151,12 +157,110 @@ def _profile(engine: str, data: Any) -> Profile:
     )
 
 
+def _check_source(source: str, path: str, engine: str, what: str) -> None:
+    """Raises CatalogError unless ``source`` is an absolute local path, an http(s) URL or hf://org/repo."""
+    if is_remote(source):
+        try:
+            parse_source(source)
+        except FetchError as exc:
+            raise CatalogError(path, str(exc)) from None
+    elif not source.startswith("/"):
+        raise CatalogError(
+            path,
+            f"must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for {what}engine "
+            f"{engine!r}, got {source!r}",
+        )
+    if "\0" in source:
+        raise CatalogError(path, "must not contain a NUL character")
+
+
+def _adapters(engine: str, model: str, data: Any) -> tuple[Adapter, ...]:
+    """Returns the adapters listed in ``data`` (a list of {name, source} mappings)."""
+    if data is None:
+        return ()
+    if isinstance(data, (str, bytes)) or not isinstance(data, Sequence):
+        raise CatalogError("adapters", f"must be a list of {{name, source}} mappings, got {data!r}")
+    if data and engine not in ADAPTER_ENGINES:
+        raise CatalogError(
+            "adapters",
+            f"engine {engine!r} does not serve LoRA adapters through llmgw "
+            f"(engines that do: {', '.join(sorted(ADAPTER_ENGINES))})",
+        )
+    adapters: list[Adapter] = []
+    seen: set[str] = set()
+    for i, item in enumerate(data):
+        path = f"adapters[{i}]"
+        if not isinstance(item, Mapping):
+            raise CatalogError(path, f"must be a mapping with name and source, got {item!r}")
+        _check_keys(item, _ADAPTER_KEYS, f"{path}.")
+        name = _string(item, "name", f"{path}.name", required=True)
+        if not _NAME_RE.fullmatch(name):
+            raise CatalogError(f"{path}.name", f"must match {NAME_PATTERN}, got {name!r}")
+        if name == model:
+            raise CatalogError(
+                f"{path}.name",
+                f"{name!r} is the model's own name; adapter names share the model namespace: choose another",
+            )
+        if name in seen:
+            raise CatalogError(f"{path}.name", f"adapter {name!r} is listed twice")
+        seen.add(name)
+        source = _string(item, "source", f"{path}.source", required=True)
+        if engine in FREE_SOURCE_ENGINES:  # the simulator loads no files: any non-empty label
+            if not source or "\0" in source:
+                raise CatalogError(f"{path}.source", f"must be a non-empty string without NUL, got {source!r}")
+        else:
+            _check_source(source, f"{path}.source", engine, "an adapter of ")
+        adapters.append(Adapter(name=name, source=source))
+    return tuple(adapters)
+
+
+def _max_loaded(engine: str, data: Mapping[str, Any], adapters: tuple[Adapter, ...]) -> int:
+    value = _integer(data, "max_loaded_adapters", 0, "max_loaded_adapters")
+    if value and engine not in ON_DEMAND_ADAPTER_ENGINES:
+        raise CatalogError(
+            "max_loaded_adapters",
+            f"engine {engine!r} loads every adapter at start and cannot swap them at run time; "
+            "remove max_loaded_adapters (or set it to 0)",
+        )
+    if value and not adapters:
+        raise CatalogError("max_loaded_adapters", "the model has no adapters; list them under adapters first")
+    return value
+
+
+def namespace_conflict(spec: ModelSpec, others: Sequence[ModelSpec]) -> str | None:
+    """Returns why ``spec`` cannot join a catalog holding ``others`` (every other entry), or None.
+
+    Model and adapter names share one namespace (a request's ``model`` may name either), so
+    neither the model's name nor any of its adapters' may be another entry's model or
+    adapter name. The message names the clash and what to do.
+    """
+    taken: dict[str, str] = {}
+    for other in others:
+        if other.name == spec.name:
+            continue
+        taken[other.name] = f"model {other.name!r}"
+        for adapter in other.adapters:
+            taken[adapter.name] = f"an adapter of model {other.name!r}"
+    for name in (spec.name, *(a.name for a in spec.adapters)):
+        if name in taken:
+            what = "model" if name == spec.name else "adapter"
+            return (
+                f"{what} name {name!r} is already taken by {taken[name]} "
+                "(model and adapter names share one namespace): choose another name"
+            )
+    return None
+
+
 def validate_model(data: Mapping[str, Any]) -> ModelSpec:
     """Return the ModelSpec that ``data`` describes.
 
-    ``data`` has ``name``, ``engine``, ``source`` (an absolute local path; free-form and
-    optional for the sim engine) and an optional ``profile`` mapping (Profile's fields;
-    missing ones take Profile's defaults). Raises CatalogError naming the first field that
+    ``data`` has ``name``, ``engine``, ``source`` (an absolute local path, http(s) URL or
+    hf:// repository; free-form and optional for the sim engine), an optional ``profile``
+    mapping (Profile's fields; missing ones take Profile's defaults), optional ``adapters``
+    (a list of ``{name, source}``: LoRA adapters, names unique and not the model's own) and
+    ``max_loaded_adapters`` (0: all loaded at start; N > 0 only for vllm and sim). Names
+    clashing with *other* catalog entries are checked at write time
+    (:func:`namespace_conflict`). Raises CatalogError naming the first field that
     is missing, unknown or invalid, and why. Types are not coerced: ``"2"`` is not an integer.
     """
     if not isinstance(data, Mapping):
@@ -172,20 +276,17 @@ def validate_model(data: Mapping[str, Any]) -> ModelSpec:
         )
     source = _string(data, "source", "source", required=engine not in FREE_SOURCE_ENGINES)
     if engine not in FREE_SOURCE_ENGINES:
-        if is_remote(source):
-            try:
-                parse_source(source)
-            except FetchError as exc:
-                raise CatalogError("source", str(exc)) from None
-        elif not source.startswith("/"):
-            raise CatalogError(
-                "source",
-                f"must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine {engine!r}, "
-                f"got {source!r}",
-            )
-        if "\0" in source:
-            raise CatalogError("source", "must not contain a NUL character")
-    return ModelSpec(name=name, engine=engine, source=source, profile=_profile(engine, data.get("profile")))
+        _check_source(source, "source", engine, "")
+    profile = _profile(engine, data.get("profile"))
+    adapters = _adapters(engine, name, data.get("adapters"))
+    return ModelSpec(
+        name=name,
+        engine=engine,
+        source=source,
+        profile=profile,
+        adapters=adapters,
+        max_loaded_adapters=_max_loaded(engine, data, adapters),
+    )
 
 
 def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -203,4 +304,6 @@ def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
             "engine_args": list(profile.engine_args),
             "engine_env": dict(profile.engine_env),
         },
+        "adapters": [{"name": a.name, "source": a.source} for a in spec.adapters],
+        "max_loaded_adapters": spec.max_loaded_adapters,
     }

@@ -514,6 +514,8 @@ def plan(
                 memory_mb=need.memory_mb,
                 cpu_cores=need.cpu_cores,
                 gpus=gpus,
+                adapters=model.adapters,
+                max_loaded_adapters=model.max_loaded_adapters,
             )
             cap.reserve(spec)
             cap.version += 1

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import attrs
 import trio
 
-from llmgw.config import AuthConfig, GatewayConfig, ServingConfig, TracingConfig
+from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
 from llmgw.control.cluster import handle_connection
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import Registry
@@ -37,9 +37,11 @@ from llmgw.control.gateway_pool import (
 from llmgw.router.admission import Admission, AdmissionLimits
 from llmgw.router.app import Gateway, create_app, gateway_of
 from llmgw.router.auth import AuthTable
-from llmgw.router.replicas import Replica, ReplicaTable
+from llmgw.router.kvrouting import make_policy
+from llmgw.router.replicas import LoadTracker, ModelInfo, Replica, ReplicaTable
 from llmgw.router.serve import serve_gateway
 from llmgw.router.tracing import create_tracer
+from llmgw.spec import KvDelta, ModelSpec
 from llmgw.router.upstream import UpstreamTimeouts
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,16 @@ class ControlPlane:
     _catalog_version: int = 0
     _catalog_event: trio.Event = attrs.field(factory=trio.Event)
 
+    def kv_update(self, shard_id: str, delta: KvDelta) -> None:
+        """A shard's KV-cache delta arrived through its reporter: into the gateway's KV index."""
+        if self.gateway is not None:
+            self.gateway.kv_update(shard_id, delta)
+
+    def kv_forget(self, shard_id: str) -> None:
+        """A shard stopped, failed or lost its node: the gateway drops its KV-cache state."""
+        if self.gateway is not None:
+            self.gateway.kv_forget(shard_id)
+
     def catalog_changed(self) -> None:
         """The catalog changed: wake the reconciler and refresh the gateway's model list."""
         if self.reconciler is not None:
@@ -92,6 +104,7 @@ class ControlPlane:
         list (the gateway goes on routing) and is retried on the next change.
         """
         models: list[str] = []
+        infos: dict[str, ModelInfo] = {}
         seen_registry = -1
         seen_catalog = -1
         started = False
@@ -100,16 +113,21 @@ class ControlPlane:
                 seen_catalog = self._catalog_version
                 try:
                     with trio.fail_after(CATALOG_READ_TIMEOUT):
-                        models = [m.name for m in await self.store.list_models()]
+                        specs = await self.store.list_models()
+                    models = [m.name for m in specs]
+                    infos = {m.name: model_info(m) for m in specs}
                 except Exception as exc:  # noqa: BLE001 - keep serving with the last good list
                     log.warning("gateway: could not read the catalog: %s", exc)
             seen_registry = self.registry.version
             self.table.replace_all(
                 {
-                    model: [Replica(r.id, r.model, r.endpoint, r.node_id) for r in self.registry.replicas_of(model)]
+                    model: [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters)
+                            for r in self.registry.replicas_of(model)]
                     for model in models
                 }
             )
+            for model, info in infos.items():
+                self.table.set_model_info(model, info)
             if not started:
                 task_status.started()
                 started = True
@@ -128,6 +146,15 @@ class ControlPlane:
                 waiters.start_soon(catalog_changed)
 
 
+def model_info(spec: ModelSpec) -> ModelInfo:
+    """Returns what the gateway needs to know about catalog model ``spec`` beyond its replicas."""
+    return ModelInfo(
+        engine=spec.engine,
+        adapters=tuple(a.name for a in spec.adapters),
+        max_loaded_adapters=spec.max_loaded_adapters,
+    )
+
+
 async def run_control_plane(
     *,
     store_url: str,
@@ -143,6 +170,7 @@ async def run_control_plane(
     tracing: TracingConfig | None = None,
     auth: AuthConfig = AuthConfig(),
     serving: ServingConfig = ServingConfig(),
+    routing: RoutingConfig = RoutingConfig(),
     engines: Mapping[str, str] | None = None,
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -156,7 +184,8 @@ async def run_control_plane(
     the nodes are not touched. ``gateway`` sets the upstream deadlines and ``tracing``
     the OpenTelemetry export (``server.yaml`` sections; None: defaults, tracing off);
     ``RuntimeError`` if tracing is on but OpenTelemetry is not installed. ``auth`` and
-    ``serving`` are the API-key switch and admission limits (``server.yaml`` sections).
+    ``serving`` are the API-key switch and admission limits, ``routing`` the routing policy
+    (``server.yaml`` sections; with ``gateway.workers`` > 1 the workers route by least load).
     ``engines`` (name -> version, "" = the installer's default) is what every node is told
     to install.
     """
@@ -172,6 +201,8 @@ async def run_control_plane(
                 table=ObservedTable() if workers > 1 else ReplicaTable(),
                 heartbeat_interval=heartbeat_interval,
             )
+            sessions.on_kv_update = plane.kv_update
+            registry.on_shard_gone = plane.kv_forget
             await nursery.start(registry.watchdog)
             plane.reconciler = Reconciler(registry, plane._catalog, sessions)
             await nursery.start(plane.reconciler.run)
@@ -193,8 +224,10 @@ async def run_control_plane(
                 plane.access = PooledAccessSync(store, plane.gateway, pool,
                                                 usage_flush_interval=serving.usage_flush_interval)
             else:
+                load = LoadTracker()
                 gateway_app = create_app(
-                    plane.table, timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing),
+                    plane.table, load=load, policy=make_policy(routing, load),
+                    timeouts=_upstream_timeouts(gateway), tracer=create_tracer(tracing),
                     auth=AuthTable(enabled=auth.enabled),
                     admission=Admission(limits),
                     max_request_bytes=serving.max_request_bytes,

@@ -22,6 +22,7 @@ except the two ``async`` ones)::
     reg.ready_replicas() -> dict[str, list[ReadyReplica]]   # the whole table, for the gateway
     reg.version -> int;  await reg.wait_changed(since) -> int
     await nursery.start(reg.watchdog)                       # marks silent nodes LOST
+    reg.on_shard_gone = callback                            # (shard id) when its reports stop counting
 
 Errors: calls about a node that never joined (or was forgotten) raise
 :class:`UnknownNode`; calls carrying an ``epoch`` of a session that was superseded by a
@@ -157,6 +158,8 @@ class ReadyReplica:
     model: str
     endpoint: str
     node_id: str
+    engine: str = ""  # the shard's engine name ("vllm", "llama.cpp", "sim", ...)
+    adapters: tuple[tuple[str, str], ...] = ()  # (adapter name, path on the node), in the engine's order
 
 
 @attrs.define
@@ -213,6 +216,10 @@ class Registry:
         self._changed = trio.Event()
         self._views: dict[str, NodeView] = {}  # cache; a node's entry is dropped on change
         self._by_model: dict[str, set[tuple[str, str]]] = {}  # model -> {(node_id, shard_id)}
+        #: Called with a shard id when what its agent reported about it stops holding: the shard
+        #: stopped, failed or was removed, its node was lost or forgotten, or it is missing from
+        #: the node's new registration (the gateway then drops the shard's KV-cache state).
+        self.on_shard_gone: Callable[[str], None] | None = None
 
     # -- change notification -------------------------------------------------------
 
@@ -272,6 +279,8 @@ class Registry:
                 raise ValueError(f"node {node_id!r} reported status for {status.id!r} with spec {spec.id!r}")
             prev = old.shards.get(spec.id) if old is not None else None
             node.shards[spec.id] = _Shard(spec, status, prev.since if prev is not None else now)
+        if old is not None:
+            self._gone(k for k in old.shards if k not in node.shards)
         self._nodes[node_id] = node
         self._index(node)
         self._touch(node_id)
@@ -331,6 +340,9 @@ class Registry:
         before = shard.status
         shard.status = status
         self._touch(node_id)
+        ending = (ShardState.FAILED, ShardState.STOPPED, ShardState.STOPPING)
+        if status.state in ending and before.state not in ending:
+            self._gone([status.id])
         if before.state is not status.state or before.endpoint != status.endpoint:
             if status.state is ShardState.FAILED:
                 log.warning("shard %s on node %s failed: %s", status.id, node_id, status.message)
@@ -358,6 +370,7 @@ class Registry:
         shard = node.shards.pop(shard_id, None)
         if shard is None:
             return
+        self._gone([shard_id])
         self._unindex_one(node_id, shard.spec)
         self._touch(node_id)
         self._bump()
@@ -383,6 +396,7 @@ class Registry:
         node = self._nodes.pop(node_id, None)
         if node is None:
             return False
+        self._gone(node.shards)
         self._unindex(node)
         self._touch(node_id)
         self._bump()
@@ -419,9 +433,11 @@ class Registry:
             node = self._nodes[node_id]
             if node.state is not NodeState.ONLINE:
                 continue
-            st = node.shards[shard_id].status
+            shard = node.shards[shard_id]
+            st = shard.status
             if st.state is ShardState.READY and st.endpoint:
-                out.append(ReadyReplica(id=shard_id, model=model, endpoint=st.endpoint, node_id=node_id))
+                out.append(ReadyReplica(id=shard_id, model=model, endpoint=st.endpoint, node_id=node_id,
+                                        engine=shard.spec.engine, adapters=st.adapters))
         out.sort(key=lambda r: (r.node_id, r.id))
         return out
 
@@ -485,6 +501,18 @@ class Registry:
         node.lost_since = now
         node.grace_announced = False
         self._touch(node.id)
+        self._gone(node.shards)
+
+    def _gone(self, shard_ids: Iterable[str]) -> None:
+        """Tells :attr:`on_shard_gone` about each shard; its errors are logged, never raised."""
+        callback = self.on_shard_gone
+        if callback is None:
+            return
+        for shard_id in list(shard_ids):
+            try:
+                callback(shard_id)
+            except Exception:  # noqa: BLE001 - the registry must stay consistent whatever the gateway does
+                log.exception("on_shard_gone(%s) failed", shard_id)
 
     def _node(self, node_id: str) -> _Node:
         node = self._nodes.get(node_id)

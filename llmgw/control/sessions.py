@@ -24,7 +24,7 @@ import trio
 
 from llmgw.control.registry import Registry
 from llmgw.rpc import convert, schema
-from llmgw.spec import EngineInfo, ShardSpec
+from llmgw.spec import EngineInfo, KvDelta, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ WANT_ENGINES_TIMEOUT = 10.0
 #: An engine's version and device check starts the engine binary once (CUDA init included);
 #: a little above the agent's own limit, so the agent's reason arrives first.
 CHECK_ENGINE_TIMEOUT = 130.0
+
+
+#: Where a shard's KV-cache deltas go: (shard id, delta). Called on the trio thread; must not block.
+KvUpdateHandler = Callable[[str, KvDelta], None]
 
 
 class NoSession(LookupError):
@@ -70,6 +74,8 @@ class NodeSession:
         self._close = close
         self.last_heartbeat = trio.current_time()
         self.closed = False
+        #: Gets the KV deltas of this session's shards (set by :meth:`NodeSessions.attach`; None: dropped).
+        self.on_kv_update: KvUpdateHandler | None = None
 
     def close(self) -> None:
         """End the session: cancels the connection it runs on."""
@@ -87,6 +93,13 @@ class NodeSession:
                 if report.id != shard_id:
                     raise PermissionError(f"reporter of shard {shard_id!r} cannot report for {report.id!r}")
                 session.registry.shard_status(session.node_id, report, epoch=session.epoch)
+
+            async def kvUpdate(self, update: Any, **_: Any) -> None:
+                delta = convert.kv_update_from(update)  # copied before anything else: params die with the call
+                if session.closed:
+                    raise RuntimeError(f"the session of node {session.node_id!r} has ended; join again")
+                if session.on_kv_update is not None:
+                    session.on_kv_update(shard_id, delta)
 
         return ShardReporterServer()
 
@@ -155,8 +168,15 @@ class NodeSession:
 class NodeSessions:
     """The current session of every connected node; the reconciler's executor."""
 
-    def __init__(self, registry: Registry, wanted_engines: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        wanted_engines: dict[str, str] | None = None,
+        on_kv_update: KvUpdateHandler | None = None,
+    ) -> None:
         self.registry = registry
+        #: Where every session's KV deltas go (the gateway's KV index); None: dropped.
+        self.on_kv_update = on_kv_update
         self._sessions: dict[str, NodeSession] = {}
         #: server.yaml ``engines:`` (name -> version, "" = the agent's default): pushed to every
         #: node when it joins.
@@ -165,6 +185,7 @@ class NodeSessions:
     def attach(self, session: NodeSession) -> None:
         """Make ``session`` the node's current one; an older session of that node is closed."""
         old = self._sessions.get(session.node_id)
+        session.on_kv_update = self.on_kv_update
         self._sessions[session.node_id] = session
         if old is not None and old is not session:
             log.info("node %s joined again; closing its previous session", session.node_id)

@@ -32,7 +32,7 @@ from llmgw.node.supervisor import Supervisor
 from llmgw.node.weights import disk_usage, prepare_weights_dir
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
-from llmgw.spec import ShardStatus
+from llmgw.spec import KvDelta, ShardStatus
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,14 @@ class RemoteReporter:
         self._cap = cap
 
     async def status(self, status: ShardStatus) -> None:
+        """Sends ``status``; raises TooSlowError after REPORT_TIMEOUT, capnp errors if the session broke."""
         with trio.fail_after(REPORT_TIMEOUT):
             await self._cap.status(convert.shard_status_dict(status))
+
+    async def kv_update(self, delta: KvDelta) -> None:
+        """Sends one KV-cache delta of the shard; raises like :meth:`status`."""
+        with trio.fail_after(REPORT_TIMEOUT):
+            await self._cap.kvUpdate(convert.kv_update_dict(delta))
 
 
 def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:

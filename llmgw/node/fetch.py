@@ -30,12 +30,14 @@ import posixpath
 import re
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Callable, Sequence
 from urllib.parse import unquote, urlsplit
 
 import attrs
 import httpx
 import trio
+
+from llmgw.spec import Adapter
 
 __all__ = [
     "DEFAULT_HF_ENDPOINT",
@@ -43,6 +45,8 @@ __all__ = [
     "FetchSettings",
     "RemoteFile",
     "WeightsSource",
+    "cached_path",
+    "fetch_adapters",
     "fetch_weights",
     "is_remote",
     "parse_source",
@@ -191,10 +195,8 @@ async def fetch_weights(
         client = _new_client(settings)
     try:
         if parsed.kind == "url":
-            name = posixpath.basename(urlsplit(parsed.location).path) or "weights"
-            digest = hashlib.sha256(parsed.location.encode()).hexdigest()[:16]
-            target = settings.weights_dir / "url" / digest
-            final = target / name
+            final = _url_target(parsed, settings)
+            target, name = final.parent, final.name
             if final.exists():
                 return final
             files = [RemoteFile(parsed.location, name, None, parsed.sha256)]
@@ -204,6 +206,83 @@ async def fetch_weights(
     finally:
         if owned:
             await client.aclose()
+
+
+def _url_target(parsed: WeightsSource, settings: FetchSettings) -> Path:
+    """Returns where the file of a URL source is kept: ``<weights_dir>/url/<digest>/<name>``."""
+    name = posixpath.basename(urlsplit(parsed.location).path) or "weights"
+    digest = hashlib.sha256(parsed.location.encode()).hexdigest()[:16]
+    return settings.weights_dir / "url" / digest / name
+
+
+async def fetch_adapters(
+    adapters: Sequence[Adapter],
+    settings: FetchSettings,
+    progress: Progress = lambda _msg: None,
+    *,
+    check_local: bool = True,
+) -> tuple[Adapter, ...]:
+    """Makes each LoRA adapter present on this node; returns them, in order, with ``source``
+    replaced by the local path the engine loads.
+
+    Each adapter is fetched like weights (:func:`fetch_weights`: resumable, checked, cached
+    in the weights directory); ``progress`` gets "fetching adapter NAME: 3/8 MB". A local
+    source is used in place (checked to exist unless ``check_local`` is False: the
+    simulated engine's adapters need no files). Raises :class:`FetchError` naming the
+    adapter that failed; adapters fetched before it stay cached. Cancellation propagates
+    (only ``.partial`` files remain).
+    """
+    local: list[Adapter] = []
+    for adapter in adapters:
+        label = f"fetching adapter {adapter.name}"
+
+        def tagged(message: str, label: str = label) -> None:
+            progress(message.replace("fetching weights", label, 1))
+
+        if not check_local and not is_remote(adapter.source):
+            local.append(adapter)
+            continue
+        if not is_remote(adapter.source) and cached_path(adapter.source, settings) is None:
+            raise FetchError(
+                f"LoRA adapter {adapter.name!r}: path {adapter.source} does not exist on this node; "
+                "copy the adapter there or give it an http(s) or hf:// source"
+            )
+        try:
+            path = await fetch_weights(adapter.source, settings, tagged)
+        except FetchError as exc:
+            raise FetchError(f"LoRA adapter {adapter.name!r}: {exc}") from exc
+        local.append(Adapter(name=adapter.name, source=str(path)))
+    return tuple(local)
+
+
+def cached_path(source: str, settings: FetchSettings) -> Path | None:
+    """Returns where a completed fetch of ``source`` lies on this node, without any network
+    call, or None if it is not (or not certainly) there.
+
+    For re-attaching to a running engine after an agent restart: a local source is itself;
+    a URL its downloaded file; a repository the one complete download of its revision (a
+    revision that is a commit id matches its directory; a branch matches the marker).
+    """
+    try:
+        parsed = parse_source(source, settings.hf_endpoint)
+    except FetchError:
+        return None
+    if parsed.kind == "local":
+        path = Path(parsed.location).expanduser()
+        return path if path.exists() else None
+    if parsed.kind == "url":
+        final = _url_target(parsed, settings)
+        return final if final.exists() else None
+    repo_dir = settings.weights_dir / "hf" / parsed.location
+    found = []
+    for marker in repo_dir.glob(f"*/{COMPLETE_MARKER}"):
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if parsed.revision in (info.get("revision"), info.get("commit")):
+            found.append(marker.parent)
+    return found[0] if len(found) == 1 else None
 
 
 def _new_client(settings: FetchSettings) -> httpx.AsyncClient:

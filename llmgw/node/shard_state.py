@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 
 from llmgw.files import atomic_write
+from llmgw.node.kvevents import KvEventsConfig
 from llmgw.node.process import ProcessIdentity
-from llmgw.spec import Compute, ShardSpec
+from llmgw.spec import Adapter, Compute, ShardSpec
 from llmgw.node.engines.compute import compute_from_json, compute_to_json
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class ShardRecord:
     message: str = ""
     last_output: tuple[str, ...] = ()
     compute: Compute | None = None  # what the engine said it computes on (at READY)
+    # Where the engine publishes KV events (None: it does not). Chosen once at the first start:
+    # an adopted engine keeps connecting to the same endpoint, so the subscriber binds it again.
+    kv_events: KvEventsConfig | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Returns a JSON-ready dict (see :meth:`from_json`)."""
@@ -66,6 +70,8 @@ class ShardRecord:
                 "memory_mb": spec.memory_mb,
                 "cpu_cores": spec.cpu_cores,
                 "gpus": list(spec.gpus),
+                "adapters": [{"name": a.name, "source": a.source} for a in spec.adapters],
+                "max_loaded_adapters": spec.max_loaded_adapters,
             },
             "port": self.port,
             "identity": None if self.identity is None else self.identity.to_json(),
@@ -74,6 +80,7 @@ class ShardRecord:
             "message": self.message,
             "last_output": list(self.last_output),
             "compute": compute_to_json(self.compute),
+            "kv_events": None if self.kv_events is None else self.kv_events.to_dict(),
         }
 
     @classmethod
@@ -92,8 +99,11 @@ class ShardRecord:
             memory_mb=int(s.get("memory_mb", 0)),
             cpu_cores=float(s.get("cpu_cores", 0.0)),
             gpus=tuple(int(g) for g in s.get("gpus", ())),
+            adapters=tuple(Adapter(str(a["name"]), str(a["source"])) for a in s.get("adapters", ())),
+            max_loaded_adapters=int(s.get("max_loaded_adapters", 0)),
         )
         identity = data.get("identity")
+        kv_events = data.get("kv_events")
         return cls(
             spec=spec,
             port=int(data["port"]),
@@ -103,6 +113,7 @@ class ShardRecord:
             message=str(data.get("message", "")),
             last_output=tuple(str(x) for x in data.get("last_output", ())),
             compute=compute_from_json(data.get("compute")),
+            kv_events=None if kv_events is None else KvEventsConfig.from_dict(kv_events),
         )
 
 

@@ -3,6 +3,9 @@
 Each shard is a task in the supervisor's nursery, with its own nursery underneath:
 
     shard ── status sender (latest status -> bound reporter, one call at a time, deadline each)
+          ├─ KV-event subscriber (engines with KV events; bound before the first spawn):
+          │    mirror of the engine's blocks, net deltas -> bound reporter's kv_update,
+          │    a full copy at every binding, a reset at every engine (re)start
           └─ lifecycle ── per engine run: exit watcher, output reader, health poller
 
 Lifecycle of one shard: spawn (or adopt) the engine -> STARTING; the health poller
@@ -37,11 +40,13 @@ from typing import Mapping, Protocol
 import attrs
 import httpx
 import trio
+import zmq
 
 from llmgw.node import shard_state
 from llmgw.node.engines import ENGINES, Engine, EngineRefused, base_environment, get_engine
 from llmgw.node.engines import compute as engine_compute
-from llmgw.node.fetch import FetchError, FetchSettings, fetch_weights, is_remote
+from llmgw.node.kvevents import KvEventsConfig, KvSubscriber
+from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights, is_remote
 from llmgw.node.process import (
     EngineProcess,
     OutputTail,
@@ -53,7 +58,7 @@ from llmgw.node.process import (
     terminate,
 )
 from llmgw.node.shard_state import ShardRecord
-from llmgw.spec import ShardSpec, ShardState, ShardStatus
+from llmgw.spec import KvDelta, ShardSpec, ShardState, ShardStatus
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class ShardReporter(Protocol):
 
     async def status(self, status: ShardStatus) -> None: ...
 
+    # Optional: ``async def kv_update(self, delta: KvDelta) -> None`` takes the shard's KV-cache
+    # changes (reporters without it get none; the full copy at the next binding covers them).
+
 
 def free_port(host: str, avoid: set[int] = frozenset()) -> int:  # type: ignore[assignment]
     """Returns a TCP port that is free on ``host`` right now (bind to port 0, read, close).
@@ -135,6 +143,20 @@ def free_port(host: str, avoid: set[int] = frozenset()) -> int:  # type: ignore[
         if port not in avoid:
             return port
     raise OSError(f"no free TCP port found on {host} outside the {len(avoid)} ports already in use by shards")
+
+
+#: Where engines publish KV events, whatever address they serve on: only the agent
+#: subscribes. IPv4 on purpose: vLLM BINDS (instead of connecting) any endpoint with "::".
+KV_EVENTS_HOST = "127.0.0.1"
+
+
+def kv_events_for(engine: Engine, spec: ShardSpec) -> KvEventsConfig | None:
+    """Returns where ``engine`` publishes KV events for ``spec`` (fresh loopback ports), or None
+    when it does not (no ``kv_events_for`` on the adapter, or turned off by the profile)."""
+    chooser = getattr(engine, "kv_events_for", None)
+    if chooser is None:
+        return None
+    return chooser(spec, KV_EVENTS_HOST)
 
 
 def endpoint_url(host: str, port: int) -> str:
@@ -221,7 +243,7 @@ class Supervisor:
         engine = get_engine(spec.engine, self.engines)
         engine.check_args(spec)
         port = free_port(self.host, {s.port for s in self._shards.values()})
-        record = ShardRecord(spec=spec, port=port)
+        record = ShardRecord(spec=spec, port=port, kv_events=kv_events_for(engine, spec))
         await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
         if self._nursery is None:
             raise RuntimeError("the supervisor stopped while the shard was being started")
@@ -298,6 +320,11 @@ class _Shard:
         self._stop_grace = STOP_GRACE
         self._stopped = trio.Event()
         self._save_lock = trio.Lock()
+        kv = record.kv_events
+        # KV events: mirrored for the shard's lifetime (across engine restarts and sessions).
+        self.kv: KvSubscriber | None = (
+            None if kv is None else KvSubscriber(kv.endpoint, kv.replay_endpoint, topic=kv.topic, block_size=kv.block_size)
+        )
 
     @property
     def spec(self) -> ShardSpec:
@@ -322,10 +349,34 @@ class _Shard:
         self._wakeup.set()
 
     def bind(self, reporter: ShardReporter | None) -> None:
-        """Binds ``reporter`` and has the sender push the current status to it."""
+        """Binds ``reporter`` and has the sender push the current status to it (and, for a
+        shard with KV events, a full copy of its KV mirror)."""
         self._reporter = reporter
         self._delivered = None
         self._wakeup.set()
+        if self.kv is not None and reporter is not None:
+            self.kv.resend_full()
+
+    async def _send_kv(self, delta: KvDelta) -> None:
+        """Sends one KV delta to the bound reporter within the report deadline. Without a
+        reporter (or one without ``kv_update``) the delta is dropped: the mirror is kept and
+        the next binding gets a full copy. Raises what the reporter raises, or TooSlowError;
+        the subscriber then sends a full copy next."""
+        send = getattr(self._reporter, "kv_update", None)
+        if send is None:
+            return
+        with trio.fail_after(self._policy.report_timeout):
+            await send(delta)
+
+    async def _run_kv(self, kv: KvSubscriber, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Runs the KV subscriber until cancelled. A bind failure is raised (before started);
+        a later failure is logged and ends only the subscriber: the engine keeps serving."""
+        try:
+            await kv.run(self._send_kv, task_status=task_status)
+        except Exception:
+            if not kv.bound:
+                raise
+            logger.exception("shard %s: the KV-event subscriber failed; the router routes it approximately", self.spec.id)
 
     async def _send_loop(self) -> None:
         """Pushes the latest status to the bound reporter whenever it changes. Runs until cancelled."""
@@ -377,6 +428,15 @@ class _Shard:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_loop)
+                if self.kv is not None:  # bound before the engine starts: vLLM connects to it
+                    try:
+                        await nursery.start(self._run_kv, self.kv)
+                    except zmq.ZMQError as exc:
+                        logger.warning(
+                            "shard %s: cannot bind the KV-event endpoint %s (%s); no KV events for this shard",
+                            self.spec.id, self.kv.endpoint, exc,
+                        )
+                        self.kv = None
                 if adopting:
                     self._prepare_adoption()
                 else:
@@ -417,6 +477,7 @@ class _Shard:
                     ShardState.STARTING,
                     f"adopted the running engine (pid {process.identity.pid}) from a previous agent; checking its health",
                     pid=process.identity.pid,
+                    adapters=self._adopted_adapters(),
                 )
         elif self.record.failed:
             self.publish(ShardState.FAILED, self.record.message, last_output=self.record.last_output)
@@ -484,7 +545,7 @@ class _Shard:
                 except OSError as exc:
                     outcome = f"the engine could not be started: {exc}"
                 except FetchError as exc:
-                    outcome = f"the weights could not be fetched: {exc}"
+                    outcome = f"fetching failed: {exc}"
             if process is not None:
                 outcome, ready, uptime = await self._supervise(process)
                 process = None
@@ -523,19 +584,35 @@ class _Shard:
         self.publish(ShardState.FAILED, message, pid=0, last_output=last_output)
 
     async def _local_weights(self) -> ShardSpec:
-        """Returns the spec with ``source`` a local path, fetching remote weights first.
+        """Returns the spec with ``source`` and each adapter's ``source`` a local path,
+        fetching remote weights and adapters first.
 
-        Progress is published as STARTING ("fetching weights: 1.2/4.0 GB"). Raises
-        :class:`FetchError`; cancellation leaves only resumable ``.partial`` files.
+        Progress is published as STARTING ("fetching weights: 1.2/4.0 GB", "fetching adapter
+        NAME: 3/8 MB"). Raises :class:`FetchError`; cancellation leaves only resumable
+        ``.partial`` files.
         """
-        if not is_remote(self.spec.source):
-            return self.spec
 
         def progress(message: str) -> None:
             self.publish(ShardState.STARTING, message, pid=0)
 
-        local = await fetch_weights(self.spec.source, self._sup.fetch_settings, progress)
-        return attrs.evolve(self.spec, source=str(local))
+        spec = self.spec
+        if is_remote(spec.source):
+            local = await fetch_weights(spec.source, self._sup.fetch_settings, progress)
+            spec = attrs.evolve(spec, source=str(local))
+        if spec.adapters:  # the simulated engine's adapters are names only: no files to check
+            adapters = await fetch_adapters(
+                spec.adapters, self._sup.fetch_settings, progress, check_local=spec.engine != "sim"
+            )
+            spec = attrs.evolve(spec, adapters=adapters)
+        return spec
+
+    def _adopted_adapters(self) -> tuple[tuple[str, str], ...]:
+        """Returns (name, local path) of the spec's adapters as an adopted engine loaded them:
+        where a completed fetch lies (no network call), else the source as given."""
+        settings = self._sup.fetch_settings
+        return tuple(
+            (a.name, str(cached_path(a.source, settings) or a.source)) for a in self.spec.adapters
+        )
 
     async def _spawn(self) -> EngineProcess:
         """Starts a new engine run (log rotated if large); returns it, identity persisted.
@@ -552,10 +629,15 @@ class _Shard:
             pass
         self.tail.skip_to_end()
         self.tail.mark_run_start()
+        if self.kv is not None:
+            self.kv.engine_restarted()  # a new engine holds no blocks and counts from 0
         self.collector.reset()
         self._fatal = None
         spec = await self._local_weights()
-        argv = self.engine.argv(spec, self._sup.host, self.port)
+        if self.kv is not None and self.record.kv_events is not None:  # only with a subscriber bound
+            argv = self.engine.argv(spec, self._sup.host, self.port, kv_events=self.record.kv_events)  # type: ignore[call-arg]
+        else:
+            argv = self.engine.argv(spec, self._sup.host, self.port)
         env = {**base_environment(), **self.engine.env(spec)}
         process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
         self._process = process  # before any checkpoint: a stop from now on must find it
@@ -566,6 +648,7 @@ class _Shard:
             f"engine started (pid {process.identity.pid}); waiting for its health check",
             pid=process.identity.pid,
             last_output=(),
+            adapters=tuple((a.name, a.source) for a in spec.adapters),
         )
         return process
 

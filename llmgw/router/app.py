@@ -1,7 +1,8 @@
 """The OpenAI-compatible gateway: a Quart-Trio app that routes each request to a replica.
 
 Endpoints: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` are
-forwarded to one READY replica of the requested model (body bytes unchanged);
+forwarded to one READY replica of the requested model (body bytes unchanged, except
+llama.cpp's per-request ``lora`` field: :mod:`llmgw.router.adapters`);
 ``GET /v1/models`` and ``GET /v1/models/<name>`` answer from the catalog;
 ``GET /healthz`` says the gateway is up.
 
@@ -37,10 +38,13 @@ from .admission import Admission, Ticket, estimate_tokens, request_too_large, sy
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
 from .fastpath import FastForward, ForwardCall, ForwardResult
-from .replicas import LeastOutstanding, Lease, LoadTracker, ReplicaTable, RequestInfo, RoutingPolicy
+from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, RoutingPolicy
+from .kvindex import KvIndex
+from llmgw.spec import KvDelta
 from .h1pool import H1Response
 from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
+from .adapters import Adapters, UpstreamAdmin
 
 # -- observability (metrics, tracing, deadlines: llmgw/router/{metrics,tracing,instrument}.py)
 from .instrument import TRACE_KEY, Instrumentation
@@ -167,12 +171,25 @@ class Gateway:
         self.stopped = False
         self.load = load if load is not None else LoadTracker()
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
+        # KV-cache blocks per replica, fed by the control plane (kv_update/kv_forget); a
+        # KV-aware policy (llmgw/router/kvrouting.py) brings its own index and reads it.
+        policy_index = getattr(self.policy, "index", None)
+        self.kv_index: KvIndex = policy_index if isinstance(policy_index, KvIndex) else KvIndex()
         self.timeouts = timeouts
         self.upstream: UpstreamClient | None = None
         # Observability: metrics served on /metrics (in-flight read from ``load``); the
         # tracer (None: tracing off) is owned by the gateway and closed when it stops.
         self.metrics = metrics if metrics is not None else GatewayMetrics()
-        self.metrics.bind_sources(table.has_model, self.load.snapshot, lambda: _replica_ids(table))
+        self.metrics.bind_sources(
+            lambda name: table.has_model(name) or table.parent_of(name) is not None,  # adapters are names too
+            self.load.snapshot, lambda: _replica_ids(table),
+        )
+        # LoRA adapters: names resolved to models, loads on demand (llmgw/router/adapters.py).
+        self.adapters = Adapters(table, self.load, UpstreamAdmin(self.upstream_client), metrics=self.metrics)
+        self.metrics.bind_kv(self.kv_index)
+        attach = getattr(self.policy, "attach_observer", None)  # routing decisions, hash alarms -> metrics
+        if attach is not None:
+            attach(self.metrics)
         if self.admission.metrics is None:
             self.admission.metrics = self.metrics
         self.tracer = tracer
@@ -211,9 +228,15 @@ class Gateway:
 
     async def _start(self) -> None:
         self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)
+        bind = getattr(self.policy, "bind_upstream", None)  # a KV-aware policy tokenizes through it
+        if bind is not None:
+            bind(self.upstream)
 
     async def _stop(self) -> None:
         upstream, self.upstream = self.upstream, None
+        bind = getattr(self.policy, "bind_upstream", None)
+        if bind is not None:
+            bind(None)
         if upstream is not None:
             await upstream.aclose()
         if self.tracer is not None:
@@ -262,15 +285,36 @@ class Gateway:
 
     async def _list_models(self) -> Response:
         tenant = self.auth.authenticate(request.headers.get("authorization"))
-        data = [_model_object(m.name, m.created) for m in self.table.models() if tenant.allows(m.name)]
-        return _json({"object": "list", "data": data})
+        return _json({"object": "list", "data": self.adapters.model_objects(tenant)})
 
     async def _get_model(self, model: str) -> Response:
         tenant = self.auth.authenticate(request.headers.get("authorization"))
-        for entry in self.table.models():
-            if entry.name == model and tenant.allows(model):
-                return _json(_model_object(entry.name, entry.created))
-        raise errors.model_not_found(model)
+        found = self.adapters.model_object_of(model, tenant)
+        if found is None:
+            raise errors.model_not_found(model)
+        return _json(found)
+
+    # -- KV cache state (from the engines' KV events, relayed by the control plane) ------------
+
+    def kv_update(self, replica_id: str, delta: KvDelta) -> None:
+        """Apply one KV-cache delta reported for ``replica_id`` (see :class:`KvDelta`).
+
+        Updates the KV index and tells a KV-aware policy (its hash-agreement check).
+        Synchronous and cheap; never raises for an unknown replica (it is remembered
+        until :meth:`kv_forget`).
+        """
+        entry = self.kv_index.apply(replica_id, delta)
+        applied = getattr(self.policy, "kv_applied", None)
+        if applied is not None:
+            applied(replica_id, delta, entry)
+
+    def kv_forget(self, replica_id: str) -> None:
+        """Drop everything known about ``replica_id``'s KV cache (its shard stopped or its
+        session ended); routing falls back to approximate for it until a new full copy."""
+        self.kv_index.forget(replica_id)
+        forgotten = getattr(self.policy, "kv_forgotten", None)
+        if forgotten is not None:
+            forgotten(replica_id)
 
     # -- forwarding -----------------------------------------------------------------------
 
@@ -315,9 +359,13 @@ class Gateway:
         labels["model"] = info.model
         if not tenant.allows(info.model):
             raise model_not_allowed(tenant.name, info.model)
-        candidates = self.table.replicas(info.model)
+        target = self.adapters.resolve(info.model, info.body)  # LoRA: a model, or an adapter of one (404)
+        if target.adapter is not None:
+            info = RequestInfo(info.path, info.model, info.stream, info.body, target.adapter)
+        candidates = self.table.replicas(target.model)
         if candidates is None:
             raise errors.model_not_found(info.model)
+        candidates = self.adapters.serving(target, candidates)  # LoRA: replicas that list the adapter
         if not candidates:
             raise errors.no_ready_replica(info.model)
         upstream = self.upstream
@@ -331,7 +379,7 @@ class Gateway:
                 tenant, info.model, len(candidates), lambda: estimate_tokens(info.body)
             )
         stack.callback(ticket.release)
-        candidates = self.table.replicas(info.model) or ()  # it may have changed while queued
+        candidates = self.adapters.serving(target, self.table.replicas(target.model) or ())  # it may have changed while queued
         if not candidates:
             raise errors.no_ready_replica(info.model)
         strip_usage = False
@@ -339,16 +387,23 @@ class Gateway:
             body, strip_usage = _ask_for_usage(info.body, body)
         accounting = _Accounting(self.usage, self.admission, ticket, tenant, info.model, strip_usage)
         tried: set[str] = set()
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             remaining = [r for r in candidates if r.id not in tried]
             if not remaining:
                 break
             if tried:
                 self.metrics.retry(info.model)
+            remaining = self.adapters.prefer(target, remaining)  # LoRA: warm, unsaturated replicas first
             with trace.span("schedule") if trace is not None else _NO_SPAN:
                 replica = self.policy.choose(remaining, info)
+                if not isinstance(replica, Replica):  # a KV-aware policy is async (it may tokenize)
+                    replica = await replica
             lease = self.load.acquire(replica.id)
             stack.callback(lease.release)
+            # LoRA: llama.cpp's per-request lora field; the adapter loaded on the replica if needed.
+            send_body = self.adapters.body_for(replica, target, body, tenant)
+            adapter_hold = await self.adapters.acquire(replica, target, call.request_id)
+            stack.callback(adapter_hold.release)
             trace_headers = None
             if trace is not None:
                 span, trace_headers = trace.start_upstream(replica.id)
@@ -360,7 +415,7 @@ class Gateway:
                     call.path,
                     query=call.query,
                     headers=call.headers,
-                    body=body,
+                    body=send_body,
                     request_id=call.request_id,
                     extra_headers=trace_headers,
                 )
@@ -376,6 +431,13 @@ class Gateway:
                 lease.release()
                 raise errors.upstream_failed(info.model, _describe(error)) from error
             stack.push_async_callback(close_quietly, response)
+            # LoRA: a 404 for an adapter the gateway loaded means the engine lost it (restart, or
+            # another gateway worker unloaded it): load it again and retry once.
+            if self.adapters.engine_answered(replica, target, response.status_code) and attempt + 1 < MAX_ATTEMPTS:
+                lease.release()
+                adapter_hold.release()
+                await close_quietly(response)
+                continue
             labels["replica"] = replica.id
             return await self._relay(response, lease, info, accounting, call.request_id)
         raise errors.replicas_unreachable(info.model, len(tried))
@@ -507,10 +569,6 @@ def _parse_request(path: str, body: bytes) -> RequestInfo:
     if not isinstance(model, str) or not model:
         raise errors.invalid_request("'model' must be a non-empty string.", param="model")
     return RequestInfo(path=path, model=model, stream=parsed.get("stream") is True, body=parsed)
-
-
-def _model_object(name: str, created: int) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
 
 
 def _json(value: object, status: int = 200) -> Response:

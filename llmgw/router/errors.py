@@ -78,11 +78,11 @@ def invalid_request(message: str, *, param: str | None = None, code: str | None 
 
 
 def model_not_found(model: str) -> GatewayError:
-    """404: ``model`` is not in the catalog."""
+    """404: ``model`` is neither a catalog model nor an adapter of one (they share a namespace)."""
     return GatewayError(
         404,
-        f"The model '{model}' does not exist in this cluster's catalog. "
-        "GET /v1/models lists the models you can use.",
+        f"The model or adapter '{model}' does not exist in this cluster's catalog. "
+        "GET /v1/models lists the models and adapters you can use.",
         "invalid_request_error",
         code="model_not_found",
         param="model",
@@ -98,6 +98,45 @@ def no_ready_replica(model: str) -> GatewayError:
         "its replicas with `llmgw ctl replicas`.",
         "service_unavailable",
         code="no_ready_replica",
+        headers={"Retry-After": str(NO_REPLICA_RETRY_AFTER_S)},
+    )
+
+
+def adapter_not_served(adapter: str, model: str) -> GatewayError:
+    """503 with Retry-After: ``model`` has ready replicas, but none lists ``adapter`` yet."""
+    return GatewayError(
+        503,
+        f"No ready replica of '{model}' has the adapter '{adapter}' yet (nodes fetch adapters "
+        f"with the weights). Retry in {NO_REPLICA_RETRY_AFTER_S} seconds; an operator can check "
+        "the replicas with `llmgw ctl replicas`.",
+        "service_unavailable",
+        code="no_ready_replica",
+        headers={"Retry-After": str(NO_REPLICA_RETRY_AFTER_S)},
+    )
+
+
+def adapter_load_failed(adapter: str, replica: str, detail: str) -> GatewayError:
+    """503 with Retry-After: the replica chosen for ``adapter`` could not load it; ``detail``
+    carries the engine's own words."""
+    return GatewayError(
+        503,
+        f"Replica {replica} could not load the adapter '{adapter}': {detail}",
+        "service_unavailable",
+        code="adapter_load_failed",
+        headers={"Retry-After": str(NO_REPLICA_RETRY_AFTER_S)},
+    )
+
+
+def adapter_capacity(adapter: str, replica: str, loaded: int, waited_s: float) -> GatewayError:
+    """503 with Retry-After: every adapter slot of the chosen replica stayed busy."""
+    return GatewayError(
+        503,
+        f"Replica {replica} holds its {loaded} adapters, each with requests in flight, and none "
+        f"became idle within {waited_s:g}s to make room for '{adapter}'. Retry in "
+        f"{NO_REPLICA_RETRY_AFTER_S} seconds; an operator can raise the model's "
+        "max_loaded_adapters or its replicas.",
+        "service_unavailable",
+        code="adapter_capacity",
         headers={"Retry-After": str(NO_REPLICA_RETRY_AFTER_S)},
     )
 

@@ -21,6 +21,12 @@ Request path (admission, routing, upstream)::
                                                      #   (no-op when ``in_flight_source`` is given)
     metrics.forget_replica(replica)                  # drop a departed replica's series
 
+LoRA adapters loaded on demand (:mod:`llmgw.router.adapters`)::
+
+    metrics.adapter_loaded(adapter, seconds)         # a replica loaded ``adapter`` in ``seconds``
+    metrics.adapter_load_failed(adapter)             # a load was refused, failed or timed out
+    metrics.adapter_unloaded(adapter)                # unloaded to make room (least recently used)
+
 ASGI middleware (:mod:`llmgw.router.instrument`)::
 
     metrics.request_done(model, tenant, status, seconds)   # one finished HTTP request
@@ -41,10 +47,10 @@ An empty tenant or model is recorded as ``""`` / ``"unknown"``. Tenants come fro
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -66,6 +72,11 @@ TTFT_BUCKETS = (
 CHUNK_GAP_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )
+
+# Time for a replica to load a LoRA adapter, seconds: a small adapter from local disk
+# loads in milliseconds, a large one on a busy engine in tens of seconds (the gateway
+# gives up at adapters.LOAD_TIMEOUT_S).
+ADAPTER_LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 UNKNOWN = "unknown"
 
@@ -151,6 +162,46 @@ class GatewayMetrics:
             f"{PREFIX}_upstream_retries", "Requests retried on another replica, by model.",
             ("model",), registry=r,
         )
+        # KV-aware routing (llmgw/router/kvrouting.py): decisions, hit share, hash agreement.
+        self.routing_decisions = Counter(
+            f"{PREFIX}_routing_decisions", "Routing decisions among several replicas, by model and kind "
+            "(precise: KV events; approximate: prefix tree; miss: no replica held a leading block).",
+            ("model", "kind"), registry=r,
+        )
+        self.routing_matched_blocks = Counter(
+            f"{PREFIX}_routing_matched_blocks", "Leading prompt blocks the chosen replica held, by model "
+            "(divide by routing_prompt_blocks for the hit share).", ("model",), registry=r,
+        )
+        self.routing_prompt_blocks = Counter(
+            f"{PREFIX}_routing_prompt_blocks", "Prompt blocks of routed requests, by model.", ("model",), registry=r,
+        )
+        self.kv_mismatches = Counter(
+            f"{PREFIX}_kv_hash_mismatches", "Routed requests whose block hashes the replica never reported "
+            "while it reported others, by model and replica.", ("model", "replica"), registry=r,
+        )
+        self.kv_alarm = Gauge(
+            f"{PREFIX}_kv_hash_alarm", "1 while router and engine block hashes disagree for a replica "
+            "(seed, block size, tokenizer or template), by model and replica.", ("model", "replica"), registry=r,
+        )
+        self._kv_index: Any = None
+        r.register(_KvIndexCollector(lambda: self._kv_index))
+        # LoRA adapters, labelled by adapter name (catalog-bounded, like models).
+        self.adapter_loads = Counter(
+            f"{PREFIX}_adapter_loads", "LoRA adapters loaded on replicas by the gateway, by adapter.",
+            ("adapter",), registry=r,
+        )
+        self.adapter_load_failures = Counter(
+            f"{PREFIX}_adapter_load_failures", "LoRA adapter loads that failed or timed out, by adapter.",
+            ("adapter",), registry=r,
+        )
+        self.adapter_unloads = Counter(
+            f"{PREFIX}_adapter_unloads", "LoRA adapters unloaded to make room, by adapter.",
+            ("adapter",), registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            f"{PREFIX}_adapter_load_seconds", "Time a replica took to load a LoRA adapter.",
+            buckets=ADAPTER_LOAD_BUCKETS, registry=r,
+        )
 
     def bind_sources(
         self,
@@ -164,6 +215,30 @@ class GatewayMetrics:
         self._is_known_model = is_known_model
         self._in_flight_source = in_flight_source
         self._replica_ids = replica_ids
+
+    def bind_kv(self, index: Any) -> None:
+        """Report the KV index's size and each replica's event counters (a
+        :class:`~llmgw.router.kvindex.KvIndex`) at scrape time."""
+        self._kv_index = index
+
+    # -- routing (a llmgw.router.kvrouting.RoutingObserver) ------------------------------
+
+    def decision(self, model: str, kind: str, matched: int, total: int) -> None:
+        """Count one routing decision of ``kind`` with ``matched`` of ``total`` prompt blocks held."""
+        label = self.model_label(model)
+        self.routing_decisions.labels(label, kind).inc()
+        if total > 0:
+            self.routing_prompt_blocks.labels(label).inc(total)
+            if matched > 0:
+                self.routing_matched_blocks.labels(label).inc(matched)
+
+    def mismatch(self, model: str, replica_id: str) -> None:
+        """Count one routed request whose blocks ``replica_id`` never reported."""
+        self.kv_mismatches.labels(self.model_label(model), replica_id or UNKNOWN).inc()
+
+    def alarm(self, model: str, replica_id: str, raised: bool) -> None:
+        """Set the hash-agreement alarm gauge of ``replica_id`` (1 raised, 0 cleared)."""
+        self.kv_alarm.labels(self.model_label(model), replica_id or UNKNOWN).set(1 if raised else 0)
 
     # -- labels -------------------------------------------------------------------------
 
@@ -211,6 +286,19 @@ class GatewayMetrics:
     def retry(self, model: str) -> None:
         """Count one retry of a request for ``model`` on another replica."""
         self.retries.labels(self.model_label(model)).inc()
+
+    def adapter_loaded(self, adapter: str, seconds: float) -> None:
+        """Count one adapter load that succeeded, and how long it took."""
+        self.adapter_loads.labels(adapter or UNKNOWN).inc()
+        self.adapter_load_seconds.observe(max(seconds, 0.0))
+
+    def adapter_load_failed(self, adapter: str) -> None:
+        """Count one adapter load that was refused, failed or timed out."""
+        self.adapter_load_failures.labels(adapter or UNKNOWN).inc()
+
+    def adapter_unloaded(self, adapter: str) -> None:
+        """Count one adapter unloaded to make room for another."""
+        self.adapter_unloads.labels(adapter or UNKNOWN).inc()
 
     def in_flight(self, replica: str, delta: int) -> None:
         """Add ``delta`` (+1 when a request is sent, -1 when it ends) to ``replica``'s gauge."""
@@ -271,6 +359,43 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """Return ``(body, content_type)`` of the Prometheus text exposition of this registry."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _KvIndexCollector(Collector):
+    """Reports the KV index's size and per-replica event counters from the bound index."""
+
+    def __init__(self, index: Callable[[], Any]) -> None:
+        self._index = index
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        size, events, gaps, resyncs, evicted = self._families()
+        index = self._index()
+        if index is not None:
+            size.add_metric([], len(index))
+            evicted.add_metric([], index.evicted)
+            for rid in sorted(index.replica_ids()):
+                entry = index.replica(rid)
+                if entry is not None:
+                    events.add_metric([rid], entry.events_applied)
+                    gaps.add_metric([rid], entry.gaps)
+                    resyncs.add_metric([rid], entry.resyncs)
+        yield from (size, events, gaps, resyncs, evicted)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily(f"{PREFIX}_kv_index_blocks", "Entries (block, replica) in the router's KV index."),
+            CounterMetricFamily(f"{PREFIX}_kv_events_applied", "KV events applied by each replica's agent "
+                                "subscriber (cumulative, as last reported).", labels=["replica"]),
+            CounterMetricFamily(f"{PREFIX}_kv_event_gaps", "KV event sequence gaps seen by each replica's "
+                                "agent subscriber.", labels=["replica"]),
+            CounterMetricFamily(f"{PREFIX}_kv_resyncs", "Full resyncs of each replica's KV mirror.",
+                                labels=["replica"]),
+            CounterMetricFamily(f"{PREFIX}_kv_index_evicted", "Index entries dropped by the index's memory bound."),
+        )
 
 
 class _InFlightCollector(Collector):

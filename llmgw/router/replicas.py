@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 import attrs
 import trio
@@ -43,6 +43,21 @@ class Replica:
 
 
 @attrs.frozen
+class ModelInfo:
+    """What the gateway knows about a catalog model beyond its replicas.
+
+    ``engine`` is the catalog engine name ("" = unknown); ``adapters`` the names of its
+    LoRA adapters (they share the model namespace: a request's ``model`` may name one);
+    ``max_loaded_adapters`` is 0 when every adapter is loaded at start, else at most that
+    many are loaded per replica at a time, on demand (vLLM, sim).
+    """
+
+    engine: str = ""
+    adapters: tuple[str, ...] = ()
+    max_loaded_adapters: int = 0
+
+
+@attrs.frozen
 class CatalogModel:
     """A catalog model as the gateway lists it; ``created`` is a Unix time in seconds."""
 
@@ -61,6 +76,8 @@ class ReplicaTable:
     def __init__(self) -> None:
         self._replicas: dict[str, tuple[Replica, ...]] = {}
         self._created: dict[str, int] = {}
+        self._info: dict[str, ModelInfo] = {}
+        self._parents: dict[str, str] = {}  # adapter name -> its model (from _info)
 
     def set_model_replicas(self, model: str, replicas: Sequence[Replica]) -> None:
         """Set the ready replicas of ``model``, adding ``model`` to the catalog if new.
@@ -81,11 +98,40 @@ class ReplicaTable:
         now = int(time.time())
         self._created = {model: self._created.get(model, now) for model in checked}
         self._replicas = checked
+        self._info = {model: info for model, info in self._info.items() if model in checked}
+        self._reindex_adapters()
 
     def remove_model(self, model: str) -> None:
         """Take ``model`` out of the catalog (requests for it then get 404); no-op if absent."""
         self._replicas.pop(model, None)
         self._created.pop(model, None)
+        if self._info.pop(model, None) is not None:
+            self._reindex_adapters()
+
+    def set_model_info(self, model: str, info: ModelInfo) -> None:
+        """Set what is known about ``model`` (engine, adapters); kept until the model leaves.
+
+        Info for a model not (yet) in the catalog is kept, but its adapters resolve only
+        while the model is in the catalog (:meth:`parent_of`).
+        """
+        self._info[model] = info
+        self._reindex_adapters()
+
+    def model_info(self, model: str) -> ModelInfo:
+        """Return ``model``'s info, or an empty :class:`ModelInfo` if none was set."""
+        return self._info.get(model, _NO_INFO)
+
+    def parent_of(self, name: str) -> str | None:
+        """Return the catalog model whose adapter is called ``name``, or None if no model has one."""
+        parent = self._parents.get(name)
+        return parent if parent is not None and parent in self._replicas else None
+
+    def _reindex_adapters(self) -> None:
+        # Sorted by model so that a name claimed twice (the catalog refuses that) resolves
+        # the same way every time.
+        self._parents = {
+            adapter: model for model in sorted(self._info, reverse=True) for adapter in self._info[model].adapters
+        }
 
     def models(self) -> list[CatalogModel]:
         """Return the catalog models, sorted by name."""
@@ -98,6 +144,9 @@ class ReplicaTable:
     def replicas(self, model: str) -> tuple[Replica, ...] | None:
         """Return the ready replicas of ``model``, or None if it is not in the catalog."""
         return self._replicas.get(model)
+
+
+_NO_INFO = ModelInfo()
 
 
 def _checked(model: str, replicas: Sequence[Replica]) -> tuple[Replica, ...]:
@@ -181,19 +230,28 @@ class LoadTracker:
 
 @attrs.frozen
 class RequestInfo:
-    """What a routing policy may look at: the endpoint path, the model, and the parsed body."""
+    """What a routing policy may look at: the endpoint path, the model, and the parsed body.
+
+    ``model`` is the name as requested; ``adapter`` is the LoRA adapter it names (None: a
+    base model), set by the gateway once it has resolved the name (llmgw/router/adapters.py).
+    """
 
     path: str
     model: str
     stream: bool = False
     body: Mapping[str, Any] = attrs.field(factory=dict)
+    adapter: str | None = None
 
 
 class RoutingPolicy(Protocol):
-    """Picks the replica for one request."""
+    """Picks the replica for one request.
 
-    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
-        """Return one of ``candidates`` (never empty) for ``request``."""
+    ``choose`` returns the replica, or an awaitable of it (a KV-aware policy may ask a
+    replica to tokenize first: llmgw/router/kvrouting.py); the gateway awaits it then.
+    """
+
+    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | Awaitable[Replica]:
+        """Return one of ``candidates`` (never empty) for ``request``, or an awaitable of it."""
         ...
 
 

@@ -19,7 +19,7 @@ from prometheus_client.metrics_core import Metric
 
 from .admission import TenantCounters
 from .auth import KeyEntry, Tenant
-from .replicas import Replica, ReplicaTable
+from .replicas import ModelInfo, Replica, ReplicaTable
 from .usage import UsageCounts
 
 
@@ -39,20 +39,31 @@ def scaled_tenant(tenant: Tenant, workers: int) -> Tenant:
 
 
 def encode_table(table: ReplicaTable) -> dict[str, Any]:
-    """Return the table's models, their replicas and ``created`` times as msgpack values."""
+    """Return the table's models, their replicas (with engine and adapters), ``created``
+    times and model info (engine, adapters, max_loaded_adapters) as msgpack values."""
     models = table.models()
+    info = {m.name: table.model_info(m.name) for m in models}
     return {
         "created": {m.name: m.created for m in models},
         "replicas": {
-            m.name: [[r.id, r.endpoint, r.node_id] for r in table.replicas(m.name) or ()] for m in models
+            m.name: [
+                [r.id, r.endpoint, r.node_id, r.engine, [list(pair) for pair in r.adapters]]
+                for r in table.replicas(m.name) or ()
+            ]
+            for m in models
         },
+        "info": {name: [i.engine, list(i.adapters), i.max_loaded_adapters] for name, i in info.items()},
     }
 
 
 def decode_table(data: Mapping[str, Any]) -> tuple[dict[str, list[Replica]], dict[str, int]]:
-    """Return ``(replicas by model, created by model)`` from :func:`encode_table`'s value."""
+    """Return ``(replicas by model, created by model)`` from :func:`encode_table`'s value
+    (model info: :meth:`MirrorTable.load_state`)."""
     replicas = {
-        model: [Replica(rid, model, endpoint, node) for rid, endpoint, node in rows]
+        model: [
+            Replica(rid, model, endpoint, node, engine, tuple((str(n), str(p)) for n, p in adapters))
+            for rid, endpoint, node, engine, adapters in rows
+        ]
         for model, rows in data["replicas"].items()
     }
     return replicas, dict(data["created"])
@@ -90,6 +101,15 @@ class MirrorTable(ReplicaTable):
         self.replace_all(replicas)
         now = int(time.time())
         self._created = {model: int(created.get(model, now)) for model in replicas}
+
+    def load_state(self, data: Mapping[str, Any]) -> None:
+        """Make the table exactly :func:`encode_table`'s value: replicas, ``created`` times
+        and model info (engines, adapters)."""
+        replicas, created = decode_table(data)
+        self.load(replicas, created)
+        for model, (engine, adapters, max_loaded) in data.get("info", {}).items():
+            if model in replicas:
+                self.set_model_info(model, ModelInfo(str(engine), tuple(map(str, adapters)), int(max_loaded)))
 
 
 # -- reports (up) -------------------------------------------------------------------------

@@ -332,6 +332,19 @@ async def reset_prefix_cache(engine: Engine, req: Request, resp: Responder) -> N
     await resp.send(200, b"", b"text/plain")
 
 
+async def debug_cached_blocks(engine: Engine, req: Request, resp: Responder) -> None:
+    """``POST /debug/cached_blocks`` ``{"model", "tokens", "cache_salt"?}`` -> ``{"cached_blocks", "block_size"}``:
+    the leading blocks of ``tokens`` this engine holds now (an oracle for routing benchmarks; vLLM has no such
+    endpoint)."""
+    body = _json_body(req)
+    lora = engine.resolve_model(body.get("model"))
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise EngineError(400, "'tokens' must be a list of token ids", param="tokens")
+    hit = engine.cache.cached_blocks(tokens, lora=lora, cache_salt=_cache_salt(body))
+    await resp.send_json(200, {"cached_blocks": hit, "block_size": engine.cfg.block_size})
+
+
 async def kv_event_sources(engine: Engine, req: Request, resp: Responder) -> None:
     cfg = engine.cfg
     await resp.send_json(
@@ -365,6 +378,7 @@ ROUTES: dict[str, tuple[str, Route]] = {
     "/load": ("GET", load),
     "/reset_prefix_cache": ("POST", reset_prefix_cache),
     "/kv_event_sources": ("GET", kv_event_sources),
+    "/debug/cached_blocks": ("POST", debug_cached_blocks),
 }
 
 

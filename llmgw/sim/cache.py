@@ -103,6 +103,20 @@ class PrefixCache:
         self._store(hashes, hit, prompt, lora)
         return Prefill(hashes=tuple(hashes), cached_tokens=hit * bs)
 
+    def cached_blocks(self, prompt: Sequence[int], *, lora: LoraRef | None = None, cache_salt: str | None = None) -> int:
+        """Return how many leading blocks of ``prompt`` a prefill would find now (no change, no counting).
+
+        For benchmarks: the truth an oracle router would route by.
+        """
+        bs = self.block_size
+        hashes = kvhash.block_hashes(prompt, bs, seed=self.seed, lora=(lora.name, lora.path) if lora else None,
+                                     cache_salt=cache_salt)
+        max_hit = max(0, (len(prompt) - 1) // bs)
+        hit = 0
+        while hit < max_hit and hit < len(hashes) and hashes[hit] in self._blocks:
+            hit += 1
+        return hit
+
     def store_decoded(
         self,
         all_tokens: Sequence[int],

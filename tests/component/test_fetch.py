@@ -19,7 +19,8 @@ import attrs
 import pytest
 import trio
 
-from llmgw.node.fetch import COMPLETE_MARKER, FetchError, FetchSettings, fetch_weights
+from llmgw.node.fetch import COMPLETE_MARKER, FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights
+from llmgw.spec import Adapter
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -212,3 +213,33 @@ async def test_unknown_repository_and_traversal_refused(tmp_path: Path, hub: Hub
     with pytest.raises(FetchError, match="outside its directory"):
         await fetch_weights("hf://org/tiny", _settings(tmp_path, hub))
     assert not (tmp_path / "weights" / "hf" / "org" / "escape.bin").exists()
+
+
+async def test_adapters_fetched_in_order_with_named_progress(tmp_path: Path, hub: Hub) -> None:
+    hub.files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"a" * 20_000}
+    local = tmp_path / "chat.gguf"
+    local.write_bytes(b"lora")
+    url = f"{hub.url}/org/tiny/resolve/{COMMIT}/adapter_config.json"
+    settings = _settings(tmp_path, hub)
+    messages: list[str] = []
+    adapters = (Adapter("sql", "hf://org/tiny"), Adapter("chat", str(local)), Adapter("cfg", url))
+    fetched = await fetch_adapters(adapters, settings, messages.append)
+    assert fetched == (Adapter("sql", str(_repo_dir(tmp_path))), Adapter("chat", str(local)),
+                       Adapter("cfg", str(cached_path(url, settings))))
+    assert (_repo_dir(tmp_path) / "adapter_model.safetensors").read_bytes() == hub.files["adapter_model.safetensors"]
+    assert messages[-1].startswith("fetching adapter cfg: ")
+    assert any(m == "fetching adapter sql: 20.0/20.0 kB" for m in messages)
+    # An agent that restarts finds every adapter where it was fetched, without the network.
+    assert [cached_path(a.source, settings) for a in adapters] == [Path(a.source) for a in fetched]
+
+
+async def test_adapter_fetch_errors_name_the_adapter(tmp_path: Path, hub: Hub) -> None:
+    settings = _settings(tmp_path, hub)
+    with pytest.raises(FetchError, match=r"^LoRA adapter 'sql': path /nowhere/sql does not exist on this node"):
+        await fetch_adapters((Adapter("sql", "/nowhere/sql"),), settings)
+    with pytest.raises(FetchError, match=r"^LoRA adapter 'x': .*no repository org/other"):
+        await fetch_adapters((Adapter("x", "hf://org/other"),), settings)
+    # The simulated engine's adapters are labels: nothing to check or fetch.
+    labels = (Adapter("a", "not-a-file"),)
+    assert await fetch_adapters(labels, settings, check_local=False) == labels
+    assert cached_path("hf://org/other", settings) is None and cached_path("/nowhere", settings) is None

@@ -86,8 +86,8 @@ async def test_replicas_of_lists_ready_endpoints_on_online_nodes() -> None:
                                                   (spec("n-1", "n"), ready("n-1", "http://a:2"))])
     reg.node_joined("b", "h", HW, ENGINES, [(spec("m-3"), ready("m-3", "http://b:1"))])
     assert reg.replicas_of("m") == [
-        ReadyReplica(id="m-1", model="m", endpoint="http://a:1", node_id="a"),
-        ReadyReplica(id="m-3", model="m", endpoint="http://b:1", node_id="b"),
+        ReadyReplica(id="m-1", model="m", endpoint="http://a:1", node_id="a", engine="llama.cpp"),
+        ReadyReplica(id="m-3", model="m", endpoint="http://b:1", node_id="b", engine="llama.cpp"),
     ]
     reg.node_disconnected("a", ea)
     assert [r.id for r in reg.replicas_of("m")] == ["m-3"]

@@ -7,6 +7,7 @@ import socket
 import sqlite3
 from typing import Any, Iterator, Sequence
 
+import attrs
 import psycopg
 import pytest
 import trio
@@ -25,7 +26,7 @@ from llmgw.control.store import (
     parse_target,
     redact_dsn,
 )
-from llmgw.spec import ModelSpec, Profile
+from llmgw.spec import Adapter, ModelSpec, Profile
 
 LATEST = MIGRATIONS[-1].version
 
@@ -163,6 +164,51 @@ async def test_models_crud_and_conflict(db_url: str) -> None:
         assert await store.delete_model("qwen-0.5b") is True
         assert await store.delete_model("qwen-0.5b") is False
         assert await store.list_models() == [model("a-first")]
+
+
+async def test_models_keep_their_adapters(db_url: str) -> None:
+    spec = ModelSpec(
+        name="base", engine="vllm", source="/models/base",
+        adapters=(Adapter("sql", "hf://org/sql-lora@v1"), Adapter("chat", "/adapters/chat")),
+        max_loaded_adapters=1,
+    )
+    async with open_store(db_url) as store:
+        assert await store.put_model(spec, create_only=True) == spec
+        assert await store.get_model("base") == spec
+        fewer = attrs.evolve(spec, adapters=(Adapter("chat", "/adapters/chat2"),), max_loaded_adapters=0)
+        assert await store.put_model(fewer, create_only=False) == fewer
+        assert await store.list_models() == [fewer]
+
+
+async def test_adapter_and_model_names_share_one_namespace(db_url: str) -> None:
+    base = ModelSpec(name="base", engine="vllm", source="/m", adapters=(Adapter("sql", "/a/sql"),))
+    async with open_store(db_url) as store:
+        await store.put_model(base, create_only=True)
+        with pytest.raises(ConflictError, match="model name 'sql' is already taken by an adapter of model 'base'"):
+            await store.put_model(model("sql"), create_only=True)
+        clash = ModelSpec(name="other", engine="vllm", source="/m", adapters=(Adapter("base", "/a/x"),))
+        with pytest.raises(ConflictError, match="adapter name 'base' is already taken by model 'base'"):
+            await store.put_model(clash, create_only=False)
+        assert [m.name for m in await store.list_models()] == ["base"]  # nothing was written
+        # Replacing a model may keep (or rename) its own adapters.
+        renamed = attrs.evolve(base, adapters=(Adapter("sql2", "/a/sql"),))
+        assert await store.put_model(renamed, create_only=False) == renamed
+        assert await store.put_model(model("sql"), create_only=True) == model("sql")  # the name is free again
+
+
+async def test_migration_3_keeps_existing_models_without_adapters(db_url: str) -> None:
+    """A catalog written at schema 2 reads back unchanged, with no adapters, after migration 3."""
+    async with open_store(db_url, migrations=MIGRATIONS[:2]) as store:
+        assert await store.schema_version() == 2
+    raw_query(
+        db_url,
+        "INSERT INTO models (name, engine, source, profile, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+        ("old", "llama.cpp", "/models/old.gguf", '{"replicas": 2}', 1.0, 1.0),
+    )
+    async with open_store(db_url) as store:
+        assert await store.schema_version() == LATEST
+        [old] = await store.list_models()
+    assert old == ModelSpec(name="old", engine="llama.cpp", source="/models/old.gguf", profile=Profile(replicas=2))
 
 
 async def test_nodes_keep_first_seen_and_follow_address(db_url: str) -> None:

@@ -25,11 +25,12 @@ MODEL = "tiny-llama"
 READY_TIMEOUT = 120.0  # the tiny model loads in milliseconds; a busy machine is slow to start processes
 REQUEST_TIMEOUT = 60.0
 PROMPT = "hello world the model"
+ADAPTER = "tiny-tuned"
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A cluster with one agent serving the tiny model (with one LoRA adapter) on llama.cpp."""
+    """A cluster with one agent serving the tiny model, with one catalog LoRA adapter, on llama.cpp."""
     if find_installed() is None:
         pytest.fail("llama-server is not installed: run `python -m llmgw.node.install.llamacpp` (make test does)")
     root = tmp_path_factory.mktemp("llamacpp")
@@ -42,8 +43,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         await cluster.start_server()
         await cluster.start_agent("node-a")
         out = cluster.ctl("models", "add", MODEL, "--engine", "llama.cpp", "--source", str(model),
-                          "--arg=-c", "--arg=512", "--arg=-np", "--arg=2", "--arg=-t", "--arg=1",
-                          f"--arg=--llmgw-lora={lora}")
+                          "--adapter", f"{ADAPTER}={lora}",
+                          "--arg=-c", "--arg=512", "--arg=-np", "--arg=2", "--arg=-t", "--arg=1")
         assert out.returncode == 0, out.stderr
 
         async def ready() -> dict[str, Any] | None:
@@ -91,16 +92,43 @@ def test_forbidden_arg_is_refused_by_the_catalog(served: dict[str, Any]) -> None
     assert out.returncode != 0 and "--slot-save-path" in out.stderr
 
 
-def test_lora_per_request_reaches_the_engine(served: dict[str, Any]) -> None:
-    url = served["cluster"].gateway + "/v1/chat/completions"
+def ask(served: dict[str, Any], model: str, **extra: Any) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0,
+            **extra}
+    return httpx.post(served["cluster"].gateway + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
 
-    def ask(scale: float) -> str:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
-                "temperature": 0, "lora": [{"id": 0, "scale": scale}]}
-        r = httpx.post(url, json=body, timeout=REQUEST_TIMEOUT)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["message"]["content"]
 
-    base, adapted = ask(0.0), ask(1.0)
-    assert base == ask(0.0)  # deterministic
+def text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_the_catalog_adapter_is_loaded_at_start(served: dict[str, Any]) -> None:
+    adapters = httpx.get(served["replica"]["endpoint"] + "/lora-adapters", timeout=REQUEST_TIMEOUT).json()
+    assert [a["id"] for a in adapters] == [0] and adapters[0]["path"].endswith("tiny-lora.gguf")
+
+
+def test_a_request_naming_the_adapter_gets_the_adapted_model(served: dict[str, Any]) -> None:
+    base = text(ask(served, MODEL))
+    assert text(ask(served, MODEL)) == base  # greedy: deterministic
+    adapted = text(ask(served, ADAPTER))
     assert adapted != base
+    assert text(ask(served, ADAPTER)) == adapted
+    assert text(ask(served, MODEL)) == base  # the adapter applies to its own requests only
+
+
+def test_the_client_lora_field_is_checked_and_passed(served: dict[str, Any]) -> None:
+    assert text(ask(served, MODEL, lora=[{"id": 0, "scale": 1.0}])) == text(ask(served, ADAPTER))
+    assert text(ask(served, MODEL, lora=[{"id": 0, "scale": 0.0}])) == text(ask(served, MODEL))
+    unknown = ask(served, MODEL, lora=[{"id": 1, "scale": 1.0}])  # llama.cpp itself would ignore it
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora"
+
+
+def test_the_gateway_lists_the_adapter_under_its_model(served: dict[str, Any]) -> None:
+    cards = httpx.get(served["cluster"].gateway + "/v1/models", timeout=REQUEST_TIMEOUT).json()["data"]
+    assert {c["id"]: c.get("parent") for c in cards} == {MODEL: None, ADAPTER: MODEL}
+
+
+def test_an_unknown_adapter_is_a_clear_404(served: dict[str, Any]) -> None:
+    response = ask(served, "tiny-nope")
+    assert response.status_code == 404 and "tiny-nope" in response.json()["error"]["message"]

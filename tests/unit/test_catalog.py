@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.control.catalog import CatalogError, check_engine_args, model_to_dict, validate_model
-from llmgw.spec import ModelSpec, Profile
+from llmgw.control.catalog import CatalogError, check_engine_args, model_to_dict, namespace_conflict, validate_model
+from llmgw.spec import Adapter, ModelSpec, Profile
 
 
 def base(**overrides: Any) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def test_valid_names(name: str) -> None:
         (base(source="models/q.gguf"), "source: must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine 'llama.cpp', got 'models/q.gguf'"),
         (base(source=""), "source: must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine 'llama.cpp', got ''"),
         (base(sorce="/x"), "sorce: unknown key (did you mean 'source'?)"),
-        (base(colour="red"), "colour: unknown key (known: engine, name, profile, source)"),
+        (base(colour="red"), "colour: unknown key (known: adapters, engine, max_loaded_adapters, name, profile, source)"),
         (base(profile=[1]), "profile: must be a mapping, got [1]"),
         (base(profile={"replica": 2}), "profile.replica: unknown key (did you mean 'replicas'?)"),
         (base(profile={"replicas": -1}), "profile.replicas: must be an integer >= 0, got -1"),
@@ -189,6 +189,8 @@ def test_model_to_dict_is_plain_data() -> None:
             "engine_args": ["-c", "2048"],
             "engine_env": {"OMP_NUM_THREADS": "1"},
         },
+        "adapters": [],
+        "max_loaded_adapters": 0,
     }
 
 
@@ -233,3 +235,70 @@ def test_remote_weights_sources_are_accepted_and_checked() -> None:
         assert validate_model({"name": "m", "engine": "vllm", "source": source}).source == source
     with pytest.raises(CatalogError, match="64 hex digits"):
         validate_model({"name": "m", "engine": "llama.cpp", "source": "https://example.org/m.gguf#sha256=zz"})
+
+
+# -- LoRA adapters -------------------------------------------------------------------------
+
+
+def test_adapters_are_validated_and_round_trip() -> None:
+    spec = validate_model(base(engine="vllm", adapters=[{"name": "sql", "source": "hf://org/sql-lora@v2"},
+                                                         {"name": "chat", "source": "/adapters/chat"}],
+                               max_loaded_adapters=1))
+    assert spec.adapters == (Adapter("sql", "hf://org/sql-lora@v2"), Adapter("chat", "/adapters/chat"))
+    assert spec.max_loaded_adapters == 1
+    assert validate_model(model_to_dict(spec)) == spec
+
+
+def test_llamacpp_adapters_load_at_start() -> None:
+    spec = validate_model(base(adapters=[{"name": "sql", "source": "https://h/sql.gguf"}]))
+    assert spec.adapters == (Adapter("sql", "https://h/sql.gguf"),) and spec.max_loaded_adapters == 0
+
+
+def test_sim_adapter_source_is_a_label() -> None:
+    spec = validate_model({"name": "s", "engine": "sim", "adapters": [{"name": "a", "source": "anything"}],
+                           "max_loaded_adapters": 1})
+    assert spec.adapters == (Adapter("a", "anything"),)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (base(adapters="sql"), "adapters: must be a list of {name, source} mappings"),
+        (base(adapters=["sql"]), "adapters[0]: must be a mapping with name and source"),
+        (base(adapters=[{"name": "sql"}]), "adapters[0].source: required"),
+        (base(adapters=[{"source": "/a"}]), "adapters[0].name: required"),
+        (base(adapters=[{"name": "SQL", "source": "/a"}]), "adapters[0].name: must match"),
+        (base(adapters=[{"name": "sql", "source": "/a", "rank": 8}]), "adapters[0].rank: unknown key"),
+        (base(adapters=[{"name": "qwen-0.5b", "source": "/a"}]),
+         "adapters[0].name: 'qwen-0.5b' is the model's own name; adapter names share the model namespace"),
+        (base(adapters=[{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]),
+         "adapters[1].name: adapter 'a' is listed twice"),
+        (base(adapters=[{"name": "a", "source": "rel/a.gguf"}]),
+         "adapters[0].source: must be an absolute local path, an http(s) URL or hf://org/repo[@rev] "
+         "for an adapter of engine 'llama.cpp'"),
+        (base(adapters=[{"name": "a", "source": "hf://bad repo"}]), "adapters[0].source: weights source"),
+        (base(engine="sglang", adapters=[{"name": "a", "source": "/a"}]),
+         "adapters: engine 'sglang' does not serve LoRA adapters through llmgw"),
+        (base(adapters=[{"name": "a", "source": "/a"}], max_loaded_adapters=1),
+         "max_loaded_adapters: engine 'llama.cpp' loads every adapter at start and cannot swap them"),
+        (base(engine="vllm", max_loaded_adapters=2), "max_loaded_adapters: the model has no adapters"),
+        (base(engine="vllm", adapters=[{"name": "a", "source": "/a"}], max_loaded_adapters=-1),
+         "max_loaded_adapters: must be an integer >= 0, got -1"),
+        ({"name": "s", "engine": "sim", "adapters": [{"name": "a", "source": ""}]},
+         "adapters[0].source: must be a non-empty string"),
+    ],
+)
+def test_adapter_errors(data: Any, message: str) -> None:
+    assert error_of(data).startswith(message)
+
+
+def test_namespace_conflicts_with_other_entries() -> None:
+    others = [ModelSpec("base", "vllm", "/m", adapters=(Adapter("sql", "/a"),)), ModelSpec("plain", "sim", "")]
+    assert namespace_conflict(ModelSpec("sql", "sim", ""), others) == (
+        "model name 'sql' is already taken by an adapter of model 'base' "
+        "(model and adapter names share one namespace): choose another name"
+    )
+    with_plain = ModelSpec("new", "vllm", "/m", adapters=(Adapter("ok", "/a"), Adapter("plain", "/b")))
+    assert "adapter name 'plain' is already taken by model 'plain'" in (namespace_conflict(with_plain, others) or "")
+    # The entry being replaced does not clash with itself.
+    assert namespace_conflict(ModelSpec("base", "vllm", "/m", adapters=(Adapter("sql", "/b"),)), others) is None

@@ -56,20 +56,17 @@ def test_gpu_shard_offloads_all_layers_and_sees_only_its_gpus() -> None:
     assert engine.argv(spec(gpus=(0,), args=("-ngl", "10")), "h", 1).count("-ngl") == 1
 
 
-def test_llmgw_lora_becomes_lora_and_is_not_passed_on() -> None:
-    s = spec(args=("--llmgw-lora=/a/x.gguf", "-c", "512", "--llmgw-lora", "/a/y.gguf"))
-    engine = LlamaCppEngine(BINARY)
-    engine.check_args(s)
-    argv = engine.argv(s, "h", 1)
-    assert "--llmgw-lora" not in " ".join(argv)
-    assert argv[-6:] == ["--lora", "/a/x.gguf", "--lora", "/a/y.gguf", "-c", "512"]
+def test_the_retired_lora_hook_is_refused_with_what_replaced_it() -> None:
+    from llmgw.node.engines.safety import UnsafeSetting, check
+
+    with pytest.raises(UnsafeSetting, match="--adapter NAME=SOURCE"):
+        check("llama.cpp", ["--llmgw-lora=/a/x.gguf"], {})
 
 
 @pytest.mark.parametrize(
     "args, env, needle",
     [
         (("--lora", "/a/x.gguf"), {}, "--lora"),
-        (("--llmgw-lora=relative.gguf",), {}, "absolute local path"),
         (("--port", "1"), {}, "--port"),
         (("-lv", "1"), {}, "-lv"),
         (("--log-disable",), {}, "--log-disable"),

@@ -21,7 +21,7 @@ from llmgw.control.placement import (
     plan,
 )
 from llmgw.control.registry import Fleet, NodeState, NodeView, ShardView
-from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import Adapter, EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
 
 LLAMA = "llama.cpp"
 GRACE = 60.0
@@ -232,6 +232,13 @@ def test_start_spec_carries_profile_and_fresh_ids() -> None:
         id="m-7", model="m", engine=LLAMA, source="/w/m.gguf", args=("-c", "4096"),
         env={"OMP_NUM_THREADS": "2"}, memory_mb=2048, cpu_cores=2.0, gpus=(),
     )
+
+
+def test_start_spec_carries_the_models_adapters() -> None:
+    adapters = (Adapter("sql", "hf://org/sql"), Adapter("chat", "/w/chat"))
+    m = ModelSpec("m", "vllm", "/w/m", Profile(replicas=1), adapters=adapters, max_loaded_adapters=1)
+    (start,) = plan([m], fleet(node("a", engines=("vllm",))), now=NOW, new_id=lambda _: "m-1")
+    assert start.shard_spec.adapters == adapters and start.shard_spec.max_loaded_adapters == 1
 
 
 def test_unplaceable_reason_names_each_node() -> None:

@@ -43,7 +43,6 @@ def test_tuning_families_are_allowed_for_vllm(name: str) -> None:
         ("VLLM_HOST_IP", "address"),
         ("VLLM_PORT", "port"),
         ("PYTHONPATH", "Python code"),
-        ("PYTHONHASHSEED", "hashing"),
         ("VLLM_ALLOW_INSECURE_SERIALIZATION", "unpickle"),
         ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "agent sets it"),
         ("CUDA_VISIBLE_DEVICES", "agent sets it"),
@@ -107,10 +106,16 @@ def test_spellings_and_abbreviations_are_caught() -> None:
     assert refused("vllm", ["-1", "-0.5", "value"]) == [], "values and negative numbers are not options"
 
 
+def test_hash_seed_may_be_set_though_it_breaks_kv_routing() -> None:
+    assert refused("vllm", env={"PYTHONHASHSEED": "1"}) == [] and refused("sim", env={"PYTHONHASHSEED": "1"}) == []
+    assert refused("vllm", env={"PYTHONPATH": "/x"}) == ["PYTHONPATH"]
+
+
 def test_llmgw_options_are_known_per_engine() -> None:
     assert refused("vllm", ["--llmgw-kv-events"]) == []
     (v,) = violations("vllm", ["--llmgw-typo"], {})
-    assert "not an llmgw option for engine 'vllm' (known: --llmgw-kv-events)" in v.reason
+    assert "not an llmgw option for engine 'vllm' (known: --llmgw-kv-events, --llmgw-no-kv-events)" in v.reason
+    assert refused("vllm", ["--llmgw-no-kv-events"]) == [] and refused("sim", ["--llmgw-no-kv-events"]) == []
     assert refused("llama.cpp", ["--llmgw-kv-events"]) == ["--llmgw-kv-events"]
     assert llmgw_options("vllm", ["--llmgw-kv-events", "--max-model-len", "64"]) == (
         {"--llmgw-kv-events"}, ["--max-model-len", "64"])

@@ -99,3 +99,19 @@ def test_clear_emits_all_blocks_cleared():
     cache.prefill(list(range(9)))
     cache.clear()
     assert events[-1] == {"type": "AllBlocksCleared"} and len(cache) == 0
+
+
+def test_cached_blocks_reports_the_leading_hit_without_changing_anything() -> None:
+    from llmgw.sim.cache import PrefixCache
+
+    events: list = []
+    cache = PrefixCache(16, 64, seed="0", emit=events.append)
+    prompt = list(range(1, 50))  # 3 full blocks
+    assert cache.cached_blocks(prompt) == 0
+    cache.prefill(prompt)
+    emitted, queries = len(events), cache.queries
+    assert cache.cached_blocks(prompt) == 3
+    assert cache.cached_blocks(prompt[:48]) == 2  # the last token is always computed
+    assert cache.cached_blocks(list(range(1, 33)) + [999] * 17) == 2  # the first two blocks match
+    assert cache.cached_blocks(prompt, cache_salt="other") == 0
+    assert (len(events), cache.queries) == (emitted, queries)

@@ -74,21 +74,31 @@ def test_lora_profile_enables_runtime_loading() -> None:
     assert vllm_argv("py", s, "h", 1)[-5:] == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 
 
-def test_kv_events_when_the_profile_asks() -> None:
+def test_kv_events_by_default_with_the_launch_block_size() -> None:
     engine = VllmEngine(roots=[])
-    assert engine.kv_events_for(spec()) is None
-    s = spec("--llmgw-kv-events")
+    s = spec()
     config = engine.kv_events_for(s)
     assert config is not None and config.endpoint.startswith("tcp://127.0.0.1:")
     assert config.replay_endpoint.startswith("tcp://127.0.0.1:") and config.replay_endpoint != config.endpoint
-    assert engine.kv_events_for(s) is config, "chosen once per shard: the subscriber keeps its socket"
-    argv = vllm_argv("py", s, "h", 1, kv_events=config)
+    assert config.block_size == 128, "CPU default, which the agent passes"
+    assert engine.kv_events_for(spec("--block-size", "64")).block_size == 64
+    assert engine.kv_events_for(spec(gpus=(0,))).block_size == 16, "vLLM's GPU default"
+    argv = vllm_argv("py", spec("--llmgw-kv-events"), "h", 1, kv_events=config)
     assert "--llmgw-kv-events" not in argv, "llmgw's own option is not passed to vLLM"
     assert json.loads(value(argv, "--kv-events-config")) == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": config.endpoint,
         "replay_endpoint": config.replay_endpoint, "topic": "kv",
     }
+    assert value(argv, "--prefix-caching-hash-algo") == "sha256_cbor"
     assert vllm_env(s)["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "1"
+    assert vllm_env(s)["PYTHONHASHSEED"] == "0"
+
+
+def test_kv_events_opt_out() -> None:
+    s = spec("--llmgw-no-kv-events")
+    assert VllmEngine(roots=[]).kv_events_for(s) is None
+    assert "--llmgw-no-kv-events" not in vllm_argv("py", s, "h", 1)
+    assert "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES" not in vllm_env(s)
 
 
 def test_multi_node_flags() -> None:

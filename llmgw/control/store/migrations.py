@@ -159,6 +159,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=3,
+        name="LoRA adapters of catalog models",
+        statements=(
+            # adapters: a JSON list of {"name", "source"}; max_loaded_adapters: 0 = all loaded at start.
+            "ALTER TABLE models ADD COLUMN adapters {json} NOT NULL DEFAULT '[]'",
+            "ALTER TABLE models ADD COLUMN max_loaded_adapters INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 

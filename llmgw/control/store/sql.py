@@ -35,7 +35,7 @@ from llmgw.control.store.migrations import (
     check_migrations,
     latest_version,
 )
-from llmgw.spec import ModelSpec, Profile
+from llmgw.spec import Adapter, ModelSpec, Profile
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -100,9 +100,26 @@ def _profile_from_json(text: str) -> Profile:
     return Profile(**known)
 
 
+def _adapters_to_json(adapters: Sequence[Adapter]) -> str:
+    return _dump_json([{"name": a.name, "source": a.source} for a in adapters])
+
+
+def _adapters_from_json(value: Any) -> tuple[Adapter, ...]:
+    """Rebuild adapters from stored JSON (text on SQLite; PostgreSQL's driver may hand back a list)."""
+    data = json.loads(value) if isinstance(value, (str, bytes)) else value
+    return tuple(Adapter(name=str(a["name"]), source=str(a["source"])) for a in data or ())
+
+
 def _model(row: Row) -> ModelSpec:
-    name, engine, source, profile = row
-    return ModelSpec(name=name, engine=engine, source=source, profile=_profile_from_json(profile))
+    name, engine, source, profile, adapters, max_loaded = row
+    return ModelSpec(
+        name=name,
+        engine=engine,
+        source=source,
+        profile=_profile_from_json(profile),
+        adapters=_adapters_from_json(adapters),
+        max_loaded_adapters=int(max_loaded),
+    )
 
 
 def _node(row: Row) -> NodeRecord:
@@ -130,7 +147,7 @@ def _setting(row: Row) -> SettingVersion:
     )
 
 
-_MODEL_COLUMNS = "name, engine, source, profile"
+_MODEL_COLUMNS = "name, engine, source, profile, adapters, max_loaded_adapters"
 _NODE_COLUMNS = "id, address, first_seen, last_seen, labels"
 _AUDIT_COLUMNS = "id, ts, actor, action, target, detail"
 
@@ -226,14 +243,27 @@ class SqlStore(Store):
     # -- models --------------------------------------------------------------------------
 
     async def put_model(self, spec: ModelSpec, *, create_only: bool) -> ModelSpec:
+        from llmgw.control.catalog import namespace_conflict
+
         now = time.time()
-        params = (spec.name, spec.engine, spec.source, _profile_to_json(spec.profile), now, now)
+        params = (
+            spec.name, spec.engine, spec.source, _profile_to_json(spec.profile),
+            _adapters_to_json(spec.adapters), spec.max_loaded_adapters, now, now,
+        )
         insert = (
-            "INSERT INTO models (name, engine, source, profile, created_at, updated_at) "
-            "VALUES (?, ?, ?, ?, ?, ?) "
+            "INSERT INTO models (name, engine, source, profile, adapters, max_loaded_adapters, "
+            "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
         )
 
         def write(tx: Tx) -> ModelSpec:
+            # Model and adapter names share one namespace; checked in the write's own
+            # transaction (only the leading control plane writes the catalog).
+            others = [_model(r) for r in tx.execute(
+                f"SELECT {_MODEL_COLUMNS} FROM models WHERE name <> ?", (spec.name,)
+            )]
+            conflict = namespace_conflict(spec, others)
+            if conflict:
+                raise ConflictError(conflict)
             if create_only:
                 rows = tx.execute(
                     insert + f"ON CONFLICT (name) DO NOTHING RETURNING {_MODEL_COLUMNS}", params
@@ -247,6 +277,7 @@ class SqlStore(Store):
                 rows = tx.execute(
                     insert + "ON CONFLICT (name) DO UPDATE SET engine = excluded.engine, "
                     "source = excluded.source, profile = excluded.profile, "
+                    "adapters = excluded.adapters, max_loaded_adapters = excluded.max_loaded_adapters, "
                     f"updated_at = excluded.updated_at RETURNING {_MODEL_COLUMNS}",
                     params,
                 )

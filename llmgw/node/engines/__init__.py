@@ -83,6 +83,10 @@ class Engine(Protocol):
     #       what the engine's startup output says it computes on (devices, buffers, layers);
     #   gpu_failure(compute: Compute | None, spec: ShardSpec) -> str | None
     #       why a shard given GPUs is not using them, in the engine's own words (None: fine).
+    #   kv_events_for(spec: ShardSpec, host: str) -> llmgw.node.kvevents.KvEventsConfig | None
+    #       fresh KV-event endpoints and block size for a shard whose engine publishes vLLM KV
+    #       events (None: it does not); such an adapter's argv also takes ``kv_events=config``.
+    #       The supervisor asks once per shard, persists it, and binds the subscriber first.
 
 
 #: Variables of the agent's own environment an engine inherits. Everything else (credentials,

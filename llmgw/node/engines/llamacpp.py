@@ -3,7 +3,7 @@
 Command line for a shard (what the agent sets itself; a profile may not set these)::
 
     llama-server -m SOURCE --alias MODEL --host H --port P --metrics -lv 4 -t THREADS
-                 [-ngl 999 (GPU shards)] [profile args: -c, -np, --lora A.gguf, ...]
+                 [-ngl 999 (GPU shards)] [--lora ADAPTER ...] [profile args: -c, -np, ...]
 
 - threads: the profile's ``cpu_cores`` (reserved by placement) when set, else the
   per-node override (:attr:`LlamaCppEngine.threads`, the hook for agent.yaml's
@@ -13,10 +13,14 @@ Command line for a shard (what the agent sets itself; a profile may not set thes
   :func:`parse_output` turns into the shard's :class:`~llmgw.spec.Compute`.
 - ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES`` = the shard's GPUs (empty
   for a CPU shard, so it never touches a GPU placement did not give it).
-- LoRA adapters: ``--llmgw-lora=/abs/adapter.gguf`` (llmgw's own profile option, one per
-  adapter; ``--lora`` itself is refused by the policy) becomes ``--lora PATH``; all are
-  loaded at start (ids 0, 1, ... in profile order) and requests pick them with the
-  per-request ``lora`` field. Until the catalog has an adapters list, this is the hook.
+- LoRA adapters: the catalog's adapters (``spec.adapters``, their sources already local
+  paths: the supervisor fetched them) become ``--lora PATH`` each, in order, so adapter i
+  has llama.cpp id i (the order the shard reports in ``ShardStatus.adapters``). llama.cpp
+  applies every loaded adapter at scale 1 to a request without a ``lora`` field
+  (``--lora-init-without-apply`` does not change that in build b11312: measured), so the
+  gateway sends every request to such a replica with an explicit per-request ``lora``
+  field (:mod:`llmgw.router.adapters`). ``--lora`` in a profile is refused: adapters are
+  catalog entries.
 
 Health: GET /health answers 503 while the model loads, 200 once it serves.
 """
@@ -72,7 +76,6 @@ READING_FLAGS: dict[str, str] = {
 }
 _THREAD_FLAGS = ("-t", "--threads")
 _GPU_LAYER_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
-LORA_OPTION = "--llmgw-lora"
 
 
 def _flag(arg: str) -> str:
@@ -86,50 +89,19 @@ def _env_flag(name: str) -> str | None:
     return "--" + name[len("LLAMA_ARG_"):].lower().replace("_", "-")
 
 
-def lora_paths(args: tuple[str, ...] | list[str]) -> list[str]:
-    """Returns the adapter paths of ``--llmgw-lora=PATH`` / ``--llmgw-lora PATH`` in ``args``, in order."""
-    paths, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith(LORA_OPTION + "="):
-            paths.append(arg.split("=", 1)[1])
-        elif arg == LORA_OPTION:
-            paths.append(args[i + 1] if i + 1 < len(args) else "")
-            i += 1
-        i += 1
-    return paths
-
-
-def engine_args(args: tuple[str, ...] | list[str]) -> list[str]:
-    """Returns ``args`` without llmgw's own ``--llmgw-lora`` options (and their values)."""
-    out, i = [], 0
-    while i < len(args):
-        if args[i] == LORA_OPTION:
-            i += 2
-            continue
-        if not args[i].startswith(LORA_OPTION + "="):
-            out.append(args[i])
-        i += 1
-    return out
-
-
 def check_llamacpp_args(spec: ShardSpec) -> None:
     """Raises EngineRefused naming the first argument or LLAMA_ARG_* variable llama.cpp shards may not use.
 
     Refused: what the agent sets itself, flags that read/write/fetch chosen files or URLs,
-    and ``--lora`` paths that are not absolute local paths. Returns None if all is allowed.
+    Returns None if all is allowed.
     """
     check_refused(spec)
-    for arg in engine_args(spec.args):
+    for arg in spec.args:
         flag = _flag(arg)
         reason = AGENT_FLAGS.get(flag) or READING_FLAGS.get(flag)
         if reason:
             raise EngineRefused(f"shard {spec.id}: llama.cpp argument {flag!r} is refused: {reason}; "
                                 "remove it from the model's profile engine_args")
-    for path in lora_paths(spec.args):
-        if not path.startswith("/") or "\0" in path:
-            raise EngineRefused(f"shard {spec.id}: {LORA_OPTION} needs an absolute local path to a GGUF adapter, "
-                                f"got {path!r}")
     for name in spec.env:
         flag = _env_flag(name)
         if flag is None:
@@ -193,14 +165,14 @@ class LlamaCppEngine:
             )
         argv = [str(binary), "-m", spec.source, "--alias", spec.model, "--host", host, "--port", str(port),
                 "--metrics", "-lv", VERBOSITY]
-        rest = engine_args(spec.args)
+        rest = list(spec.args)
         flags = {_flag(a) for a in rest}
         if not flags & set(_THREAD_FLAGS):
             argv += ["-t", str(default_threads(spec, self.threads))]
         if spec.gpus and not flags & set(_GPU_LAYER_FLAGS):
             argv += ["-ngl", ALL_LAYERS]
-        for path in lora_paths(spec.args):
-            argv += ["--lora", path]
+        for adapter in spec.adapters:
+            argv += ["--lora", adapter.source]
         return argv + rest
 
     def env(self, spec: ShardSpec) -> dict[str, str]:

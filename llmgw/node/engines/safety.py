@@ -110,9 +110,14 @@ REFUSED_SHORT: Mapping[str, str] = {
 MIN_ABBREVIATION = 2
 #: llmgw's own profile options, per engine: read by the adapter, never passed to the engine.
 LLMGW_OPTIONS: Mapping[str, frozenset[str]] = {
-    "vllm": frozenset({"--llmgw-kv-events"}),
-    # llama.cpp: --llmgw-lora=/abs/adapter.gguf: the adapter checks the path and passes --lora itself
-    "llama.cpp": frozenset({"--llmgw-lora"}),
+    # vLLM and the simulator publish KV events by default (the router needs them);
+    # --llmgw-no-kv-events turns them off, --llmgw-kv-events is accepted for older catalogs.
+    "vllm": frozenset({"--llmgw-kv-events", "--llmgw-no-kv-events"}),
+    "sim": frozenset({"--llmgw-no-kv-events"}),
+}
+#: llmgw options that were replaced, with what replaced them (named in the refusal).
+RETIRED_OPTIONS: Mapping[str, str] = {
+    "--llmgw-lora": "adapters are catalog entries now: `llmgw ctl models add ... --adapter NAME=SOURCE`",
 }
 
 #: Environment families a real engine's profile may set (fnmatch patterns), per engine.
@@ -221,6 +226,8 @@ def _arg_problem(engine: str, option: str) -> str | None:
     if option.startswith("--llmgw-"):
         if option in LLMGW_OPTIONS.get(engine, ()):
             return None
+        if option in RETIRED_OPTIONS:
+            return f"{option} is no longer an llmgw option: {RETIRED_OPTIONS[option]}"
         known = ", ".join(sorted(LLMGW_OPTIONS.get(engine, ()))) or "none"
         return f"{option} is not an llmgw option for engine {engine!r} (known: {known})"
     refused = {**REFUSED_ARGS, **{a: "the agent sets it itself" for a in AGENT_ARGS}}
@@ -233,8 +240,17 @@ def _arg_problem(engine: str, option: str) -> str | None:
     return None
 
 
+#: Allowed for every engine although ``PYTHON*`` is refused: vLLM seeds its block hashes with
+#: it. The agent sets :data:`llmgw.kvhash.KV_HASH_SEED`; a profile that sets another value
+#: BREAKS precise KV routing (the router's hashes no longer match the engine's, which the
+#: router's hash-agreement check reports as an alarm). Meant for tests of that alarm.
+HASH_SEED_ENV = "PYTHONHASHSEED"
+
+
 def _env_problem(engine: str, name: str) -> str | None:
     """Returns why variable ``name`` is refused for ``engine``, or None."""
+    if name == HASH_SEED_ENV:
+        return None
     families = ENV_FAMILIES.get(engine, _COMMON_FAMILIES)
     if name.startswith(_LLAMA_ARG_PREFIX) and f"{_LLAMA_ARG_PREFIX}*" in families:
         flag = "--" + name[len(_LLAMA_ARG_PREFIX):].lower().replace("_", "-")

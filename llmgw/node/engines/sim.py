@@ -2,25 +2,59 @@
 
 It is always installed (it is part of this package) and its version is llmgw's.
 It answers GET /health with 200 as soon as it listens, so its startup deadline is short.
+
+Like vLLM, it publishes KV events by default (``--kv-events-endpoint`` the agent's
+subscriber binds, ``--kv-replay-endpoint``, ``--hash-seed`` :data:`llmgw.kvhash.KV_HASH_SEED`);
+the profile turns them off with ``--llmgw-no-kv-events``. A profile's own ``--hash-seed``
+wins (it breaks precise routing: useful to test the router's hash-agreement alarm).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import socket
 import sys
 from pathlib import Path
 
+from llmgw import kvhash
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
+from llmgw.node.engines.safety import llmgw_options, option_name
+from llmgw.node.kvevents import KvEventsConfig
 from llmgw.spec import EngineInfo, ShardSpec
 
 # The simulator loads nothing, so a few seconds is plenty even on a busy node;
 # anything slower is a broken start, better retried than waited for.
 SIM_STARTUP_TIMEOUT = 60.0
+#: The simulator's ``--block-size`` default.
+SIM_BLOCK_SIZE = 16
+#: The profile option that turns KV events off (read by llmgw, not passed to the simulator).
+NO_KV_EVENTS_OPTION = "--llmgw-no-kv-events"
+#: Simulator options through which a profile publishes events itself: the agent then adds none.
+_OWN_EVENT_OPTIONS = ("--kv-events-endpoint", "--kv-replay-endpoint")
 
 # The directory holding the llmgw package, so ``-m llmgw.sim`` resolves to this same
 # llmgw even when it runs from a source checkout that is not installed.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+def _free_port(host: str) -> int:
+    """Returns a TCP port that was free on ``host`` a moment ago (the kernel's choice)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def sim_block_size(args: list[str] | tuple[str, ...]) -> int:
+    """Returns the ``--block-size`` in ``args`` (``--block-size N`` or ``=N``; last wins), else the default."""
+    size = SIM_BLOCK_SIZE
+    for i, arg in enumerate(args):
+        if option_name(arg) != "--block-size":
+            continue
+        text = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        if text.isdigit() and int(text) > 0:
+            size = int(text)
+    return size
 
 
 def _llmgw_version() -> str:
@@ -29,6 +63,22 @@ def _llmgw_version() -> str:
         return importlib.metadata.version("llmgw")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def sim_lora_args(spec: ShardSpec) -> list[str]:
+    """Returns the simulator's LoRA flags for ``spec``'s catalog adapters ([] when none).
+
+    ``--enable-lora --max-loras N`` (max_loaded_adapters, or the adapter count when all
+    load at start) and ``--any-lora-path`` (a simulated adapter's source is a label, not a
+    file); with max_loaded_adapters == 0 also ``--lora NAME=PATH`` per adapter.
+    """
+    if not spec.adapters:
+        return []
+    out = ["--enable-lora", "--max-loras", str(spec.max_loaded_adapters or len(spec.adapters)), "--any-lora-path"]
+    if spec.max_loaded_adapters == 0:
+        for adapter in spec.adapters:
+            out += ["--lora", f"{adapter.name}={adapter.source}"]
+    return out
 
 
 class SimEngine:
@@ -42,9 +92,33 @@ class SimEngine:
         """Returns installed=True with llmgw's version: the simulator ships with llmgw."""
         return EngineInfo(name=self.name, installed=True, version=_llmgw_version(), detail="built into llmgw")
 
-    def argv(self, spec: ShardSpec, host: str, port: int) -> list[str]:
-        """Returns ``python -m llmgw.sim --host H --port P --model NAME`` plus the profile's args."""
-        return [sys.executable, "-m", "llmgw.sim", "--host", host, "--port", str(port), "--model", spec.model, *spec.args]
+    def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
+        """Returns fresh KV-event endpoints on ``host`` and the block size for ``spec``, or None
+        when the profile turns events off or publishes them itself."""
+        own, args = llmgw_options(self.name, spec.args)
+        if NO_KV_EVENTS_OPTION in own or any(option_name(a) in _OWN_EVENT_OPTIONS for a in args):
+            return None
+        return KvEventsConfig(
+            endpoint=f"tcp://{host}:{_free_port(host)}",
+            replay_endpoint=f"tcp://{host}:{_free_port(host)}",
+            block_size=sim_block_size(args),
+        )
+
+    def argv(self, spec: ShardSpec, host: str, port: int, *, kv_events: KvEventsConfig | None = None) -> list[str]:
+        """Returns ``python -m llmgw.sim --host H --port P --model NAME``, the KV-event options
+        for ``kv_events`` (the hash seed before the profile's args, so a profile's own
+        ``--hash-seed`` wins), the LoRA flags of the catalog's adapters (:func:`sim_lora_args`),
+        then the profile's args without llmgw's own options."""
+        _, args = llmgw_options(self.name, spec.args)
+        argv = [sys.executable, "-m", "llmgw.sim", "--host", host, "--port", str(port), "--model", spec.model]
+        if kv_events is not None:
+            argv += [
+                "--kv-events-endpoint", kv_events.endpoint,
+                "--kv-replay-endpoint", kv_events.replay_endpoint,
+                "--kv-topic", kv_events.topic,
+                "--hash-seed", kvhash.KV_HASH_SEED,
+            ]
+        return [*argv, *sim_lora_args(spec), *args]
 
     def env(self, spec: ShardSpec) -> dict[str, str]:
         """Returns the profile's env plus unbuffered output and a PYTHONPATH that finds llmgw."""

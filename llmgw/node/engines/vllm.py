@@ -13,10 +13,14 @@ distribution). What the agent sets, and the profile may not (see
 - ``--prefix-caching-hash-algo sha256_cbor`` and ``PYTHONHASHSEED`` =
   :data:`VLLM_HASH_SEED`: the router hashes prompts exactly like this to find the replica
   holding a prefix;
-- ``--kv-events-config`` when the profile asks (``--llmgw-kv-events``): a loopback ZMQ
-  endpoint the agent binds (:class:`KvEventsConfig`, kept in :attr:`VllmEngine.kv_events`);
-- LoRA: a profile with ``--enable-lora`` gets ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
-  (adapters are loaded at run time through the engine's API);
+- ``--kv-events-config`` always (unless the profile says ``--llmgw-no-kv-events``): a
+  loopback ZMQ endpoint the agent's subscriber binds and a replay endpoint vLLM binds
+  (:class:`~llmgw.node.kvevents.KvEventsConfig`, chosen by :meth:`VllmEngine.kv_events_for`
+  once per shard and persisted with it), ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``;
+- LoRA (:func:`lora_args`): a model with catalog adapters gets ``--enable-lora
+  --max-loras N --max-lora-rank R`` and, when all load at start, ``--lora-modules
+  NAME=PATH ...``; it (and a profile with ``--enable-lora``) gets
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (the router loads adapters at run time);
 - CPU (no GPUs given): ``--block-size`` :data:`CPU_BLOCK_SIZE` unless the profile sets a
   multiple of 32, ``--enforce-eager`` (healthy in about a minute instead of two),
   ``VLLM_CPU_KVCACHE_SPACE`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind``;
@@ -28,6 +32,7 @@ The profile's other args (``--max-model-len``, ``--max-num-seqs``, ``--enable-lo
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
@@ -37,6 +42,7 @@ from typing import Any, Iterable, Sequence
 import attrs
 
 from llmgw import kvhash
+from llmgw.node.kvevents import KvEventsConfig
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, EngineRefused, check_refused
 from llmgw.node.engines.safety import llmgw_options, option_name
 from llmgw.node.install import python_env
@@ -45,8 +51,12 @@ from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
 __all__ = [
     "CPU_BLOCK_MULTIPLE",
     "CPU_BLOCK_SIZE",
+    "GPU_BLOCK_SIZE",
     "KV_EVENTS_OPTION",
     "KvEventsConfig",
+    "NO_KV_EVENTS_OPTION",
+    "block_size_of",
+    "kv_events_config_arg",
     "MultiNode",
     "PREFIX_CACHING_HASH_ALGO",
     "VLLM_HASH_SEED",
@@ -65,13 +75,23 @@ PREFIX_CACHING_HASH_ALGO = "sha256_cbor"
 #: vLLM's CPU attention needs a block size that is a multiple of 32; 128 is its CPU default.
 CPU_BLOCK_MULTIPLE = 32
 CPU_BLOCK_SIZE = 128
+#: vLLM's block size on GPUs when the profile does not set one.
+GPU_BLOCK_SIZE = 16
 #: GiB of KV cache a CPU engine allocates when the profile does not say (unset, vLLM sizes
 #: it from the node's memory, which crowds out every other replica on the node).
 CPU_KVCACHE_SPACE_GIB = 1
-#: The profile option that asks for KV-cache events (read by llmgw, not passed to vLLM).
+#: Profile option of older catalogs asking for KV-cache events (now the default; accepted, ignored).
 KV_EVENTS_OPTION = "--llmgw-kv-events"
+#: The profile option that turns KV-cache events off (read by llmgw, not passed to vLLM):
+#: the router then routes this model's replicas approximately.
+NO_KV_EVENTS_OPTION = "--llmgw-no-kv-events"
 #: The topic vLLM publishes KV events under; the subscriber filters on it.
 KV_EVENTS_TOPIC = "kv"
+#: --max-lora-rank when the profile does not set it: vLLM's own default, enough for the
+#: small adapters (r 8-16) most fine-tunes ship; an adapter of a higher rank fails to load
+#: with vLLM's message, and the profile's --max-lora-rank (one of 8, 16, 32, 64, ...) fixes
+#: it. Higher ranks reserve more memory for every LoRA slot.
+DEFAULT_MAX_LORA_RANK = 16
 #: vLLM module the engine is started as.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: vLLM takes 45-100 s to become healthy on a CPU; a large model on GPUs loads and
@@ -79,30 +99,15 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_STARTUP_TIMEOUT = DEFAULT_STARTUP_TIMEOUT
 
 
-@attrs.frozen
-class KvEventsConfig:
-    """Where a vLLM engine publishes KV-cache events, as data for the subscriber.
-
-    ``endpoint``: a loopback TCP address with a host (vLLM CONNECTS its PUB socket to it,
-    so the agent's SUB socket must BIND it). ``replay_endpoint``: vLLM BINDS its replay
-    ROUTER socket there. ``topic``: the first frame of every message.
-    """
-
-    endpoint: str
-    replay_endpoint: str
-    topic: str = KV_EVENTS_TOPIC
-
-    def to_json(self) -> str:
-        """Returns the value of ``--kv-events-config``."""
-        import json
-
-        return json.dumps({
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": self.endpoint,
-            "replay_endpoint": self.replay_endpoint,
-            "topic": self.topic,
-        }, separators=(",", ":"))
+def kv_events_config_arg(config: KvEventsConfig) -> str:
+    """Returns the value of vLLM's ``--kv-events-config`` for ``config`` (compact JSON)."""
+    return json.dumps({
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": config.endpoint,
+        "replay_endpoint": config.replay_endpoint,
+        "topic": config.topic,
+    }, separators=(",", ":"))
 
 
 @attrs.frozen
@@ -201,8 +206,33 @@ def vllm_argv(
         if not _has_option(args, "--enforce-eager", "--no-enforce-eager"):
             argv.append("--enforce-eager")
     if kv_events is not None:
-        argv += ["--kv-events-config", kv_events.to_json()]
+        argv += ["--kv-events-config", kv_events_config_arg(kv_events)]
+    argv += lora_args(spec, args)
     return [*argv, *args]
+
+
+def lora_args(spec: ShardSpec, profile_args: Sequence[str]) -> list[str]:
+    """Returns the LoRA flags for ``spec``'s catalog adapters ([] when it has none).
+
+    ``--enable-lora``; ``--max-loras`` = max_loaded_adapters, or the adapter count when all
+    load at start; ``--max-lora-rank`` :data:`DEFAULT_MAX_LORA_RANK` unless the profile sets
+    it; with max_loaded_adapters == 0, ``--lora-modules NAME=PATH ...`` (the sources are
+    local paths by now: the supervisor fetched them). With N > 0 nothing is registered at
+    start: the router loads adapters through the runtime API. Flags the profile already
+    sets are not repeated.
+    """
+    if not spec.adapters:
+        return []
+    out: list[str] = []
+    if not _has_option(profile_args, "--enable-lora"):
+        out.append("--enable-lora")
+    if not _has_option(profile_args, "--max-loras"):
+        out += ["--max-loras", str(spec.max_loaded_adapters or len(spec.adapters))]
+    if not _has_option(profile_args, "--max-lora-rank"):
+        out += ["--max-lora-rank", str(DEFAULT_MAX_LORA_RANK)]
+    if spec.max_loaded_adapters == 0:
+        out += ["--lora-modules", *(f"{a.name}={a.source}" for a in spec.adapters)]
+    return out
 
 
 def vllm_env(spec: ShardSpec) -> dict[str, str]:
@@ -223,11 +253,20 @@ def vllm_env(spec: ShardSpec) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # several engines share the node's cores
         if spec.cpu_cores >= 1:
             env["OMP_NUM_THREADS"] = str(int(spec.cpu_cores))
-    if _has_option(spec.args, "--enable-lora"):
+    if spec.adapters or _has_option(spec.args, "--enable-lora"):
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    if KV_EVENTS_OPTION in llmgw_options("vllm", spec.args)[0]:
-        env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"  # what the KV subscriber decodes
+    if NO_KV_EVENTS_OPTION not in llmgw_options("vllm", spec.args)[0]:
+        env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"  # the uint64 form the router hashes to
     return {**env, **spec.env}
+
+
+def block_size_of(spec: ShardSpec) -> int:
+    """Returns the tokens per KV block vLLM runs ``spec`` with: the profile's ``--block-size``,
+    else :data:`CPU_BLOCK_SIZE` on a CPU (the agent passes it) or :data:`GPU_BLOCK_SIZE` on GPUs."""
+    value = _option_value(spec.args, "--block-size")
+    if value is not None and value.isdigit() and int(value) > 0:
+        return int(value)
+    return GPU_BLOCK_SIZE if spec.gpus else CPU_BLOCK_SIZE
 
 
 def free_loopback_port(host: str = "127.0.0.1") -> int:
@@ -312,7 +351,6 @@ class VllmEngine:
 
     ``roots``: where to look for installed vLLM environments (default: the installer's
     root, ``$LLMGW_ENGINES_DIR`` or ``~/.cache/llmgw/engines``, read at each call).
-    ``kv_events``: the KV-event endpoints of each shard started with events, by shard id.
     """
 
     name = "vllm"
@@ -321,7 +359,6 @@ class VllmEngine:
 
     def __init__(self, roots: Sequence[Path] | None = None) -> None:
         self.roots = list(roots) if roots is not None else None
-        self.kv_events: dict[str, KvEventsConfig] = {}
 
     def _installed(self) -> tuple[Path, dict[str, Any]] | None:
         return python_env.find_installed(python_env.VLLM, self.roots)
@@ -348,21 +385,22 @@ class VllmEngine:
                           installable=True, detail=f"{marker.get('distribution', 'vllm')} in {directory}")
 
     def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
-        """Returns the KV-event endpoints for ``spec`` (chosen once per shard), or None if not asked for."""
-        if KV_EVENTS_OPTION not in llmgw_options(self.name, spec.args)[0]:
+        """Returns fresh KV-event endpoints on ``host`` (two free ports) and the block size for
+        ``spec``, or None when the profile turns events off. The supervisor calls it once per
+        shard and persists the result: an adopted engine keeps publishing to the same endpoint."""
+        if NO_KV_EVENTS_OPTION in llmgw_options(self.name, spec.args)[0]:
             return None
-        config = self.kv_events.get(spec.id)
-        if config is None:
-            config = KvEventsConfig(
-                endpoint=f"tcp://{host}:{free_loopback_port(host)}",
-                replay_endpoint=f"tcp://{host}:{free_loopback_port(host)}",
-            )
-            self.kv_events[spec.id] = config
-        return config
+        return KvEventsConfig(
+            endpoint=f"tcp://{host}:{free_loopback_port(host)}",
+            replay_endpoint=f"tcp://{host}:{free_loopback_port(host)}",
+            topic=KV_EVENTS_TOPIC,
+            block_size=block_size_of(spec),
+        )
 
-    def argv(self, spec: ShardSpec, host: str, port: int) -> list[str]:
-        """Returns the vLLM command line for ``spec``; raises FileNotFoundError if vLLM is not installed."""
-        return vllm_argv(self.python(), spec, host, port, kv_events=self.kv_events_for(spec))
+    def argv(self, spec: ShardSpec, host: str, port: int, *, kv_events: KvEventsConfig | None = None) -> list[str]:
+        """Returns the vLLM command line for ``spec`` (publishing KV events to ``kv_events``
+        when given); raises FileNotFoundError if vLLM is not installed."""
+        return vllm_argv(self.python(), spec, host, port, kv_events=kv_events)
 
     def env(self, spec: ShardSpec) -> dict[str, str]:
         """Returns the variables added for this shard (see :func:`vllm_env`)."""

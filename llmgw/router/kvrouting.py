@@ -1,0 +1,477 @@
+"""KV-cache-aware routing: send each request to the replica that holds its prefix, without hot spots.
+
+:class:`KvAwarePolicy` scores every candidate replica by the share of the request's
+leading KV blocks it holds, then picks among the ones that are not overloaded:
+
+* **precise** for replicas whose KV events are live (vLLM, ``llmgw.sim``): the request's
+  tokens (``/tokenize`` on a replica, :mod:`llmgw.router.tokens`) are hashed as vLLM
+  hashes them and matched against the :class:`~llmgw.router.kvindex.KvIndex`. Blocks
+  routed but not yet confirmed by an event count for :data:`UNCONFIRMED_TTL_S`, so a
+  burst of one prefix sticks to one replica before its first event arrives.
+* **approximate** for engines without events (llama.cpp) and for replicas whose events
+  are missing (no delta yet, block size unknown) or stale (requests routed, nothing
+  stored within the agreement window): a :class:`~llmgw.router.prefixtree.PrefixTree`
+  of the prompt text routed to each replica.
+* **load gate**: a replica with more than ``min + gate`` requests in flight (``gate``
+  = max(:data:`LOAD_GATE_MIN`, :data:`LOAD_GATE_SHARE` x mean in flight)) is not
+  eligible, however warm: stickiness breaks before it becomes a hot spot. Load is the
+  gateway's :class:`~llmgw.router.replicas.LoadTracker`, counted on every forwarded
+  path; requests queued in admission have no replica yet.
+* **miss** (no eligible replica holds any block): the least-loaded, then least
+  recently chosen, replica (never "the smallest tree").
+
+A model with one candidate skips all of this (no tokenization on the hot path).
+
+:class:`HashAgreement` checks continuously that the router's hashes are the engine's:
+after a routed request, the replica's next stored blocks should include some of the
+request's new blocks. A replica that keeps storing blocks but never the router's
+raises an alarm (wrong seed, block size, tokenizer or template), instead of a silent
+0% hit rate.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import time
+from typing import Any, Awaitable, Callable, Iterable, Sequence
+
+import attrs
+
+from llmgw.config import RoutingConfig
+from llmgw.spec import KvDelta
+
+from .kvindex import KvIndex, ReplicaKv
+from .prefixtree import PrefixTree, path_hashes, prompt_text
+from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
+from .tokens import TokenHasher, cache_salt
+
+log = logging.getLogger(__name__)
+
+#: Seconds a routed-but-unconfirmed block counts as held by the replica it was sent to
+#: (llm-d's speculative entries): long enough for prefill plus the agent's event relay,
+#: short enough that a request that failed does not attract its prefix for long.
+UNCONFIRMED_TTL_S = 2.0
+
+#: Least extra in-flight requests, over the least-loaded candidate, that a warm replica
+#: may carry and still be chosen for its cache (measured: 2 let a hot tenant's replica take
+#: 1.55x the mean request count in bench/routing.py; 1 keeps it under 1.5x).
+LOAD_GATE_MIN = 1
+#: ...and the gate as a share of the mean in-flight count, for busy fleets: at 40 in
+#: flight per replica, a warm one may carry up to 10 more than the coolest (so no replica
+#: runs much past 1.25x the mean).
+LOAD_GATE_SHARE = 0.25
+
+#: Seconds after a routed request within which the replica is expected to report some
+#: of the request's new blocks. Covers prefill of a long prompt plus the agent's batching.
+AGREEMENT_WINDOW_S = 10.0
+#: Consecutive routed requests whose blocks never appeared while the replica stored
+#: others, before the alarm is raised (one failed request is not a disagreement).
+MISMATCH_ALARM_AFTER = 3
+#: Consecutive routed requests after which nothing at all was stored: the replica's
+#: events are stale (or off); it is routed approximately until it reports again.
+SILENT_AFTER = 3
+#: Pending expectations kept per replica (oldest dropped past it).
+MAX_EXPECTATIONS = 64
+#: New-block hashes remembered per expectation (the first ones after the known hit).
+EXPECTED_HASHES = 64
+
+ALARM_TEXT = "router and engine block hashes disagree (seed, block size, tokenizer or template?)"
+
+#: Engines that publish no KV events: routed approximately always.
+ENGINES_WITHOUT_EVENTS = frozenset({"llama.cpp"})
+
+PRECISE, APPROXIMATE, MISS = "precise", "approximate", "miss"
+
+
+@attrs.frozen
+class Decision:
+    """One routing decision: the replica, the kind (precise/approximate/miss) and the hit."""
+
+    replica: Replica
+    kind: str
+    matched: int
+    total: int
+
+
+class RoutingObserver:
+    """Receives routing events (the gateway's metrics implement it); the default ignores them."""
+
+    def decision(self, model: str, kind: str, matched: int, total: int) -> None:
+        """One request routed among several candidates."""
+
+    def mismatch(self, model: str, replica_id: str) -> None:
+        """One routed request whose blocks the replica never reported."""
+
+    def alarm(self, model: str, replica_id: str, raised: bool) -> None:
+        """The hash-agreement alarm of ``replica_id`` was raised or cleared."""
+
+
+# -- hash agreement ----------------------------------------------------------------------
+
+
+@attrs.define
+class _Expectation:
+    model: str
+    hashes: frozenset[int]
+    deadline: float
+    stores_seen: bool = False
+
+
+@attrs.define
+class _AgreementState:
+    model: str = ""
+    pending: collections.deque[_Expectation] = attrs.field(factory=lambda: collections.deque(maxlen=MAX_EXPECTATIONS))
+    mismatches: int = 0
+    silent: int = 0
+    alarmed: bool = False
+    agreements: int = 0
+
+
+class HashAgreement:
+    """Compares the blocks the router expects a replica to store with what it reports.
+
+    :meth:`expect` after each precise routing decision (the request's blocks the index
+    did not already have), :meth:`observe` on each delta. An expectation is met when
+    any of its hashes is stored; one that passes its window unmet counts as a mismatch
+    if the replica stored other blocks meanwhile, else as silence. ``threshold``
+    consecutive mismatches raise the alarm (log warning once, observer told); any met
+    expectation clears it. :meth:`stale` says whether the replica's events went silent.
+    """
+
+    def __init__(self, *, window: float = AGREEMENT_WINDOW_S, threshold: int = MISMATCH_ALARM_AFTER,
+                 observer: RoutingObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self.threshold = threshold
+        self.observer = observer or RoutingObserver()
+        self._clock = clock
+        self._state: dict[str, _AgreementState] = {}
+
+    def expect(self, model: str, replica_id: str, new_hashes: Iterable[int]) -> None:
+        """Record that ``replica_id`` should soon store some of ``new_hashes``."""
+        wanted = frozenset(itertools.islice(new_hashes, EXPECTED_HASHES))
+        state = self._state.setdefault(replica_id, _AgreementState())
+        state.model = model
+        self._expire(replica_id, state)
+        if wanted:
+            state.pending.append(_Expectation(model, wanted, self._clock() + self.window))
+
+    def observe(self, replica_id: str, delta: KvDelta) -> None:
+        """Check ``replica_id``'s new delta against its pending expectations."""
+        state = self._state.get(replica_id)
+        if state is None:
+            return
+        if delta.stored:
+            stored = delta.stored
+            unmet: list[_Expectation] = []
+            for exp in state.pending:
+                if exp.hashes.isdisjoint(stored):
+                    exp.stores_seen = True
+                    unmet.append(exp)
+            if len(unmet) < len(state.pending):
+                state.pending = collections.deque(unmet, maxlen=MAX_EXPECTATIONS)
+                self._agreed(replica_id, state)
+            state.silent = 0
+        self._expire(replica_id, state)
+
+    def _expire(self, replica_id: str, state: _AgreementState) -> None:
+        now = self._clock()
+        pending = state.pending
+        while pending and pending[0].deadline <= now:
+            exp = pending.popleft()
+            if exp.stores_seen:
+                state.mismatches += 1
+                self.observer.mismatch(exp.model, replica_id)
+                if state.mismatches >= self.threshold and not state.alarmed:
+                    state.alarmed = True
+                    log.warning("model %s replica %s: %s", exp.model, replica_id, ALARM_TEXT)
+                    self.observer.alarm(exp.model, replica_id, True)
+            else:
+                state.silent += 1
+
+    def _agreed(self, replica_id: str, state: _AgreementState) -> None:
+        state.mismatches = 0
+        state.agreements += 1
+        if state.alarmed:
+            state.alarmed = False
+            log.warning("model %s replica %s: router and engine block hashes agree again", state.model, replica_id)
+            self.observer.alarm(state.model, replica_id, False)
+
+    def stale(self, replica_id: str) -> bool:
+        """Return whether ``replica_id`` stored nothing after its last few routed requests."""
+        state = self._state.get(replica_id)
+        if state is None:
+            return False
+        self._expire(replica_id, state)
+        return state.silent >= SILENT_AFTER
+
+    def alarmed(self, replica_id: str) -> bool:
+        """Return whether ``replica_id``'s alarm is raised."""
+        state = self._state.get(replica_id)
+        return state is not None and state.alarmed
+
+    def alarms(self) -> list[str]:
+        """Return the raised alarms in words, one per replica, sorted."""
+        return sorted(f"model {s.model} replica {rid}: {ALARM_TEXT}" for rid, s in self._state.items() if s.alarmed)
+
+    def forget(self, replica_id: str) -> None:
+        """Drop ``replica_id``'s state (clearing its alarm)."""
+        state = self._state.pop(replica_id, None)
+        if state is not None and state.alarmed:
+            self.observer.alarm(state.model, replica_id, False)
+
+
+# -- unconfirmed blocks ------------------------------------------------------------------
+
+
+class Unconfirmed:
+    """Blocks routed to each replica in the last ``ttl`` seconds (see :data:`UNCONFIRMED_TTL_S`)."""
+
+    def __init__(self, ttl: float = UNCONFIRMED_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self._clock = clock
+        self._blocks: dict[str, dict[int, float]] = {}
+        self._order: dict[str, collections.deque[tuple[float, Sequence[int]]]] = {}
+
+    def add(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """Count ``hashes`` as held by ``replica_id`` for ``ttl`` seconds."""
+        expiry = self._clock() + self.ttl
+        blocks = self._blocks.setdefault(replica_id, {})
+        for h in hashes:
+            blocks[h] = expiry
+        self._order.setdefault(replica_id, collections.deque()).append((expiry, hashes))
+
+    def live(self, replica_id: str) -> dict[int, float] | None:
+        """Return ``replica_id``'s unexpired blocks (a container for ``in``), or None if none."""
+        order = self._order.get(replica_id)
+        if not order:
+            return None
+        blocks = self._blocks[replica_id]
+        now = self._clock()
+        while order and order[0][0] <= now:
+            expiry, hashes = order.popleft()
+            for h in hashes:
+                if blocks.get(h) == expiry:
+                    del blocks[h]
+        return blocks or None
+
+    def discard(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """Stop counting ``hashes`` for ``replica_id`` (its engine reported them evicted)."""
+        blocks = self._blocks.get(replica_id)
+        if blocks:
+            for h in hashes:
+                blocks.pop(h, None)
+
+    def forget(self, replica_id: str) -> None:
+        """Drop ``replica_id``'s unconfirmed blocks."""
+        self._blocks.pop(replica_id, None)
+        self._order.pop(replica_id, None)
+
+
+# -- the policy --------------------------------------------------------------------------
+
+
+class KvAwarePolicy:
+    """Routes by KV-cache hits and load (see the module docstring).
+
+    ``index`` is the KV index the gateway feeds (:meth:`~llmgw.router.app.Gateway.kv_update`);
+    ``hasher`` turns requests into block hashes (bound to the gateway's upstream client
+    when it starts). ``observer`` receives decisions, mismatches and alarms (metrics).
+    """
+
+    def __init__(
+        self,
+        load: LoadTracker,
+        *,
+        index: KvIndex | None = None,
+        settings: RoutingConfig = RoutingConfig(),
+        hasher: TokenHasher | None = None,
+        observer: RoutingObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.load = load
+        self.index = index if index is not None else KvIndex(clock=clock)
+        self.settings = settings
+        self.hasher = hasher if hasher is not None else TokenHasher(timeout=settings.tokenize_timeout)
+        self.observer = observer or RoutingObserver()
+        self.tree = PrefixTree()
+        self.unconfirmed = Unconfirmed(settings.unconfirmed_ttl, clock)
+        self.agreement = HashAgreement(window=settings.agreement_window, threshold=settings.mismatch_alarm_after,
+                                       observer=self.observer, clock=clock)
+        self._clock = clock
+        self._last_chosen: dict[str, float] = {}
+        self._picks = itertools.count()
+
+    # -- gateway hooks ------------------------------------------------------------------
+
+    def bind_upstream(self, client: Any) -> None:
+        """Use the gateway's upstream client for ``/tokenize`` (None when it stops)."""
+        self.hasher.bind(client)
+
+    def attach_observer(self, observer: RoutingObserver) -> None:
+        """Send decisions, mismatches and alarms to ``observer`` (the gateway's metrics)."""
+        self.observer = observer
+        self.agreement.observer = observer
+
+    def kv_applied(self, replica_id: str, delta: KvDelta, entry: ReplicaKv) -> None:
+        """A delta from ``replica_id`` was applied to the index: check hash agreement, and stop
+        counting evicted (or, on a reset, all) routed-but-unconfirmed blocks."""
+        self.agreement.observe(replica_id, delta)
+        if delta.reset:
+            self.unconfirmed.forget(replica_id)
+        elif delta.removed:
+            self.unconfirmed.discard(replica_id, delta.removed)
+
+    def kv_forgotten(self, replica_id: str) -> None:
+        """``replica_id``'s KV state is gone (shard stopped, session ended)."""
+        self.unconfirmed.forget(replica_id)
+        self.agreement.forget(replica_id)
+
+    def alarms(self) -> list[str]:
+        """Return the hash-agreement alarms in words (for ``ctl status``)."""
+        return self.agreement.alarms()
+
+    # -- choosing -----------------------------------------------------------------------
+
+    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | Awaitable[Replica]:
+        """Return the only candidate at once, else an awaitable of the chosen one."""
+        if not candidates:
+            raise ValueError("choose() needs at least one candidate replica")
+        if len(candidates) == 1:
+            return candidates[0]
+        return self._choose(candidates, request)
+
+    async def _choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
+        decision = await self.decide(candidates, request)
+        return decision.replica
+
+    def precise_capable(self, replica: Replica, adapter: str | None) -> bool:
+        """Return whether ``replica`` can be scored precisely now (live events, known block size)."""
+        if replica.engine in ENGINES_WITHOUT_EVENTS:
+            return False
+        entry = self.index.replica(replica.id)
+        if entry is None or entry.block_size <= 0:
+            return False
+        if adapter is not None and _adapter_path(replica, adapter) is None:
+            return False
+        return not self.agreement.stale(replica.id)
+
+    async def precise_hashes(
+        self, candidates: Sequence[Replica], request: RequestInfo, adapter: str | None,
+    ) -> dict[str, tuple[int, ...]]:
+        """Return the request's block hashes per precise-capable candidate (empty if none or on failure).
+
+        Candidates sharing a block size and adapter path share one computation; the
+        least-loaded capable candidate tokenizes.
+        """
+        capable = [r for r in candidates if self.precise_capable(r, adapter)]
+        out: dict[str, tuple[int, ...]] = {}
+        if not capable:
+            return out
+        capable.sort(key=lambda r: self.load.outstanding(r.id))
+        groups: dict[tuple[int, tuple[str, str] | None], list[Replica]] = {}
+        for r in capable:
+            lora = (adapter, _adapter_path(r, adapter) or "") if adapter is not None else None
+            groups.setdefault((self.index.block_size(r.id), lora), []).append(r)
+        for (block_size, lora), members in groups.items():
+            hashes = await self.hasher.hashes(members[0], request, block_size, lora)
+            if hashes is None:
+                continue
+            for r in members:
+                out[r.id] = hashes
+        return out
+
+    def precise_match(self, replica: Replica, hashes: Sequence[int]) -> int:
+        """Return the leading blocks of ``hashes`` that ``replica`` holds or was just sent."""
+        return self.index.leading_match(replica.id, hashes, self.unconfirmed.live(replica.id))
+
+    async def decide(self, candidates: Sequence[Replica], request: RequestInfo) -> Decision:
+        """Score ``candidates`` for ``request`` and return the decision (and record it)."""
+        adapter = _request_adapter(request)
+        salt = cache_salt(request.body)
+        path = path_hashes(prompt_text(request.body), salt=(adapter, salt))
+        precise = await self.precise_hashes(candidates, request, adapter)
+        load = self.load.outstanding
+        loads = [load(r.id) for r in candidates]
+        least = min(loads)
+        mean = sum(loads) / len(loads)
+        gate = max(self.settings.load_gate_min, math.ceil(self.settings.load_gate_share * mean))
+        best: tuple[Any, ...] | None = None
+        chosen: tuple[Replica, str, int, int] | None = None
+        for r, n in zip(candidates, loads):
+            hashes = precise.get(r.id)
+            if hashes is not None:
+                matched, total, kind = self.precise_match(r, hashes), len(hashes), PRECISE
+            else:
+                matched, total, kind = self.tree.match(r.id, path), len(path), APPROXIMATE
+            eligible = n <= least + gate
+            share = matched / total if total else 0.0
+            if not eligible or matched == 0:
+                share = 0.0
+            # Highest share, then fewest in flight, then least recently chosen.
+            key = (eligible, share, -n, -self._last_chosen.get(r.id, -1.0))
+            if best is None or key > best:
+                best, chosen = key, (r, kind if share > 0 else MISS, matched if share > 0 else 0, total)
+        assert chosen is not None
+        replica, kind, matched, total = chosen
+        self._record(replica, request, kind, path, precise.get(replica.id), matched)
+        return Decision(replica, kind, matched, total)
+
+    def _record(self, replica: Replica, request: RequestInfo, kind: str, path: list[int],
+                hashes: tuple[int, ...] | None, matched: int) -> None:
+        self._last_chosen[replica.id] = next(self._picks)
+        self.tree.insert(replica.id, path)
+        total = len(hashes) if hashes is not None else len(path)
+        self.observer.decision(request.model, kind, matched, total)
+        if hashes:
+            entry = self.index.replica(replica.id)
+            held = entry.blocks if entry is not None else {}
+            self.agreement.expect(request.model, replica.id, (h for h in hashes if h not in held))
+            self.unconfirmed.add(replica.id, hashes)
+
+
+class RoundRobin:
+    """Picks candidates in turn, per model (a baseline for benchmarks and a config choice)."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, itertools.count[int]] = {}
+
+    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
+        """Return the next candidate in turn for ``request.model``."""
+        if not candidates:
+            raise ValueError("choose() needs at least one candidate replica")
+        turn = next(self._turns.setdefault(request.model, itertools.count()))
+        return candidates[turn % len(candidates)]
+
+
+POLICIES = ("kv", "least-load", "round-robin")
+
+
+def make_policy(settings: RoutingConfig, load: LoadTracker, observer: RoutingObserver | None = None) -> Any:
+    """Return the routing policy ``settings.policy`` names, on ``load``.
+
+    Raises ValueError for an unknown policy name (config validation refuses it first).
+    """
+    if settings.policy == "kv":
+        return KvAwarePolicy(load, settings=settings, observer=observer)
+    if settings.policy == "least-load":
+        return LeastOutstanding(load)
+    if settings.policy == "round-robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {settings.policy!r}; use one of {', '.join(POLICIES)}")
+
+
+def _request_adapter(request: RequestInfo) -> str | None:
+    """Return the LoRA adapter the request names (set by the gateway's adapter resolution), or None."""
+    adapter = getattr(request, "adapter", None)
+    return adapter if isinstance(adapter, str) and adapter else None
+
+
+def _adapter_path(replica: Replica, adapter: str) -> str | None:
+    """Return the path ``replica`` loaded ``adapter`` from, or None if it has not."""
+    for name, path in replica.adapters:
+        if name == adapter:
+            return path
+    return None

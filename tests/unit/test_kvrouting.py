@@ -1,0 +1,192 @@
+"""KvAwarePolicy decisions, unconfirmed blocks, the load gate, and the hash-agreement check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmgw.config import RoutingConfig
+from llmgw.router.kvrouting import (
+    ALARM_TEXT, APPROXIMATE, MISS, PRECISE, HashAgreement, KvAwarePolicy, RoundRobin, RoutingObserver, make_policy,
+)
+from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
+from llmgw.spec import KvDelta
+
+A = Replica("a", "m", "http://127.0.0.1:1", engine="vllm")
+B = Replica("b", "m", "http://127.0.0.1:2", engine="vllm")
+HASHES = tuple(range(100, 110))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FixedHasher:
+    """Stands in for TokenHasher: every request hashes to HASHES."""
+
+    def __init__(self, hashes: tuple[int, ...] | None = HASHES) -> None:
+        self.value = hashes
+        self.calls = 0
+
+    def bind(self, client: Any) -> None:
+        pass
+
+    async def hashes(self, replica: Replica, request: RequestInfo, block_size: int, lora: Any) -> Any:
+        self.calls += 1
+        return self.value
+
+
+class Recorder(RoutingObserver):
+    def __init__(self) -> None:
+        self.decisions: list[tuple[str, int, int]] = []
+        self.alarms: list[tuple[str, bool]] = []
+        self.mismatches = 0
+
+    def decision(self, model: str, kind: str, matched: int, total: int) -> None:
+        self.decisions.append((kind, matched, total))
+
+    def mismatch(self, model: str, replica_id: str) -> None:
+        self.mismatches += 1
+
+    def alarm(self, model: str, replica_id: str, raised: bool) -> None:
+        self.alarms.append((replica_id, raised))
+
+
+def chat(text: str = "hello " * 100) -> RequestInfo:
+    return RequestInfo(path="/v1/chat/completions", model="m", body={"messages": [{"role": "user", "content": text}]})
+
+
+def policy(clock: Clock, hasher: FixedHasher | None = None, load: LoadTracker | None = None) -> KvAwarePolicy:
+    p = KvAwarePolicy(load or LoadTracker(), hasher=hasher or FixedHasher(), clock=clock)  # type: ignore[arg-type]
+    p.attach_observer(Recorder())
+    return p
+
+
+def live(p: KvAwarePolicy, replica: Replica, stored: tuple[int, ...] = ()) -> None:
+    p.kv_applied(replica.id, KvDelta(reset=True, stored=stored, block_size=16),
+                 p.index.apply(replica.id, KvDelta(reset=True, stored=stored, block_size=16)))
+
+
+async def test_precise_goes_to_the_replica_holding_the_prefix() -> None:
+    clock = Clock()
+    p = policy(clock)
+    live(p, A)
+    live(p, B, HASHES[:4])
+    decision = await p.decide([A, B], chat())
+    assert (decision.replica, decision.kind, decision.matched, decision.total) == (B, PRECISE, 4, 10)
+
+
+async def test_single_candidate_skips_tokenizing() -> None:
+    hasher = FixedHasher()
+    p = policy(Clock(), hasher)
+    assert p.choose([A], chat()) is A
+    assert hasher.calls == 0
+
+
+async def test_load_gate_breaks_stickiness() -> None:
+    load = LoadTracker()
+    clock = Clock()
+    p = policy(clock, load=load)
+    live(p, A)
+    live(p, B, HASHES)
+    gate = p.settings.load_gate_min
+    leases = [load.acquire("b") for _ in range(gate + 1)]  # past the gate
+    decision = await p.decide([A, B], chat())
+    assert decision.replica is A and decision.kind == MISS
+    leases.pop().release()  # at the gate: still eligible
+    clock.now += 10  # A's unconfirmed copy of the prefix has expired
+    assert (await p.decide([A, B], chat())).replica is B
+
+
+async def test_miss_goes_least_loaded_then_least_recently_chosen() -> None:
+    hasher = FixedHasher(None)  # tokenizing fails: approximate, and these prompts share nothing
+    p = policy(Clock(), hasher)
+    first = await p.decide([A, B], chat("one " * 100))
+    second = await p.decide([A, B], chat("two " * 100))
+    assert {first.replica, second.replica} == {A, B}
+    assert first.kind == second.kind == MISS
+
+
+async def test_unconfirmed_blocks_count_until_ttl() -> None:
+    clock = Clock()
+    p = policy(clock)
+    live(p, A)
+    live(p, B)
+    first = await p.decide([A, B], chat())
+    again = await p.decide([A, B], chat())
+    assert again.replica is first.replica and again.kind == PRECISE and again.matched == 10
+    p.kv_applied(first.replica.id, KvDelta(removed=HASHES[5:]), p.index.apply(first.replica.id, KvDelta()))
+    assert (await p.decide([A, B], chat())).matched == 5  # evicted blocks stop counting at once
+    clock.now += RoutingConfig().unconfirmed_ttl + 0.1
+    later = await p.decide([A, B], chat())
+    assert later.kind == MISS and later.replica is not first.replica  # least recently chosen
+
+
+async def test_approximate_for_engines_without_events() -> None:
+    hasher = FixedHasher()
+    p = policy(Clock(), hasher)
+    la, lb = Replica("a", "m", "http://x:1", engine="llama.cpp"), Replica("b", "m", "http://x:2", engine="llama.cpp")
+    system = "You are a helpful assistant. " * 20
+    first = await p.decide([la, lb], chat(system + "question one"))
+    second = await p.decide([la, lb], chat(system + "question two"))
+    assert second.replica is first.replica and second.kind == APPROXIMATE
+    assert hasher.calls == 0
+
+
+async def test_stale_events_fall_back_to_approximate() -> None:
+    clock = Clock()
+    p = policy(clock)
+    live(p, A)
+    live(p, B)
+    for i in range(6):  # routed requests (alternating A, B) after which nothing is stored at all
+        await p.decide([A, B], chat(f"{i} " * 200))
+        clock.now += 20
+    assert not p.precise_capable(A, None) and not p.precise_capable(B, None)
+    decision = await p.decide([A, B], chat("fresh " * 200))
+    assert decision.kind == MISS  # approximate scoring, nothing in the tree for this prompt
+    p.kv_applied("a", KvDelta(stored=(5,)), p.index.apply("a", KvDelta(stored=(5,))))
+    assert p.precise_capable(A, None)  # it reports again: precise again
+
+
+def test_agreement_alarm_raised_and_cleared() -> None:
+    clock = Clock()
+    rec = Recorder()
+    check = HashAgreement(window=5, threshold=3, observer=rec, clock=clock)
+    for i in range(3):
+        check.expect("m", "r", [i * 10 + 1, i * 10 + 2])
+        check.observe("r", KvDelta(stored=(999 + i,)))  # the engine stores other blocks
+        clock.now += 6
+    check.observe("r", KvDelta())
+    assert rec.mismatches == 3 and check.alarmed("r")
+    assert check.alarms() == [f"model m replica r: {ALARM_TEXT}"]
+    assert rec.alarms == [("r", True)]
+    check.expect("m", "r", [42])
+    check.observe("r", KvDelta(stored=(41, 42)))
+    assert not check.alarmed("r") and rec.alarms[-1] == ("r", False) and check.alarms() == []
+
+
+def test_agreement_silence_is_not_a_mismatch() -> None:
+    clock = Clock()
+    check = HashAgreement(window=5, threshold=1, clock=clock)
+    for i in range(3):
+        check.expect("m", "r", [i])
+        clock.now += 6
+    assert check.stale("r") and not check.alarmed("r")
+    check.observe("r", KvDelta(stored=(77,)))
+    assert not check.stale("r")
+
+
+def test_make_policy_names() -> None:
+    load = LoadTracker()
+    assert isinstance(make_policy(RoutingConfig(policy="kv"), load), KvAwarePolicy)
+    assert isinstance(make_policy(RoutingConfig(policy="least-load"), load), LeastOutstanding)
+    assert isinstance(make_policy(RoutingConfig(policy="round-robin"), load), RoundRobin)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy(RoutingConfig(policy="random"), load)
+    rr = RoundRobin()
+    assert [rr.choose([A, B], chat()).id for _ in range(3)] == ["a", "b", "a"]
