@@ -9,8 +9,8 @@ leading KV blocks it holds, then picks among the ones that are not overloaded:
   routed but not yet confirmed by an event count for :data:`UNCONFIRMED_TTL_S`, so a
   burst of one prefix sticks to one replica before its first event arrives.
 * **approximate** for engines without events (llama.cpp) and for replicas whose events
-  are missing (no delta yet, block size unknown) or stale (requests routed, nothing
-  stored within the agreement window): a :class:`~llmgw.router.prefixtree.PrefixTree`
+  are missing (no delta yet, block size unknown) or stale (requests routed, no block
+  reported within the agreement window): a :class:`~llmgw.router.prefixtree.PrefixTree`
   of the prompt text routed to each replica.
 * **load gate**: a replica with more than ``min + gate`` requests in flight (``gate``
   = max(:data:`LOAD_GATE_MIN`, :data:`LOAD_GATE_SHARE` x mean in flight)) is not
@@ -23,10 +23,10 @@ leading KV blocks it holds, then picks among the ones that are not overloaded:
 A model with one candidate skips all of this (no tokenization on the hot path).
 
 :class:`HashAgreement` checks continuously that the router's hashes are the engine's:
-after a routed request, the replica's next stored blocks should include some of the
-request's new blocks. A replica that keeps storing blocks but never the router's
-raises an alarm (wrong seed, block size, tokenizer or template), instead of a silent
-0% hit rate.
+after a routed request, the replica's reported blocks should include the request's
+leading blocks (held already or stored for it). A replica that reports blocks, but never
+the router's, raises an alarm (wrong seed, block size, tokenizer or template), instead
+of a silent 0% hit rate.
 """
 
 from __future__ import annotations
@@ -70,15 +70,16 @@ AGREEMENT_WINDOW_S = 10.0
 #: Consecutive routed requests whose blocks never appeared while the replica stored
 #: others, before the alarm is raised (one failed request is not a disagreement).
 MISMATCH_ALARM_AFTER = 3
-#: Consecutive routed requests after which nothing at all was stored: the replica's
-#: events are stale (or off); it is routed approximately until it reports again.
+#: Consecutive routed requests after which the replica still had reported no block at
+#: all: its events are missing; it is routed approximately until it reports again.
 SILENT_AFTER = 3
 #: Pending expectations kept per replica (oldest dropped past it).
 MAX_EXPECTATIONS = 64
-#: New-block hashes remembered per expectation (the first ones after the known hit).
+#: Leading block hashes of a request remembered per expectation (any one reported meets it).
 EXPECTED_HASHES = 64
 
-ALARM_TEXT = "router and engine block hashes disagree (seed, block size, tokenizer or template?)"
+ALARM_TEXT = ("router and engine block hashes disagree (seed, block size, tokenizer or template?) "
+              "or the replica's KV events stopped")
 
 #: Engines that publish no KV events: routed approximately always.
 ENGINES_WITHOUT_EVENTS = frozenset({"llama.cpp"})
@@ -117,7 +118,6 @@ class _Expectation:
     model: str
     hashes: frozenset[int]
     deadline: float
-    stores_seen: bool = False
 
 
 @attrs.define
@@ -131,31 +131,41 @@ class _AgreementState:
 
 
 class HashAgreement:
-    """Compares the blocks the router expects a replica to store with what it reports.
+    """Checks that the blocks the router names for a request are the ones the replica reports.
 
-    :meth:`expect` after each precise routing decision (the request's blocks the index
-    did not already have), :meth:`observe` on each delta. An expectation is met when
-    any of its hashes is stored; one that passes its window unmet counts as a mismatch
-    if the replica stored other blocks meanwhile, else as silence. ``threshold``
-    consecutive mismatches raise the alarm (log warning once, observer told); any met
-    expectation clears it. :meth:`stale` says whether the replica's events went silent.
+    After each precise routing decision, :meth:`expect` with the request's leading block
+    hashes: a replica with prefix caching holds every full block of a prompt it served, so
+    within ``window`` seconds its reported blocks (``index``, the KV index) should include
+    some of them, whether they were there already or stored for this request. An
+    expectation met (held at :meth:`expect`, stored in a delta :meth:`observe` sees, or held
+    at its deadline) counts as agreement and clears the alarm. One unmet at its deadline is
+    a *mismatch* when the replica reports blocks (just not these: a wrong seed, block size,
+    tokenizer or template names the same prefix otherwise), else *silence* (its events are
+    missing). ``threshold`` consecutive mismatches raise the alarm (log warning once,
+    observer told); :meth:`stale` says whether the replica's events went silent.
     """
 
-    def __init__(self, *, window: float = AGREEMENT_WINDOW_S, threshold: int = MISMATCH_ALARM_AFTER,
+    def __init__(self, index: KvIndex, *, window: float = AGREEMENT_WINDOW_S, threshold: int = MISMATCH_ALARM_AFTER,
                  observer: RoutingObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index
         self.window = window
         self.threshold = threshold
         self.observer = observer or RoutingObserver()
         self._clock = clock
         self._state: dict[str, _AgreementState] = {}
 
-    def expect(self, model: str, replica_id: str, new_hashes: Iterable[int]) -> None:
-        """Record that ``replica_id`` should soon store some of ``new_hashes``."""
-        wanted = frozenset(itertools.islice(new_hashes, EXPECTED_HASHES))
+    def expect(self, model: str, replica_id: str, hashes: Iterable[int]) -> None:
+        """Record that ``replica_id`` should soon report some of ``hashes`` (the first
+        :data:`EXPECTED_HASHES` are kept)."""
+        wanted = frozenset(itertools.islice(hashes, EXPECTED_HASHES))
         state = self._state.setdefault(replica_id, _AgreementState())
         state.model = model
         self._expire(replica_id, state)
-        if wanted:
+        if not wanted:
+            return
+        if self._held(replica_id, wanted):
+            self._agreed(replica_id, state)
+        else:
             state.pending.append(_Expectation(model, wanted, self._clock() + self.window))
 
     def observe(self, replica_id: str, delta: KvDelta) -> None:
@@ -164,35 +174,39 @@ class HashAgreement:
         if state is None:
             return
         if delta.stored:
-            stored = delta.stored
-            unmet: list[_Expectation] = []
-            for exp in state.pending:
-                if exp.hashes.isdisjoint(stored):
-                    exp.stores_seen = True
-                    unmet.append(exp)
+            stored = set(delta.stored)
+            unmet = [exp for exp in state.pending if not any(h in stored for h in exp.hashes)]
             if len(unmet) < len(state.pending):
                 state.pending = collections.deque(unmet, maxlen=MAX_EXPECTATIONS)
                 self._agreed(replica_id, state)
             state.silent = 0
         self._expire(replica_id, state)
 
+    def _held(self, replica_id: str, hashes: frozenset[int]) -> bool:
+        entry = self.index.replica(replica_id)
+        return entry is not None and any(h in entry.blocks for h in hashes)
+
     def _expire(self, replica_id: str, state: _AgreementState) -> None:
         now = self._clock()
         pending = state.pending
         while pending and pending[0].deadline <= now:
             exp = pending.popleft()
-            if exp.stores_seen:
+            entry = self.index.replica(replica_id)
+            if entry is None or not entry.blocks:
+                state.silent += 1
+            elif any(h in entry.blocks for h in exp.hashes):
+                self._agreed(replica_id, state)
+            else:
                 state.mismatches += 1
                 self.observer.mismatch(exp.model, replica_id)
                 if state.mismatches >= self.threshold and not state.alarmed:
                     state.alarmed = True
                     log.warning("model %s replica %s: %s", exp.model, replica_id, ALARM_TEXT)
                     self.observer.alarm(exp.model, replica_id, True)
-            else:
-                state.silent += 1
 
     def _agreed(self, replica_id: str, state: _AgreementState) -> None:
         state.mismatches = 0
+        state.silent = 0
         state.agreements += 1
         if state.alarmed:
             state.alarmed = False
@@ -200,7 +214,7 @@ class HashAgreement:
             self.observer.alarm(state.model, replica_id, False)
 
     def stale(self, replica_id: str) -> bool:
-        """Return whether ``replica_id`` stored nothing after its last few routed requests."""
+        """Return whether ``replica_id`` reported no blocks after its last few routed requests."""
         state = self._state.get(replica_id)
         if state is None:
             return False
@@ -298,8 +312,8 @@ class KvAwarePolicy:
         self.observer = observer or RoutingObserver()
         self.tree = PrefixTree()
         self.unconfirmed = Unconfirmed(settings.unconfirmed_ttl, clock)
-        self.agreement = HashAgreement(window=settings.agreement_window, threshold=settings.mismatch_alarm_after,
-                                       observer=self.observer, clock=clock)
+        self.agreement = HashAgreement(self.index, window=settings.agreement_window,
+                                       threshold=settings.mismatch_alarm_after, observer=self.observer, clock=clock)
         self._clock = clock
         self._last_chosen: dict[str, float] = {}
         self._picks = itertools.count()
@@ -426,9 +440,7 @@ class KvAwarePolicy:
         total = len(hashes) if hashes is not None else len(path)
         self.observer.decision(request.model, kind, matched, total)
         if hashes:
-            entry = self.index.replica(replica.id)
-            held = entry.blocks if entry is not None else {}
-            self.agreement.expect(request.model, replica.id, (h for h in hashes if h not in held))
+            self.agreement.expect(request.model, replica.id, hashes)
             self.unconfirmed.add(replica.id, hashes)
 
 

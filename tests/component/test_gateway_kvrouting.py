@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from llmgw import kvhash
@@ -129,12 +130,15 @@ async def test_overloaded_warm_replica_is_bypassed() -> None:
         assert sum(1 for e in c.engines if len(e.cache)) == 2
 
 
-async def test_wrong_seed_raises_the_alarm() -> None:
+@pytest.mark.parametrize("repeat", [False, True], ids=["new-prefixes", "one-repeated-prefix"])
+async def test_wrong_seed_raises_the_alarm(repeat: bool) -> None:
+    # new prefixes: the engine keeps storing blocks, never the router's; one repeated prefix:
+    # after the first request the engine stores nothing new, it holds the prefix under its own hashes
     async with cluster(2, seed="not-the-router-seed", window=0.2) as c:
         with trio.fail_after(DEADLINE_S):
             i = 0
             while not c.policy.alarms():
-                await cached_tokens(c, conversation(100 + i, 0))  # each stores blocks the router never expected
+                await cached_tokens(c, conversation(100 + (0 if repeat else i), 0))
                 i += 1
                 await trio.sleep(0.05)  # pace requests past the short agreement window
         assert ALARM_TEXT in c.policy.alarms()[0]

@@ -10,6 +10,7 @@ from llmgw.config import RoutingConfig
 from llmgw.router.kvrouting import (
     ALARM_TEXT, APPROXIMATE, MISS, PRECISE, HashAgreement, KvAwarePolicy, RoundRobin, RoutingObserver, make_policy,
 )
+from llmgw.router.kvindex import KvIndex
 from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
 from llmgw.spec import KvDelta
 
@@ -153,31 +154,66 @@ async def test_stale_events_fall_back_to_approximate() -> None:
     assert p.precise_capable(A, None)  # it reports again: precise again
 
 
+def agreement(clock: Clock, threshold: int, rec: RoutingObserver | None = None) -> tuple[HashAgreement, KvIndex]:
+    index = KvIndex(clock=clock)
+    return HashAgreement(index, window=5, threshold=threshold, observer=rec, clock=clock), index
+
+
+def report(check: HashAgreement, index: KvIndex, replica: str, delta: KvDelta) -> None:
+    index.apply(replica, delta)
+    check.observe(replica, delta)
+
+
 def test_agreement_alarm_raised_and_cleared() -> None:
     clock = Clock()
     rec = Recorder()
-    check = HashAgreement(window=5, threshold=3, observer=rec, clock=clock)
+    check, index = agreement(clock, 3, rec)
     for i in range(3):
         check.expect("m", "r", [i * 10 + 1, i * 10 + 2])
-        check.observe("r", KvDelta(stored=(999 + i,)))  # the engine stores other blocks
+        report(check, index, "r", KvDelta(stored=(999 + i,)))  # the engine stores other blocks
         clock.now += 6
     check.observe("r", KvDelta())
     assert rec.mismatches == 3 and check.alarmed("r")
     assert check.alarms() == [f"model m replica r: {ALARM_TEXT}"]
     assert rec.alarms == [("r", True)]
     check.expect("m", "r", [42])
-    check.observe("r", KvDelta(stored=(41, 42)))
+    report(check, index, "r", KvDelta(stored=(41, 42)))
     assert not check.alarmed("r") and rec.alarms[-1] == ("r", False) and check.alarms() == []
+
+
+def test_agreement_alarm_when_the_replica_already_cached_the_prefix_under_other_hashes() -> None:
+    # A repeated prefix stores nothing new on the engine: only what the replica holds can tell.
+    clock = Clock()
+    rec = Recorder()
+    check, index = agreement(clock, 2, rec)
+    report(check, index, "r", KvDelta(reset=True, stored=(900, 901)))  # the prefix, as the engine names it
+    for _ in range(2):
+        check.expect("m", "r", [1, 2])  # the same prefix, as the router names it
+        clock.now += 6
+    check.observe("r", KvDelta())
+    assert check.alarmed("r") and rec.mismatches == 2 and not check.stale("r")
+
+
+def test_agreement_held_blocks_agree_at_once() -> None:
+    clock = Clock()
+    rec = Recorder()
+    check, index = agreement(clock, 1, rec)
+    report(check, index, "r", KvDelta(reset=True, stored=(1, 2)))
+    for _ in range(3):
+        check.expect("m", "r", [1, 2, 3])  # repeated prefix, nothing new stored
+        clock.now += 6
+    check.observe("r", KvDelta())
+    assert rec.mismatches == 0 and not check.alarmed("r") and not check.stale("r")
 
 
 def test_agreement_silence_is_not_a_mismatch() -> None:
     clock = Clock()
-    check = HashAgreement(window=5, threshold=1, clock=clock)
+    check, index = agreement(clock, 1)
     for i in range(3):
         check.expect("m", "r", [i])
         clock.now += 6
     assert check.stale("r") and not check.alarmed("r")
-    check.observe("r", KvDelta(stored=(77,)))
+    report(check, index, "r", KvDelta(stored=(77,)))
     assert not check.stale("r")
 
 
