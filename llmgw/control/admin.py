@@ -26,9 +26,14 @@ log = logging.getLogger(__name__)
 
 
 def _kv_alarms(plane: ControlPlane) -> list[str]:
-    """Return the gateway's KV-routing alarms in words ([] without a KV-aware policy)."""
+    """Return the gateway's KV-routing alarms in words, sorted, once each: the in-process
+    gateway's, plus the workers' as last reported with ``gateway.workers`` > 1 ([] without
+    a KV-aware policy)."""
     alarms = getattr(plane.gateway.policy, "alarms", None) if plane.gateway is not None else None
-    return list(alarms()) if alarms is not None else []
+    found = set(alarms()) if alarms is not None else set()
+    if plane.pool is not None:
+        found.update(plane.pool.kv_alarms())
+    return sorted(found)
 
 
 def make_admin(plane: ControlPlane, actor: str) -> Any:

@@ -7,19 +7,29 @@ them). The control plane keeps the *master* :class:`~llmgw.router.app.Gateway`: 
 replica table (fed by ``ControlPlane.feed_gateway``), keys and ``serving.stopped``
 (fed by :class:`~llmgw.control.keys.AccessSync`), usage meter and admission counters.
 :class:`GatewayPool` mirrors that state into every worker and brings the workers'
-usage, in-flight counts, admission counters and metrics back. docs/gateway.md has the
-design and its trade-offs.
+usage, in-flight counts, admission counters, KV hash alarms and metrics back.
+docs/gateway.md has the design and its trade-offs.
+
+KV-cache deltas (:meth:`GatewayPool.kv_update`, :meth:`GatewayPool.kv_forget`, called by
+the control plane right after the master's own ``kv_update``/``kv_forget``) reach every
+worker in order: each worker slot has a queue and a feed task. A worker's feed first
+sends a full copy of the master's KV index (taken synchronously, so it holds exactly the
+deltas queued before it and none after), then the queued deltas. A queue that outgrows
+:data:`KV_QUEUE_MAX` (the worker is not reading) is dropped and replaced by a fresh full
+copy.
 
 Nursery tree::
 
     GatewayPool.run
     ├── pusher (state changed -> one snapshot to every worker)
     ├── reporter wake-ups (scrapes: merge every worker's samples)
-    └── per worker slot: supervise (start, wait for "ready", read reports, restart with backoff)
+    ├── per worker slot: supervise (start, wait for "ready", read reports, restart with backoff)
+    └── per worker slot: KV feed (full copy, then queued deltas; ends with its worker)
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -27,15 +37,16 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import trio
 
-from llmgw.config import TracingConfig
+from llmgw.config import RoutingConfig, TracingConfig
 from llmgw.control.keys import DEFAULT_USAGE_FLUSH_S, STORE_CALL_TIMEOUT_S, AccessSync
 from llmgw.control.store import Store
 from llmgw.control.store.base import UsageRecord
+from llmgw.node.kvevents import split_delta
 from llmgw.rpc.kjtrio import unwrap_single_group
 from llmgw.router.admission import Admission, AdmissionLimits, TenantCounters
 from llmgw.router.app import Gateway
@@ -45,8 +56,9 @@ from llmgw.router.replicas import Replica, ReplicaTable
 from llmgw.router.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
 from llmgw.router.upstream import UpstreamTimeouts
 from llmgw.router.workerstate import (
-    decode_admission, decode_usage, encode_keys, encode_table, merge_metrics,
+    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_table, merge_metrics,
 )
+from llmgw.spec import KvDelta
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +80,12 @@ PUSH_TIMEOUT_S = 10.0
 SYNC_TIMEOUT_S = 5.0
 #: Seconds to collect every worker's report for a scrape or `ctl usage`.
 COLLECT_TIMEOUT_S = 3.0
+#: KV messages queued for one worker before the queue is dropped and the worker gets a
+#: fresh full copy of the KV index instead. Live deltas are small (a few blocks each) and
+#: come at a few per second per busy replica, so 10,000 is many seconds of a large
+#: fleet's traffic: a worker that far behind is not reading, and one full copy (the
+#: index's size, which is bounded) is cheaper than an ever-growing backlog.
+KV_QUEUE_MAX = 10_000
 
 WORKER_MODULE = "llmgw.router.worker"
 
@@ -85,6 +103,7 @@ class WorkerSettings:
     limits: AdmissionLimits = AdmissionLimits()
     max_request_bytes: int = 16 * 1024 * 1024
     tracing: TracingConfig | None = None
+    routing: RoutingConfig = RoutingConfig()
 
 
 class ObservedTable(ReplicaTable):
@@ -171,6 +190,13 @@ class _Slot:
         self.applied = -1  # state version the worker says it applied
         self.ready = False
         self.state_lock = trio.Lock()
+        self.copied = False  # its first full KV copy is sent (until then it gets no state)
+        # KV feed: messages queued after the last full copy, in order; kv_resync: the next
+        # thing to send is a full copy (queue nothing until it is taken).
+        self.kv_queue: collections.deque[Message] = collections.deque()
+        self.kv_resync = True
+        self.kv_wake = trio.Event()
+        self.kv_scope = trio.CancelScope()
 
 
 class GatewayPool:
@@ -194,6 +220,7 @@ class GatewayPool:
         self.slots: dict[int, _Slot] = {}
         self.pids: dict[int, int] = {}
         self.load: dict[int, dict[str, int]] = {}
+        self.alarms: dict[int, list[str]] = {}  # KV hash-agreement alarms per worker, as last reported
         self._version = 0
         self._changed = trio.Event()
         self._progress = trio.Event()  # set (and replaced) on every ack, report and slot change
@@ -243,7 +270,8 @@ class GatewayPool:
             self._changed = trio.Event()
             async with trio.open_nursery() as nursery:
                 for slot in list(self.slots.values()):
-                    nursery.start_soon(self._sync, slot)
+                    if slot.copied:  # a starting one is synced by _run_one after its copy
+                        nursery.start_soon(self._sync, slot)
 
     async def synced(self, timeout: float = SYNC_TIMEOUT_S) -> bool:
         """Return True once every worker applied the state as of now; False after ``timeout``."""
@@ -259,6 +287,127 @@ class GatewayPool:
         self._progress.set()
         self._progress = trio.Event()
 
+    # -- KV-cache deltas down -----------------------------------------------------------
+
+    def kv_update(self, replica_id: str, delta: KvDelta) -> None:
+        """Queue ``delta`` of ``replica_id`` for every worker, behind the ones before it.
+
+        Call it right after ``master.kv_update(replica_id, delta)``, with no await in
+        between: a full copy taken later must already contain it. Synchronous; never
+        raises.
+        """
+        self._kv_queue({"t": "kv", "replica": replica_id, "delta": encode_kv_delta(delta)})
+
+    def kv_forget(self, replica_id: str) -> None:
+        """Queue "forget ``replica_id``'s KV state" for every worker (call it right after
+        ``master.kv_forget(replica_id)``, as :meth:`kv_update`). Synchronous; never raises."""
+        self._kv_queue({"t": "kvforget", "replica": replica_id})
+
+    def _kv_queue(self, message: Message) -> None:
+        """Append ``message`` to every worker's KV queue; an overflowing queue is dropped
+        and its worker marked for a fresh full copy."""
+        for slot in self.slots.values():
+            if slot.kv_resync:
+                continue  # the full copy it is waiting for will include this
+            slot.kv_queue.append(message)
+            if len(slot.kv_queue) > KV_QUEUE_MAX:
+                log.warning("gateway worker %d is %d KV deltas behind; it gets a full copy instead",
+                            slot.index, len(slot.kv_queue))
+                slot.kv_queue.clear()
+                slot.kv_resync = True
+            slot.kv_wake.set()
+
+    def _kv_copy(self, slot: _Slot) -> Iterator[Message]:
+        """Return ``slot``'s full copy of the master's KV index as now, and start queueing
+        for it anew: a "kvcopy" header naming every replica (the worker forgets the others),
+        then one reset delta per replica, split as the agent splits large ones.
+
+        The index is read here, synchronously; the messages are built as they are iterated.
+        """
+        slot.kv_resync = False
+        slot.kv_queue.clear()
+        index = self.master.kv_index
+        copies = []
+        for replica_id in index.replica_ids():
+            entry = index.replica(replica_id)
+            if entry is not None:
+                copies.append((replica_id, KvDelta(True, tuple(entry.blocks), (), entry.block_size,
+                                                   entry.events_applied, entry.gaps, entry.resyncs)))
+        return _copy_messages(copies)
+
+    async def _kv_send(self, slot: _Slot, message: Message, timeout: float) -> None:
+        """Send one KV message to ``slot`` within ``timeout`` seconds.
+
+        Raises :class:`ChannelClosed` if the worker is gone, ``trio.TooSlowError`` if it
+        did not take the message in time (the channel may then hold half a message: the
+        caller kills the worker). Cancellation is seen before the message starts, never
+        in its middle (a cut message would garble the "stop" that follows it).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True), trio.fail_after(timeout):
+            await slot.channel.send(message)
+
+    async def _kv_feed(self, slot: _Slot, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Send ``slot``'s worker its KV messages, in order, until ``slot.kv_scope`` is cancelled.
+
+        First a full copy of the master's index (reported started once it is sent, or
+        once the worker turned out to be gone), then the queued messages as they come;
+        a full copy again whenever the queue overflowed. A worker that does not take a
+        message within :data:`PUSH_TIMEOUT_S` (:data:`START_TIMEOUT_S` for the first copy:
+        it may still be importing) is killed, and the supervisor restarts it. Never raises
+        but for cancellation from outside its scope.
+        """
+        started = False
+        with slot.kv_scope:
+            try:
+                while True:
+                    if slot.kv_resync:
+                        timeout = PUSH_TIMEOUT_S if started else START_TIMEOUT_S
+                        for message in self._kv_copy(slot):
+                            if slot.kv_resync:
+                                break  # overflowed again while copying: start over
+                            await self._kv_send(slot, message, timeout)
+                    if not started:
+                        started = True
+                        task_status.started()
+                    while slot.kv_queue and not slot.kv_resync:
+                        await self._kv_send(slot, slot.kv_queue.popleft(), PUSH_TIMEOUT_S)
+                    if not slot.kv_queue and not slot.kv_resync:
+                        slot.kv_wake = trio.Event()
+                        await slot.kv_wake.wait()
+            except ChannelClosed:
+                pass
+            except trio.TooSlowError:
+                log.error("gateway worker %d does not read its KV deltas; killing it", slot.index)
+                slot.process.kill()
+        if not started:
+            task_status.started()
+
+    async def _start_kv_feed(self, slot: _Slot) -> None:
+        """Register ``slot`` (it gets KV deltas and states from now on) and start its KV feed;
+        return once the feed has sent the full KV copy (or found the worker gone).
+
+        The first state waits for the copy (the slot's state lock is held, taken before
+        the pusher can see the slot, and the pusher leaves the slot to :meth:`_run_one`
+        until then), so the worker, which listens after its first state, routes by the KV
+        index from its first request. The feed then runs in the pool's nursery until
+        :meth:`_stop` cancels it.
+        """
+        assert self._nursery is not None, "workers run inside GatewayPool.run"
+        slot.state_lock.acquire_nowait()  # no checkpoint between this and registering
+        self.slots[slot.index] = slot
+        try:
+            await self._nursery.start(self._kv_feed, slot)
+        finally:
+            slot.copied = True
+            slot.state_lock.release()
+
+    # -- alarms up ----------------------------------------------------------------------
+
+    def kv_alarms(self) -> list[str]:
+        """Return the KV hash-agreement alarms any running worker last reported, sorted, once each."""
+        return sorted({alarm for alarms in self.alarms.values() for alarm in alarms})
+
     # -- reports up ---------------------------------------------------------------------
 
     def _on_report(self, slot: _Slot, message: Message) -> None:
@@ -266,6 +415,7 @@ class GatewayPool:
         if usage:
             self.master.usage.restore(usage)
         self.load[slot.index] = {str(k): int(v) for k, v in (message.get("load") or {}).items()}
+        self.alarms[slot.index] = [str(a) for a in message.get("kv_alarms") or ()]
         admission = self.master.admission
         if isinstance(admission, PooledAdmission):
             admission.by_worker[slot.index] = decode_admission(message.get("admission") or {})
@@ -326,6 +476,7 @@ class GatewayPool:
                           math.ceil(limits.queue_size / self.workers), limits.queue_timeout],
             "max_request_bytes": s.max_request_bytes,
             "tracing": attrs.asdict(s.tracing) if s.tracing is not None and s.tracing.endpoint else None,
+            "routing": attrs.asdict(s.routing),
         }
 
     async def _spawn(self, index: int) -> _Slot:
@@ -353,7 +504,7 @@ class GatewayPool:
         slot = await self._spawn(index)
         try:
             await slot.channel.send(self._config(index))
-            self.slots[index] = slot
+            await self._start_kv_feed(slot)
             await self._sync(slot)
             with trio.fail_after(START_TIMEOUT_S):
                 while not slot.ready:
@@ -395,6 +546,9 @@ class GatewayPool:
 
     async def _stop(self, slot: _Slot) -> None:
         """Stop ``slot``'s process (gracefully if it still runs), keep its last report, reap it."""
+        slot.kv_scope.cancel()  # its feed ends after the message it is sending, if any
+        slot.kv_resync = True  # and nothing more is queued for it
+        slot.kv_queue.clear()
         if slot.process.returncode is None:
             with trio.move_on_after(STOP_TIMEOUT_S):
                 try:
@@ -412,6 +566,7 @@ class GatewayPool:
         if self.slots.get(slot.index) is slot:
             del self.slots[slot.index]
             self.load.pop(slot.index, None)
+            self.alarms.pop(slot.index, None)
             if isinstance(self.master.admission, PooledAdmission):
                 self.master.admission.retire(slot.index)
         self._notify()
@@ -466,6 +621,15 @@ class GatewayPool:
             for index in range(1, self.workers):
                 await nursery.start(self._supervise, index)
             task_status.started(self.port)
+
+
+def _copy_messages(copies: Sequence[tuple[str, KvDelta]]) -> Iterator[Message]:
+    """Yield a full KV copy's messages: the "kvcopy" header, then each replica's reset
+    delta in parts of at most the agent's message size."""
+    yield {"t": "kvcopy", "replicas": [replica_id for replica_id, _ in copies]}
+    for replica_id, delta in copies:
+        for part in split_delta(delta):
+            yield {"t": "kv", "replica": replica_id, "delta": encode_kv_delta(part)}
 
 
 class PooledAccessSync(AccessSync):

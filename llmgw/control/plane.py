@@ -65,19 +65,25 @@ class ControlPlane:
     http_port: int = 0
     node_versions: dict[str, str] = attrs.field(factory=dict)
     gateway: Gateway | None = None
+    pool: GatewayPool | None = None  # gateway.workers > 1: the worker processes mirroring ``gateway``
     access: AccessSync | None = None  # keys, tenants, serving.stopped -> gateway; usage -> store
     _catalog_version: int = 0
     _catalog_event: trio.Event = attrs.field(factory=trio.Event)
 
     def kv_update(self, shard_id: str, delta: KvDelta) -> None:
-        """A shard's KV-cache delta arrived through its reporter: into the gateway's KV index."""
+        """A shard's KV-cache delta arrived through its reporter: into the gateway's KV index
+        (and, with gateway workers, queued for each of them: the master applies it first)."""
         if self.gateway is not None:
             self.gateway.kv_update(shard_id, delta)
+        if self.pool is not None:
+            self.pool.kv_update(shard_id, delta)
 
     def kv_forget(self, shard_id: str) -> None:
-        """A shard stopped, failed or lost its node: the gateway drops its KV-cache state."""
+        """A shard stopped, failed or lost its node: the gateway (and every worker) drops its KV-cache state."""
         if self.gateway is not None:
             self.gateway.kv_forget(shard_id)
+        if self.pool is not None:
+            self.pool.kv_forget(shard_id)
 
     def catalog_changed(self) -> None:
         """The catalog changed: wake the reconciler and refresh the gateway's model list."""
@@ -185,7 +191,7 @@ async def run_control_plane(
     the OpenTelemetry export (``server.yaml`` sections; None: defaults, tracing off);
     ``RuntimeError`` if tracing is on but OpenTelemetry is not installed. ``auth`` and
     ``serving`` are the API-key switch and admission limits, ``routing`` the routing policy
-    (``server.yaml`` sections; with ``gateway.workers`` > 1 the workers route by least load).
+    (``server.yaml`` sections; with ``gateway.workers`` > 1 every worker routes by it).
     ``engines`` (name -> version, "" = the installer's default) is what every node is told
     to install.
     """
@@ -217,9 +223,9 @@ async def run_control_plane(
                     max_request_bytes=serving.max_request_bytes,
                 )
                 plane.gateway = gateway_of(gateway_app)
-                pool = GatewayPool(plane.gateway, http_host, workers, WorkerSettings(
+                pool = plane.pool = GatewayPool(plane.gateway, http_host, workers, WorkerSettings(
                     timeouts=_upstream_timeouts(gateway), auth_enabled=auth.enabled, limits=limits,
-                    max_request_bytes=serving.max_request_bytes, tracing=tracing,
+                    max_request_bytes=serving.max_request_bytes, tracing=tracing, routing=routing,
                 ))
                 plane.access = PooledAccessSync(store, plane.gateway, pool,
                                                 usage_flush_interval=serving.usage_flush_interval)

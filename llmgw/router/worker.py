@@ -5,11 +5,17 @@ is above 1; ``FD`` is its end of a Unix socketpair (:mod:`llmgw.router.channel`)
 worker serves the same gateway app as the single-process server on the shared HTTP port
 (SO_REUSEPORT: the kernel spreads connections over the workers). Protocol::
 
-    control -> worker   {"t": "config", ...}               first: where to listen, deadlines, limits
+    control -> worker   {"t": "config", ...}               first: where to listen, deadlines, limits, routing
+    control -> worker   {"t": "kvcopy", "replicas"}         a full KV copy follows: forget every other replica
+    control -> worker   {"t": "kv", "replica", "delta"}     one KV-cache delta (workerstate.encode_kv_delta), in
+                                                            order; a full copy (header + reset deltas) comes
+                                                            before the first state, again after an overflow
+    control -> worker   {"t": "kvforget", "replica"}        the replica's KV state is gone
     control -> worker   {"t": "state", "version", ...}      routing state (whole); first one before listening
     worker  -> control  {"t": "applied", "version"}         after every state
     worker  -> control  {"t": "ready", "port", "pid"}       listening (or {"t": "failed", "error"})
-    worker  -> control  {"t": "report", "id", ...}          usage drained, in-flight, admission counters;
+    worker  -> control  {"t": "report", "id", ...}          usage drained, in-flight, admission counters,
+                                                            KV hash alarms ("kv_alarms", a list of strings);
                                                             every REPORT_INTERVAL_S (id None) or when asked
     control -> worker   {"t": "collect", "id", "metrics"}   asks for a report now (metrics: with samples)
     worker  -> control  {"t": "scrape", "id"}               GET /metrics arrived: merge everyone's samples
@@ -17,7 +23,8 @@ worker serves the same gateway app as the single-process server on the shared HT
     control -> worker   {"t": "stop"}                       shut down gracefully (EOF does the same)
 
 The worker never listens before its first state, so it never answers with an empty
-table. When the control plane goes away (EOF, even after SIGKILL) the worker shuts down.
+table (nor routes without the KV index's full copy, sent before that state). When the
+control plane goes away (EOF, even after SIGKILL) the worker shuts down.
 Every response carries ``x-llmgw-worker: <index>``.
 """
 
@@ -33,14 +40,18 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from llmgw.config import RoutingConfig
+
 from .admission import Admission, AdmissionLimits
 from .app import Gateway, create_app, gateway_of
 from .auth import AuthTable
 from .channel import Channel, ChannelClosed, Message
+from .kvrouting import make_policy
+from .replicas import LoadTracker
 from .serve import serve_gateway
 from .upstream import UpstreamTimeouts
 from .workerstate import (
-    MirrorTable, decode_keys, decode_table, encode_admission, encode_metrics, encode_usage,
+    MirrorTable, decode_keys, decode_kv_delta, decode_table, encode_admission, encode_metrics, encode_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +63,8 @@ REPORT_INTERVAL_S = 0.5
 SCRAPE_TIMEOUT_S = 5.0
 #: Header naming the worker that answered (tests and operators tell workers apart by it).
 WORKER_HEADER = b"x-llmgw-worker"
+#: Message kinds that carry the control plane's KV-cache state (:meth:`Worker.apply_kv`).
+KV_KINDS = frozenset({"kv", "kvforget", "kvcopy"})
 
 
 class WorkerFront:
@@ -96,8 +109,13 @@ class Worker:
         self.port = int(config["port"])
         self.table = MirrorTable()
         limits = config["admission"]
+        load = LoadTracker()
         app = create_app(
             self.table,
+            load=load,
+            # Routes like the single-process gateway: the KV index is the control plane's
+            # (fed over the channel), load and routed-but-unconfirmed blocks are this worker's.
+            policy=make_policy(RoutingConfig(**(config.get("routing") or {})), load),
             timeouts=UpstreamTimeouts(**config["timeouts"]),
             tracer=_tracer(config.get("tracing")),
             auth=AuthTable(enabled=bool(config["auth_enabled"])),
@@ -116,11 +134,33 @@ class Worker:
         self.gateway.auth.replace(decode_keys(state["keys"]))
         self.gateway.stopped = bool(state["stopped"])
 
-    def report(self, request_id: Any = None, metrics: bool = False) -> Message:
-        """Return a report; drains the usage meter (the counts now belong to the control plane)."""
+    def apply_kv(self, message: Message) -> None:
+        """Apply one of the :data:`KV_KINDS` messages to the gateway's KV index (and policy).
+
+        "kvcopy" forgets every replica it does not name (the reset deltas that follow
+        replace the named ones). Raises ValueError for a malformed delta.
+        """
+        kind = message.get("t")
         g = self.gateway
+        if kind == "kv":
+            g.kv_update(str(message["replica"]), decode_kv_delta(message["delta"]))
+        elif kind == "kvforget":
+            g.kv_forget(str(message["replica"]))
+        elif kind == "kvcopy":
+            keep = set(map(str, message["replicas"]))
+            for replica_id in g.kv_index.replica_ids():
+                if replica_id not in keep:
+                    g.kv_forget(replica_id)
+
+    def report(self, request_id: Any = None, metrics: bool = False) -> Message:
+        """Return a report (usage, in flight, admission counters, KV hash alarms, and with
+        ``metrics`` every sample); drains the usage meter (the counts now belong to the
+        control plane)."""
+        g = self.gateway
+        alarms = getattr(g.policy, "alarms", None)
         return {
             "t": "report", "id": request_id,
+            "kv_alarms": list(alarms()) if alarms is not None else [],
             "usage": encode_usage(g.usage.drain()),
             "load": g.load.snapshot(),
             "admission": encode_admission(g.admission.snapshot()),
@@ -151,6 +191,8 @@ class Worker:
                 if kind == "state":
                     self.apply(message)
                     await self.channel.send({"t": "applied", "version": message["version"]})
+                elif kind in KV_KINDS:
+                    self.apply_kv(message)
                 elif kind == "collect":
                     await self.channel.send(self.report(message.get("id"), bool(message.get("metrics"))))
                 elif kind == "scraped":
@@ -198,6 +240,8 @@ async def _main(fd: int) -> None:
                 break
             if message.get("t") == "stop":
                 return
+            if message.get("t") in KV_KINDS:  # the full KV copy comes first
+                worker.apply_kv(message)
         async with trio.open_nursery() as nursery:
             serving = trio.CancelScope()
             nursery.start_soon(worker.read, serving)

@@ -2,7 +2,8 @@
 
 Down (control plane -> worker): the routing state as one snapshot (catalog models with
 their ready replicas and ``created`` times, the active API keys with their tenants'
-limits, ``serving.stopped``). Up (worker -> control plane): usage counts, in-flight per
+limits, ``serving.stopped``), and the engines' KV-cache deltas one by one
+(:func:`encode_kv_delta`). Up (worker -> control plane): usage counts, in-flight per
 replica, admission counters, and on request the worker's Prometheus samples. Functions
 here are pure conversions; nothing does I/O.
 """
@@ -17,8 +18,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
+from llmgw.spec import KvDelta
+
 from .admission import TenantCounters
 from .auth import KeyEntry, Tenant
+from .metrics import PREFIX
 from .replicas import ModelInfo, Replica, ReplicaTable
 from .usage import UsageCounts
 
@@ -112,6 +116,28 @@ class MirrorTable(ReplicaTable):
                 self.set_model_info(model, ModelInfo(str(engine), tuple(map(str, adapters)), int(max_loaded)))
 
 
+# -- KV-cache deltas (down) ---------------------------------------------------------------
+
+
+def encode_kv_delta(delta: KvDelta) -> list[Any]:
+    """Return ``delta`` as ``[reset, stored, removed, block_size, events_applied, gaps, resyncs]``
+    (hashes as lists of ints: msgpack carries uint64)."""
+    return [delta.reset, list(delta.stored), list(delta.removed), delta.block_size,
+            delta.events_applied, delta.gaps, delta.resyncs]
+
+
+def decode_kv_delta(data: Sequence[Any]) -> KvDelta:
+    """Return the :class:`KvDelta` :func:`encode_kv_delta` encoded.
+
+    Raises ValueError if ``data`` does not have its seven fields.
+    """
+    if len(data) != 7:
+        raise ValueError(f"a KV delta has 7 fields, got {len(data)}")
+    reset, stored, removed, block_size, events_applied, gaps, resyncs = data
+    return KvDelta(bool(reset), tuple(map(int, stored)), tuple(map(int, removed)), int(block_size),
+                   int(events_applied), int(gaps), int(resyncs))
+
+
 # -- reports (up) -------------------------------------------------------------------------
 
 
@@ -135,6 +161,15 @@ def decode_admission(data: Mapping[str, Sequence[int]]) -> dict[str, TenantCount
 
 #: Samples whose value is a creation timestamp: the earliest wins instead of the sum.
 _TIMESTAMP_SUFFIX = "_created"
+#: Families every worker reports about the same thing: the KV index is one copy per
+#: worker of the control plane's (fed with the same deltas), so its size and per-replica
+#: counters are taken as the largest worker's value (the most up to date: a worker may
+#: lag by a few deltas), not added up (that would be N times the truth); a hash alarm is
+#: 1 while raised in any worker.
+SHARED_FAMILIES = frozenset({
+    f"{PREFIX}_kv_index_blocks", f"{PREFIX}_kv_events_applied", f"{PREFIX}_kv_event_gaps",
+    f"{PREFIX}_kv_resyncs", f"{PREFIX}_kv_index_evicted", f"{PREFIX}_kv_hash_alarm",
+})
 
 
 def encode_metrics(registry: CollectorRegistry) -> list[list[Any]]:
@@ -150,19 +185,25 @@ def merge_metrics(parts: Iterable[Sequence[Sequence[Any]]]) -> bytes:
 
     Samples with the same name and labels are added up (counters, histogram buckets,
     sums and counts, and the in-flight and queued gauges are all per-worker shares of a
-    total); ``*_created`` timestamps take the earliest.
+    total); ``*_created`` timestamps take the earliest; families in
+    :data:`SHARED_FAMILIES` (the KV index, the same in every worker) take the largest.
     """
     families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
     for part in parts:
         for name, documentation, type_, samples in part:
             entry = families.setdefault(name, (documentation, type_, {}))
             values = entry[2]
+            shared = name in SHARED_FAMILIES
             for sample_name, labels, value in samples:
                 key = (sample_name, tuple(sorted(labels.items())))
-                if key in values and sample_name.endswith(_TIMESTAMP_SUFFIX):
+                if key not in values:
+                    values[key] = value
+                elif sample_name.endswith(_TIMESTAMP_SUFFIX):
                     values[key] = min(values[key], value)
+                elif shared:
+                    values[key] = max(values[key], value)
                 else:
-                    values[key] = values.get(key, 0.0) + value
+                    values[key] = values[key] + value
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged(families))
     return generate_latest(registry)
