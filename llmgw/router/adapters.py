@@ -162,10 +162,10 @@ class AdapterHold:
             state.release(self.adapter)
 
 
-def no_hold() -> AdapterHold:
-    """Return a hold whose :meth:`~AdapterHold.release` does nothing (for requests that need
-    no adapter bookkeeping: base model, adapters loaded at start)."""
-    return AdapterHold(None, "")
+#: The hold of every request that needs no adapter bookkeeping (base model, adapters
+#: loaded at start): its :meth:`~AdapterHold.release` does nothing. Shared: no allocation
+#: on the hot path.
+NO_HOLD = AdapterHold(None, "")
 
 
 class _Pending:
@@ -284,20 +284,21 @@ class Adapters:
 
     # -- candidates ----------------------------------------------------------------------
 
-    def serving(self, target: Target, replicas: Sequence[Replica]) -> list[Replica]:
-        """Return the replicas of ``replicas`` that can serve ``target`` (all for a base model).
+    def serving(self, target: Target, replicas: Sequence[Replica]) -> Sequence[Replica]:
+        """Return the replicas of ``replicas`` that can serve ``target`` (``replicas`` itself for a base model).
 
         Raises a 503 GatewayError when ``target`` is an adapter that none of them lists.
         """
         if target.adapter is None:
-            return list(replicas)
+            return replicas
         found = [r for r in replicas if _path_of(r, target.adapter) is not None]
         if not found and replicas:
             raise errors.adapter_not_served(target.adapter, target.model)
         return found
 
-    def prefer(self, target: Target, replicas: Sequence[Replica]) -> list[Replica]:
-        """Return the replicas the routing policy should choose among for ``target``.
+    def prefer(self, target: Target, replicas: Sequence[Replica]) -> Sequence[Replica]:
+        """Return the replicas the routing policy should choose among for ``target``
+        (``replicas`` itself unless the adapter is loaded on demand).
 
         Only on-demand adapters are narrowed (see the module docstring): replicas that
         hold the adapter and are not saturated; else those loading it or about to (their
@@ -310,7 +311,7 @@ class Adapters:
         """
         adapter = target.adapter
         if adapter is None or not replicas or not self._on_demand(replicas[0], target):
-            return list(replicas)
+            return replicas
         loads = {r.id: self.load.outstanding(r.id) for r in replicas}
         least = min(loads.values())
         limit = max(least * HOLDER_LOAD_RATIO, least + HOLDER_LOAD_SLACK)
@@ -358,7 +359,7 @@ class Adapters:
         """
         adapter = target.adapter
         if adapter is None or not self._on_demand(replica, target):
-            return no_hold()
+            return NO_HOLD
         state = self._state(replica)
         state.wanted[adapter] += 1  # before any wait: later requests for it join this replica
         try:

@@ -44,7 +44,7 @@ from llmgw.spec import KvDelta
 from .h1pool import H1Response
 from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
-from .adapters import Adapters, UpstreamAdmin
+from .adapters import NO_HOLD, Adapters, UpstreamAdmin
 
 # -- observability (metrics, tracing, deadlines: llmgw/router/{metrics,tracing,instrument}.py)
 from .instrument import TRACE_KEY, Instrumentation
@@ -403,7 +403,8 @@ class Gateway:
             # LoRA: llama.cpp's per-request lora field; the adapter loaded on the replica if needed.
             send_body = self.adapters.body_for(replica, target, body, tenant)
             adapter_hold = await self.adapters.acquire(replica, target, call.request_id)
-            stack.callback(adapter_hold.release)
+            if adapter_hold is not NO_HOLD:
+                stack.callback(adapter_hold.release)
             trace_headers = None
             if trace is not None:
                 span, trace_headers = trace.start_upstream(replica.id)
