@@ -167,6 +167,7 @@ async def fetch_weights(
     settings: FetchSettings,
     progress: Progress = lambda _msg: None,
     *,
+    what: str = "weights",
     client: httpx.AsyncClient | None = None,
 ) -> Path:
     """Makes the weights named by ``source`` present on this node and returns their local path.
@@ -174,7 +175,8 @@ async def fetch_weights(
     A local source is returned as is once it exists. A URL returns the downloaded file; a
     repository returns its directory (``<weights_dir>/hf/<org>/<repo>/<commit>``). What is
     already complete is not downloaded again. ``progress`` gets messages like
-    "fetching weights: 1.2/4.0 GB". ``client`` (optional) is used instead of a fresh one.
+    "fetching weights: 1.2/4.0 GB" (``what`` names the thing fetched in them and in a
+    missing path's error). ``client`` (optional) is used instead of a fresh one.
 
     Raises :class:`FetchError` with an operator sentence on a missing local path, an HTTP
     error, a size or sha256 mismatch (the bad partial file is deleted), too little disk
@@ -186,10 +188,13 @@ async def fetch_weights(
         path = Path(parsed.location).expanduser()
         if not path.exists():
             raise FetchError(
-                f"weights path {path} does not exist on this node; copy the weights there "
-                "or give the model an http(s) or hf:// source"
+                f"{what} path {path} does not exist on this node; copy it there or give an http(s) or hf:// source"
             )
         return path
+
+    def figures(done: str) -> None:
+        progress(f"fetching {what}: {done}")
+
     owned = client is None
     if client is None:
         client = _new_client(settings)
@@ -200,9 +205,9 @@ async def fetch_weights(
             if final.exists():
                 return final
             files = [RemoteFile(parsed.location, name, None, parsed.sha256)]
-            await _download_all(client, files, target, progress)
+            await _download_all(client, files, target, figures)
             return final
-        return await _fetch_repo(client, parsed, settings, progress)
+        return await _fetch_repo(client, parsed, settings, figures)
     finally:
         if owned:
             await client.aclose()
@@ -234,21 +239,11 @@ async def fetch_adapters(
     """
     local: list[Adapter] = []
     for adapter in adapters:
-        label = f"fetching adapter {adapter.name}"
-
-        def tagged(message: str, label: str = label) -> None:
-            progress(message.replace("fetching weights", label, 1))
-
         if not check_local and not is_remote(adapter.source):
             local.append(adapter)
             continue
-        if not is_remote(adapter.source) and cached_path(adapter.source, settings) is None:
-            raise FetchError(
-                f"LoRA adapter {adapter.name!r}: path {adapter.source} does not exist on this node; "
-                "copy the adapter there or give it an http(s) or hf:// source"
-            )
         try:
-            path = await fetch_weights(adapter.source, settings, tagged)
+            path = await fetch_weights(adapter.source, settings, progress, what=f"adapter {adapter.name}")
         except FetchError as exc:
             raise FetchError(f"LoRA adapter {adapter.name!r}: {exc}") from exc
         local.append(Adapter(name=adapter.name, source=str(path)))
@@ -372,7 +367,7 @@ async def _download_all(client: httpx.AsyncClient, files: list[RemoteFile], targ
 
 
 class _Meter:
-    """Turns byte counts into throttled "fetching weights: A/B UNIT" messages."""
+    """Turns byte counts into throttled "A/B UNIT" figures for ``progress``."""
 
     def __init__(self, progress: Progress, done: int, total: int | None) -> None:
         self.progress = progress
@@ -390,9 +385,9 @@ class _Meter:
             return
         self._last = now
         if self.total is None:
-            self.progress(f"fetching weights: {_human(self.done)}")
+            self.progress(_human(self.done))
         else:
-            self.progress(f"fetching weights: {_fraction(self.done, self.total)}")
+            self.progress(_fraction(self.done, self.total))
 
 
 _UNITS = (("GB", 1000**3), ("MB", 1000**2), ("kB", 1000), ("B", 1))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from typing import Any, Awaitable, Callable, Iterable
 
 import attrs
@@ -94,6 +95,12 @@ class KvEventsConfig:
         return attrs.asdict(self)
 
     @classmethod
+    def on_free_ports(cls, host: str, *, block_size: int, topic: str = "kv") -> KvEventsConfig:
+        """Returns a config whose two endpoints are TCP ports on ``host`` that were free a
+        moment ago (the kernel's choice); the caller persists it with the shard."""
+        return cls(f"tcp://{host}:{_free_tcp_port(host)}", f"tcp://{host}:{_free_tcp_port(host)}", topic, block_size)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KvEventsConfig:
         """Returns the config; raises KeyError/TypeError/ValueError if ``data`` is malformed."""
         return cls(
@@ -102,6 +109,13 @@ class KvEventsConfig:
             topic=str(data.get("topic", "kv")),
             block_size=int(data.get("block_size", 0)),
         )
+
+
+def _free_tcp_port(host: str) -> int:
+    """Returns a TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _as_hash(value: object) -> int:

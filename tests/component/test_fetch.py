@@ -235,7 +235,7 @@ async def test_adapters_fetched_in_order_with_named_progress(tmp_path: Path, hub
 
 async def test_adapter_fetch_errors_name_the_adapter(tmp_path: Path, hub: Hub) -> None:
     settings = _settings(tmp_path, hub)
-    with pytest.raises(FetchError, match=r"^LoRA adapter 'sql': path /nowhere/sql does not exist on this node"):
+    with pytest.raises(FetchError, match=r"^LoRA adapter 'sql': adapter sql path /nowhere/sql does not exist on this node"):
         await fetch_adapters((Adapter("sql", "/nowhere/sql"),), settings)
     with pytest.raises(FetchError, match=r"^LoRA adapter 'x': .*no repository org/other"):
         await fetch_adapters((Adapter("x", "hf://org/other"),), settings)

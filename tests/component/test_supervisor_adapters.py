@@ -58,7 +58,7 @@ async def test_missing_adapter_is_named_and_the_engine_not_started(state_dir: Pa
         await nursery.start(sup.run)
         await sup.start_shard(shard, rec)
         restarting = await rec.wait_state(ShardState.RESTARTING)
-        assert "LoRA adapter 'sql': path /nowhere/sql-lora does not exist on this node" in restarting.message
+        assert "LoRA adapter 'sql': adapter sql path /nowhere/sql-lora does not exist on this node" in restarting.message
         assert all(s.pid == 0 for s in rec.statuses)
         await sup.stop_shard("s1", grace=5)
         nursery.cancel_scope.cancel()

@@ -108,12 +108,15 @@ REFUSED_SHORT: Mapping[str, str] = {
 #: Shortest option prefix (after the dashes) treated as an abbreviation of a refused
 #: option; ``--t``/``--l`` alone are ambiguous for argparse and left to the engine.
 MIN_ABBREVIATION = 2
+#: The profile option that turns an engine's KV events off (vLLM, sim): the router then
+#: routes that model's replicas approximately.
+NO_KV_EVENTS_OPTION = "--llmgw-no-kv-events"
 #: llmgw's own profile options, per engine: read by the adapter, never passed to the engine.
 LLMGW_OPTIONS: Mapping[str, frozenset[str]] = {
     # vLLM and the simulator publish KV events by default (the router needs them);
     # --llmgw-no-kv-events turns them off, --llmgw-kv-events is accepted for older catalogs.
-    "vllm": frozenset({"--llmgw-kv-events", "--llmgw-no-kv-events"}),
-    "sim": frozenset({"--llmgw-no-kv-events"}),
+    "vllm": frozenset({"--llmgw-kv-events", NO_KV_EVENTS_OPTION}),
+    "sim": frozenset({NO_KV_EVENTS_OPTION}),
 }
 #: llmgw options that were replaced, with what replaced them (named in the refusal).
 RETIRED_OPTIONS: Mapping[str, str] = {
@@ -216,6 +219,19 @@ def option_name(arg: str) -> str | None:
     if arg.startswith("-") and len(arg) > 1 and not arg[1].isdigit() and arg[1] != ".":
         return arg.split("=", 1)[0]
     return None
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """Returns the value of option ``name`` in ``args`` (``--x V`` or ``--x=V``; last wins), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if option_name(arg) != name:
+            continue
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
 
 
 def _arg_problem(engine: str, option: str) -> str | None:

@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import socket
 import sys
 from pathlib import Path
 
+import attrs
+
 from llmgw import kvhash
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
-from llmgw.node.engines.safety import llmgw_options, option_name
+from llmgw.node.engines.safety import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.kvevents import KvEventsConfig
+from llmgw.sim.config import SimConfig
 from llmgw.spec import EngineInfo, ShardSpec
 
 # The simulator loads nothing, so a few seconds is plenty even on a busy node;
 # anything slower is a broken start, better retried than waited for.
 SIM_STARTUP_TIMEOUT = 60.0
-#: The simulator's ``--block-size`` default.
-SIM_BLOCK_SIZE = 16
-#: The profile option that turns KV events off (read by llmgw, not passed to the simulator).
-NO_KV_EVENTS_OPTION = "--llmgw-no-kv-events"
 #: Simulator options through which a profile publishes events itself: the agent then adds none.
 _OWN_EVENT_OPTIONS = ("--kv-events-endpoint", "--kv-replay-endpoint")
 
@@ -38,23 +36,12 @@ _OWN_EVENT_OPTIONS = ("--kv-events-endpoint", "--kv-replay-endpoint")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
 
-def _free_port(host: str) -> int:
-    """Returns a TCP port that was free on ``host`` a moment ago (the kernel's choice)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def sim_block_size(args: list[str] | tuple[str, ...]) -> int:
-    """Returns the ``--block-size`` in ``args`` (``--block-size N`` or ``=N``; last wins), else the default."""
-    size = SIM_BLOCK_SIZE
-    for i, arg in enumerate(args):
-        if option_name(arg) != "--block-size":
-            continue
-        text = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
-        if text.isdigit() and int(text) > 0:
-            size = int(text)
-    return size
+    """Returns the ``--block-size`` in ``args`` (``--block-size N`` or ``=N``; last wins), else the simulator's default."""
+    text = option_value(args, "--block-size")
+    if text is not None and text.isdigit() and int(text) > 0:
+        return int(text)
+    return int(attrs.fields(SimConfig).block_size.default)
 
 
 def _llmgw_version() -> str:
@@ -98,11 +85,7 @@ class SimEngine:
         own, args = llmgw_options(self.name, spec.args)
         if NO_KV_EVENTS_OPTION in own or any(option_name(a) in _OWN_EVENT_OPTIONS for a in args):
             return None
-        return KvEventsConfig(
-            endpoint=f"tcp://{host}:{_free_port(host)}",
-            replay_endpoint=f"tcp://{host}:{_free_port(host)}",
-            block_size=sim_block_size(args),
-        )
+        return KvEventsConfig.on_free_ports(host, block_size=sim_block_size(args))
 
     def argv(self, spec: ShardSpec, host: str, port: int, *, kv_events: KvEventsConfig | None = None) -> list[str]:
         """Returns ``python -m llmgw.sim --host H --port P --model NAME``, the KV-event options

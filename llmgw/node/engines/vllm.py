@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -44,7 +43,7 @@ import attrs
 from llmgw import kvhash
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, EngineRefused, check_refused
-from llmgw.node.engines.safety import llmgw_options, option_name
+from llmgw.node.engines.safety import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.install import python_env
 from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
 
@@ -52,9 +51,7 @@ __all__ = [
     "CPU_BLOCK_MULTIPLE",
     "CPU_BLOCK_SIZE",
     "GPU_BLOCK_SIZE",
-    "KV_EVENTS_OPTION",
     "KvEventsConfig",
-    "NO_KV_EVENTS_OPTION",
     "block_size_of",
     "kv_events_config_arg",
     "MultiNode",
@@ -80,11 +77,6 @@ GPU_BLOCK_SIZE = 16
 #: GiB of KV cache a CPU engine allocates when the profile does not say (unset, vLLM sizes
 #: it from the node's memory, which crowds out every other replica on the node).
 CPU_KVCACHE_SPACE_GIB = 1
-#: Profile option of older catalogs asking for KV-cache events (now the default; accepted, ignored).
-KV_EVENTS_OPTION = "--llmgw-kv-events"
-#: The profile option that turns KV-cache events off (read by llmgw, not passed to vLLM):
-#: the router then routes this model's replicas approximately.
-NO_KV_EVENTS_OPTION = "--llmgw-no-kv-events"
 #: The topic vLLM publishes KV events under; the subscriber filters on it.
 KV_EVENTS_TOPIC = "kv"
 #: --max-lora-rank when the profile does not set it: vLLM's own default, enough for the
@@ -130,19 +122,6 @@ def _has_option(args: Sequence[str], *names: str) -> bool:
     return any(option_name(a) in names for a in args)
 
 
-def _option_value(args: Sequence[str], name: str) -> str | None:
-    """Returns the value of ``name`` in ``args`` (``--x V`` or ``--x=V``; last wins), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        if option_name(arg) != name:
-            continue
-        if "=" in arg:
-            value = arg.split("=", 1)[1]
-        elif i + 1 < len(args):
-            value = args[i + 1]
-    return value
-
-
 def parallel_sizes(spec: ShardSpec, multinode: MultiNode | None = None) -> tuple[int, int]:
     """Returns (tensor parallel, pipeline parallel) for ``spec``.
 
@@ -156,7 +135,7 @@ def parallel_sizes(spec: ShardSpec, multinode: MultiNode | None = None) -> tuple
 
 def check_vllm_profile(spec: ShardSpec) -> None:
     """Raises EngineRefused for a profile vLLM would refuse late (after a minute of loading)."""
-    block = _option_value(spec.args, "--block-size")
+    block = option_value(spec.args, "--block-size")
     if block is not None and not spec.gpus:
         if not block.isdigit() or int(block) % CPU_BLOCK_MULTIPLE:
             raise EngineRefused(
@@ -263,17 +242,10 @@ def vllm_env(spec: ShardSpec) -> dict[str, str]:
 def block_size_of(spec: ShardSpec) -> int:
     """Returns the tokens per KV block vLLM runs ``spec`` with: the profile's ``--block-size``,
     else :data:`CPU_BLOCK_SIZE` on a CPU (the agent passes it) or :data:`GPU_BLOCK_SIZE` on GPUs."""
-    value = _option_value(spec.args, "--block-size")
+    value = option_value(spec.args, "--block-size")
     if value is not None and value.isdigit() and int(value) > 0:
         return int(value)
     return GPU_BLOCK_SIZE if spec.gpus else CPU_BLOCK_SIZE
-
-
-def free_loopback_port(host: str = "127.0.0.1") -> int:
-    """Returns a TCP port that was free on ``host`` a moment ago (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # -- reading vLLM's output --------------------------------------------------------------------
@@ -390,12 +362,7 @@ class VllmEngine:
         shard and persists the result: an adopted engine keeps publishing to the same endpoint."""
         if NO_KV_EVENTS_OPTION in llmgw_options(self.name, spec.args)[0]:
             return None
-        return KvEventsConfig(
-            endpoint=f"tcp://{host}:{free_loopback_port(host)}",
-            replay_endpoint=f"tcp://{host}:{free_loopback_port(host)}",
-            topic=KV_EVENTS_TOPIC,
-            block_size=block_size_of(spec),
-        )
+        return KvEventsConfig.on_free_ports(host, block_size=block_size_of(spec), topic=KV_EVENTS_TOPIC)
 
     def argv(self, spec: ShardSpec, host: str, port: int, *, kv_events: KvEventsConfig | None = None) -> list[str]:
         """Returns the vLLM command line for ``spec`` (publishing KV events to ``kv_events``
