@@ -184,13 +184,29 @@ class ServingConfig:
 
 
 # --- routing (server.yaml `routing:`) -----------------------------------------------------
-# Defaults equal llmgw.router.kvrouting's / llmgw.router.tokens' constants (reasons there).
+# The defaults of llmgw.router.kvrouting and llmgw.router.tokens (docs/gateway.md).
 ROUTING_POLICIES = ("kv", "least-load", "round-robin")
+#: Least extra in-flight requests, over the least-loaded candidate, that a warm replica
+#: may carry and still be chosen for its cache (measured: 2 let a hot tenant's replica take
+#: 1.55x the mean request count in bench/routing.py; 1 keeps it under 1.5x).
 DEFAULT_LOAD_GATE_MIN = 1
+#: ...and the gate as a share of the mean in-flight count, for busy fleets: at 40 in
+#: flight per replica, a warm one may carry up to 10 more than the coolest (so no replica
+#: runs much past 1.25x the mean).
 DEFAULT_LOAD_GATE_SHARE = 0.25
+#: Seconds a routed-but-unconfirmed block counts as held by the replica it was sent to
+#: (llm-d's speculative entries): long enough for prefill plus the agent's event relay,
+#: short enough that a request that failed does not attract its prefix for long.
 DEFAULT_UNCONFIRMED_TTL = 2.0
+#: Seconds allowed for one ``/tokenize`` call. A loopback call to vLLM takes a few
+#: milliseconds (bench/tokenize.py); past this the replica is busy, and routing
+#: approximately now beats a precise decision later.
 DEFAULT_TOKENIZE_TIMEOUT = 0.5
+#: Seconds after a routed request within which the replica is expected to report some of
+#: its leading blocks. Covers prefill of a long prompt plus the agent's batching.
 DEFAULT_AGREEMENT_WINDOW = 10.0
+#: Consecutive routed requests whose blocks the replica did not report while it reported
+#: others, before the alarm is raised (one failed request is not a disagreement).
 DEFAULT_MISMATCH_ALARM_AFTER = 3
 
 

@@ -327,13 +327,8 @@ class GatewayPool:
         slot.kv_resync = False
         slot.kv_queue.clear()
         index = self.master.kv_index
-        copies = []
-        for replica_id in index.replica_ids():
-            entry = index.replica(replica_id)
-            if entry is not None:
-                copies.append((replica_id, KvDelta(True, tuple(entry.blocks), (), entry.block_size,
-                                                   entry.events_applied, entry.gaps, entry.resyncs)))
-        return _copy_messages(copies)
+        copies = [(replica_id, index.full_copy(replica_id)) for replica_id in index.replica_ids()]
+        return _copy_messages([(replica_id, delta) for replica_id, delta in copies if delta is not None])
 
     async def _kv_send(self, slot: _Slot, message: Message, timeout: float) -> None:
         """Send one KV message to ``slot`` within ``timeout`` seconds.

@@ -168,15 +168,11 @@ class NodeSession:
 class NodeSessions:
     """The current session of every connected node; the reconciler's executor."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        wanted_engines: dict[str, str] | None = None,
-        on_kv_update: KvUpdateHandler | None = None,
-    ) -> None:
+    def __init__(self, registry: Registry, wanted_engines: dict[str, str] | None = None) -> None:
         self.registry = registry
-        #: Where every session's KV deltas go (the gateway's KV index); None: dropped.
-        self.on_kv_update = on_kv_update
+        #: Where every session's KV deltas go (the control plane sets it: the gateway's KV
+        #: index); None: dropped.
+        self.on_kv_update: KvUpdateHandler | None = None
         self._sessions: dict[str, NodeSession] = {}
         #: server.yaml ``engines:`` (name -> version, "" = the agent's default): pushed to every
         #: node when it joins.

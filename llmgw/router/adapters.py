@@ -291,7 +291,7 @@ class Adapters:
         """
         if target.adapter is None:
             return replicas
-        found = [r for r in replicas if _path_of(r, target.adapter) is not None]
+        found = [r for r in replicas if r.adapter_path(target.adapter) is not None]
         if not found and replicas:
             raise errors.adapter_not_served(target.adapter, target.model)
         return found
@@ -461,7 +461,7 @@ class Adapters:
 
     async def _send_load(self, replica: Replica, adapter: str, request_id: str) -> str | None:
         """POST the load; return None when the replica holds ``adapter`` afterwards, else why not."""
-        path = _path_of(replica, adapter)
+        path = replica.adapter_path(adapter)
         if path is None:
             return f"the replica does not list the adapter '{adapter}'"
         started = time.monotonic()
@@ -679,13 +679,6 @@ def engine_message(body: bytes) -> str:
     if len(text) > ENGINE_MESSAGE_CHARS:
         text = text[:ENGINE_MESSAGE_CHARS] + "..."
     return text or "(empty answer)"
-
-
-def _path_of(replica: Replica, adapter: str) -> str | None:
-    for name, path in replica.adapters:
-        if name == adapter:
-            return path
-    return None
 
 
 def _describe(error: BaseException) -> str:

@@ -149,6 +149,16 @@ class KvIndex:
         """Return the replicas the index has deltas from."""
         return list(self._replicas)
 
+    def full_copy(self, replica_id: str) -> KvDelta | None:
+        """Return ``replica_id``'s state as one reset delta (every block, oldest first, with
+        its block size and counters): applied to another index it reproduces this one's
+        entry. None if the replica is unknown."""
+        entry = self._replicas.get(replica_id)
+        if entry is None:
+            return None
+        return KvDelta(True, tuple(entry.blocks), (), entry.block_size,
+                       entry.events_applied, entry.gaps, entry.resyncs)
+
     def block_size(self, replica_id: str) -> int:
         """Return ``replica_id``'s block size (0: unknown)."""
         entry = self._replicas.get(replica_id)

@@ -6,14 +6,14 @@ leading KV blocks it holds, then picks among the ones that are not overloaded:
 * **precise** for replicas whose KV events are live (vLLM, ``llmgw.sim``): the request's
   tokens (``/tokenize`` on a replica, :mod:`llmgw.router.tokens`) are hashed as vLLM
   hashes them and matched against the :class:`~llmgw.router.kvindex.KvIndex`. Blocks
-  routed but not yet confirmed by an event count for :data:`UNCONFIRMED_TTL_S`, so a
+  routed but not yet confirmed by an event count for ``routing.unconfirmed_ttl``, so a
   burst of one prefix sticks to one replica before its first event arrives.
 * **approximate** for engines without events (llama.cpp) and for replicas whose events
   are missing (no delta yet, block size unknown) or stale (requests routed, no block
   reported within the agreement window): a :class:`~llmgw.router.prefixtree.PrefixTree`
   of the prompt text routed to each replica.
 * **load gate**: a replica with more than ``min + gate`` requests in flight (``gate``
-  = max(:data:`LOAD_GATE_MIN`, :data:`LOAD_GATE_SHARE` x mean in flight)) is not
+  = max(``load_gate_min``, ``load_gate_share`` x mean in flight)) is not
   eligible, however warm: stickiness breaks before it becomes a hot spot. Load is the
   gateway's :class:`~llmgw.router.replicas.LoadTracker`, counted on every forwarded
   path; requests queued in admission have no replica yet.
@@ -40,7 +40,9 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import attrs
 
-from llmgw.config import RoutingConfig
+from llmgw.config import (
+    DEFAULT_AGREEMENT_WINDOW, DEFAULT_MISMATCH_ALARM_AFTER, DEFAULT_UNCONFIRMED_TTL, ROUTING_POLICIES, RoutingConfig,
+)
 from llmgw.spec import KvDelta
 
 from .kvindex import KvIndex, ReplicaKv
@@ -50,26 +52,9 @@ from .tokens import TokenHasher, cache_salt
 
 log = logging.getLogger(__name__)
 
-#: Seconds a routed-but-unconfirmed block counts as held by the replica it was sent to
-#: (llm-d's speculative entries): long enough for prefill plus the agent's event relay,
-#: short enough that a request that failed does not attract its prefix for long.
-UNCONFIRMED_TTL_S = 2.0
+# The tunables operators may set (load gate, unconfirmed TTL, agreement window, alarm
+# threshold) are RoutingConfig's, with their defaults and reasons in llmgw/config.py.
 
-#: Least extra in-flight requests, over the least-loaded candidate, that a warm replica
-#: may carry and still be chosen for its cache (measured: 2 let a hot tenant's replica take
-#: 1.55x the mean request count in bench/routing.py; 1 keeps it under 1.5x).
-LOAD_GATE_MIN = 1
-#: ...and the gate as a share of the mean in-flight count, for busy fleets: at 40 in
-#: flight per replica, a warm one may carry up to 10 more than the coolest (so no replica
-#: runs much past 1.25x the mean).
-LOAD_GATE_SHARE = 0.25
-
-#: Seconds after a routed request within which the replica is expected to report some
-#: of the request's new blocks. Covers prefill of a long prompt plus the agent's batching.
-AGREEMENT_WINDOW_S = 10.0
-#: Consecutive routed requests whose blocks never appeared while the replica stored
-#: others, before the alarm is raised (one failed request is not a disagreement).
-MISMATCH_ALARM_AFTER = 3
 #: Consecutive routed requests after which the replica still had reported no block at
 #: all: its events are missing; it is routed approximately until it reports again.
 SILENT_AFTER = 3
@@ -145,7 +130,8 @@ class HashAgreement:
     observer told); :meth:`stale` says whether the replica's events went silent.
     """
 
-    def __init__(self, index: KvIndex, *, window: float = AGREEMENT_WINDOW_S, threshold: int = MISMATCH_ALARM_AFTER,
+    def __init__(self, index: KvIndex, *, window: float = DEFAULT_AGREEMENT_WINDOW,
+                 threshold: int = DEFAULT_MISMATCH_ALARM_AFTER,
                  observer: RoutingObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
         self.window = window
@@ -194,7 +180,7 @@ class HashAgreement:
             entry = self.index.replica(replica_id)
             if entry is None or not entry.blocks:
                 state.silent += 1
-            elif any(h in entry.blocks for h in exp.hashes):
+            elif self._held(replica_id, exp.hashes):
                 self._agreed(replica_id, state)
             else:
                 state.mismatches += 1
@@ -241,9 +227,9 @@ class HashAgreement:
 
 
 class Unconfirmed:
-    """Blocks routed to each replica in the last ``ttl`` seconds (see :data:`UNCONFIRMED_TTL_S`)."""
+    """Blocks routed to each replica in the last ``ttl`` seconds (``routing.unconfirmed_ttl``)."""
 
-    def __init__(self, ttl: float = UNCONFIRMED_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl: float = DEFAULT_UNCONFIRMED_TTL, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl = ttl
         self._clock = clock
         self._blocks: dict[str, dict[int, float]] = {}
@@ -368,7 +354,7 @@ class KvAwarePolicy:
         entry = self.index.replica(replica.id)
         if entry is None or entry.block_size <= 0:
             return False
-        if adapter is not None and _adapter_path(replica, adapter) is None:
+        if adapter is not None and replica.adapter_path(adapter) is None:
             return False
         return not self.agreement.stale(replica.id)
 
@@ -387,7 +373,7 @@ class KvAwarePolicy:
         capable.sort(key=lambda r: self.load.outstanding(r.id))
         groups: dict[tuple[int, tuple[str, str] | None], list[Replica]] = {}
         for r in capable:
-            lora = (adapter, _adapter_path(r, adapter) or "") if adapter is not None else None
+            lora = (adapter, r.adapter_path(adapter) or "") if adapter is not None else None
             groups.setdefault((self.index.block_size(r.id), lora), []).append(r)
         for (block_size, lora), members in groups.items():
             hashes = await self.hasher.hashes(members[0], request, block_size, lora)
@@ -403,7 +389,7 @@ class KvAwarePolicy:
 
     async def decide(self, candidates: Sequence[Replica], request: RequestInfo) -> Decision:
         """Score ``candidates`` for ``request`` and return the decision (and record it)."""
-        adapter = _request_adapter(request)
+        adapter = request.adapter
         salt = cache_salt(request.body)
         path = path_hashes(prompt_text(request.body), salt=(adapter, salt))
         precise = await self.precise_hashes(candidates, request, adapter)
@@ -458,9 +444,6 @@ class RoundRobin:
         return candidates[turn % len(candidates)]
 
 
-POLICIES = ("kv", "least-load", "round-robin")
-
-
 def make_policy(settings: RoutingConfig, load: LoadTracker, observer: RoutingObserver | None = None) -> Any:
     """Return the routing policy ``settings.policy`` names, on ``load``.
 
@@ -472,18 +455,4 @@ def make_policy(settings: RoutingConfig, load: LoadTracker, observer: RoutingObs
         return LeastOutstanding(load)
     if settings.policy == "round-robin":
         return RoundRobin()
-    raise ValueError(f"unknown routing policy {settings.policy!r}; use one of {', '.join(POLICIES)}")
-
-
-def _request_adapter(request: RequestInfo) -> str | None:
-    """Return the LoRA adapter the request names (set by the gateway's adapter resolution), or None."""
-    adapter = getattr(request, "adapter", None)
-    return adapter if isinstance(adapter, str) and adapter else None
-
-
-def _adapter_path(replica: Replica, adapter: str) -> str | None:
-    """Return the path ``replica`` loaded ``adapter`` from, or None if it has not."""
-    for name, path in replica.adapters:
-        if name == adapter:
-            return path
-    return None
+    raise ValueError(f"unknown routing policy {settings.policy!r}; use one of {', '.join(ROUTING_POLICIES)}")

@@ -82,6 +82,8 @@ UNKNOWN = "unknown"
 
 # Prefix of every metric name.
 PREFIX = "llmgw_gateway"
+#: The hash-agreement alarm gauge (1 while raised, by model and replica).
+KV_HASH_ALARM = f"{PREFIX}_kv_hash_alarm"
 
 
 class GatewayMetrics:
@@ -180,7 +182,7 @@ class GatewayMetrics:
             "while it reported others, by model and replica.", ("model", "replica"), registry=r,
         )
         self.kv_alarm = Gauge(
-            f"{PREFIX}_kv_hash_alarm", "1 while router and engine block hashes disagree for a replica "
+            KV_HASH_ALARM, "1 while router and engine block hashes disagree for a replica "
             "(seed, block size, tokenizer or template), by model and replica.", ("model", "replica"), registry=r,
         )
         self._kv_index: Any = None
@@ -396,6 +398,12 @@ class _KvIndexCollector(Collector):
                                 labels=["replica"]),
             CounterMetricFamily(f"{PREFIX}_kv_index_evicted", "Index entries dropped by the index's memory bound."),
         )
+
+
+#: Families about state every gateway worker holds a copy of (the KV index the control
+#: plane feeds them all) or that any worker may raise (the hash alarm): merged across
+#: workers by the largest value, not the sum (llmgw/router/workerstate.py).
+SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()} | {KV_HASH_ALARM})
 
 
 class _InFlightCollector(Collector):

@@ -41,6 +41,13 @@ class Replica:
     engine: str = ""
     adapters: tuple[tuple[str, str], ...] = ()
 
+    def adapter_path(self, adapter: str) -> str | None:
+        """Return the path this replica loads ``adapter`` from, or None if it does not list it."""
+        for name, path in self.adapters:
+            if name == adapter:
+                return path
+        return None
+
 
 @attrs.frozen
 class ModelInfo:

@@ -30,16 +30,12 @@ from typing import Any, Mapping
 import trio
 
 from llmgw import kvhash
+from llmgw.config import DEFAULT_TOKENIZE_TIMEOUT
 
 from .replicas import Replica, RequestInfo
 from .upstream import UpstreamClient, close_quietly
 
 log = logging.getLogger(__name__)
-
-#: Seconds allowed for one ``/tokenize`` call. A loopback call to vLLM takes about a
-#: millisecond per thousand tokens; past this the replica is busy, and routing
-#: approximately now beats a precise decision later.
-TOKENIZE_TIMEOUT_S = 0.5
 
 #: Block hashes kept in the cache in all (about 40 bytes each: 2 million is ~80 MB),
 #: least recently used entries dropped first.
@@ -101,7 +97,7 @@ class TokenHasher:
     with. Counters: ``calls`` (``/tokenize`` requests made), ``cache_hits``, ``failures``.
     """
 
-    def __init__(self, *, seed: str | None = kvhash.KV_HASH_SEED, timeout: float = TOKENIZE_TIMEOUT_S,
+    def __init__(self, *, seed: str | None = kvhash.KV_HASH_SEED, timeout: float = DEFAULT_TOKENIZE_TIMEOUT,
                  max_cached: int = MAX_CACHED_HASHES) -> None:
         self.seed = seed
         self.timeout = timeout

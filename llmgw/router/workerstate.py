@@ -22,7 +22,7 @@ from llmgw.spec import KvDelta
 
 from .admission import TenantCounters
 from .auth import KeyEntry, Tenant
-from .metrics import PREFIX
+from .metrics import SHARED_FAMILIES
 from .replicas import ModelInfo, Replica, ReplicaTable
 from .usage import UsageCounts
 
@@ -161,15 +161,10 @@ def decode_admission(data: Mapping[str, Sequence[int]]) -> dict[str, TenantCount
 
 #: Samples whose value is a creation timestamp: the earliest wins instead of the sum.
 _TIMESTAMP_SUFFIX = "_created"
-#: Families every worker reports about the same thing: the KV index is one copy per
-#: worker of the control plane's (fed with the same deltas), so its size and per-replica
-#: counters are taken as the largest worker's value (the most up to date: a worker may
-#: lag by a few deltas), not added up (that would be N times the truth); a hash alarm is
-#: 1 while raised in any worker.
-SHARED_FAMILIES = frozenset({
-    f"{PREFIX}_kv_index_blocks", f"{PREFIX}_kv_events_applied", f"{PREFIX}_kv_event_gaps",
-    f"{PREFIX}_kv_resyncs", f"{PREFIX}_kv_index_evicted", f"{PREFIX}_kv_hash_alarm",
-})
+# SHARED_FAMILIES (llmgw/router/metrics.py) describe the one KV index every worker holds a
+# copy of (fed with the same deltas): the largest worker's value is taken (the most up to
+# date: a worker may lag by a few deltas), not the sum (N times the truth); a hash alarm is
+# 1 while raised in any worker.
 
 
 def encode_metrics(registry: CollectorRegistry) -> list[list[Any]]:
