@@ -8,8 +8,9 @@ another seed raise the hash-agreement alarm (metric and words), not a silent 0% 
 
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import attrs
 import httpx
@@ -29,6 +30,7 @@ from llmgw.spec import KvDelta
 MODEL = "m"
 BS = 16
 DEADLINE_S = 30.0
+AGREEMENT_WINDOW_S = 10.0
 
 
 @attrs.define
@@ -40,13 +42,24 @@ class Cluster:
     replicas: list[Replica]
 
 
+class ManualClock:
+    """The policy's clock, moved on by the test (agreement windows pass without waiting)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @asynccontextmanager
-async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED, window: float = 10.0) -> AsyncIterator[Cluster]:
+async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED,
+                  clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Cluster]:
     """Run ``n`` sims with KV events, their subscribers feeding the gateway, and the gateway."""
     async with trio.open_nursery() as nursery:
         load = LoadTracker()
-        settings = RoutingConfig(agreement_window=window, mismatch_alarm_after=2)
-        policy = KvAwarePolicy(load, settings=settings)
+        settings = RoutingConfig(agreement_window=AGREEMENT_WINDOW_S, mismatch_alarm_after=2)
+        policy = KvAwarePolicy(load, settings=settings, clock=clock)
         table = ReplicaTable()
         app = create_app(table, load=load, policy=policy)
         gateway = gateway_of(app)
@@ -134,13 +147,14 @@ async def test_overloaded_warm_replica_is_bypassed() -> None:
 async def test_wrong_seed_raises_the_alarm(repeat: bool) -> None:
     # new prefixes: the engine keeps storing blocks, never the router's; one repeated prefix:
     # after the first request the engine stores nothing new, it holds the prefix under its own hashes
-    async with cluster(2, seed="not-the-router-seed", window=0.2) as c:
+    clock = ManualClock()
+    async with cluster(2, seed="not-the-router-seed", clock=clock) as c:
         with trio.fail_after(DEADLINE_S):
             i = 0
             while not c.policy.alarms():
                 await cached_tokens(c, conversation(100 + (0 if repeat else i), 0))
                 i += 1
-                await trio.sleep(0.05)  # pace requests past the short agreement window
+                clock.now += AGREEMENT_WINDOW_S + 1  # the request's agreement window has passed
         assert ALARM_TEXT in c.policy.alarms()[0]
         metrics = (await c.http.get("/metrics")).text
         assert any(line.startswith("llmgw_gateway_kv_hash_alarm{") and line.endswith(" 1.0")

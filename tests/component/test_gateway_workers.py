@@ -69,13 +69,15 @@ class Pooled:
             return await http.get(path)
 
 
-@pytest.fixture
-async def pooled(engine: str) -> AsyncIterator[Pooled]:
+@contextlib.asynccontextmanager
+async def running_pool(replicas: list[Replica], routing: RoutingConfig = RoutingConfig()) -> AsyncIterator[Pooled]:
+    """A 2-worker pool serving model "m" on ``replicas`` with ``routing``; on exit, checks that
+    no worker outlived it."""
     table = ObservedTable()
-    table.set_model_replicas("m", [Replica("r1", "m", engine)])
+    table.set_model_replicas("m", replicas)
     master = gateway_of(create_app(table, auth=ObservedAuthTable(enabled=False),
                                    admission=PooledAdmission(AdmissionLimits())))
-    pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False))
+    pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False, routing=routing))
     async with trio.open_nursery() as nursery:
         with trio.fail_after(60):
             port = await nursery.start(pool.run, 0)
@@ -87,6 +89,12 @@ async def pooled(engine: str) -> AsyncIterator[Pooled]:
             pids = list(pool.pids.values())
             nursery.cancel_scope.cancel()
     assert pids and not any(alive(pid) for pid in pids), "a worker outlived the pool"
+
+
+@pytest.fixture
+async def pooled(engine: str) -> AsyncIterator[Pooled]:
+    async with running_pool([Replica("r1", "m", engine)]) as handle:
+        yield handle
 
 
 async def test_both_workers_serve_and_metrics_and_usage_add_up(pooled: Pooled) -> None:
@@ -217,22 +225,8 @@ def kv_engines() -> Iterator[tuple[str, str]]:
 async def kv_pool(engines: tuple[str, str], routing: RoutingConfig = KV_ROUTING) -> AsyncIterator[Pooled]:
     """A 2-worker pool routing model "m" over ["ra", "rb"] (in that order: with no KV
     state, a prompt's first request goes to "ra" and sticks there) with ``routing``."""
-    table = ObservedTable()
-    table.set_model_replicas("m", [Replica("ra", "m", engines[0]), Replica("rb", "m", engines[1])])
-    master = gateway_of(create_app(table, auth=ObservedAuthTable(enabled=False),
-                                   admission=PooledAdmission(AdmissionLimits())))
-    pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False, routing=routing))
-    async with trio.open_nursery() as nursery:
-        with trio.fail_after(60):
-            port = await nursery.start(pool.run, 0)
-        handle = Pooled(master, pool)
-        handle.url = f"http://127.0.0.1:{port}"
-        try:
-            yield handle
-        finally:
-            pids = list(pool.pids.values())
-            nursery.cancel_scope.cancel()
-    assert pids and not any(alive(pid) for pid in pids), "a worker outlived the pool"
+    async with running_pool([Replica("ra", "m", engines[0]), Replica("rb", "m", engines[1])], routing) as handle:
+        yield handle
 
 
 def feed(pooled: Pooled, replica_id: str, delta: KvDelta | None) -> None:

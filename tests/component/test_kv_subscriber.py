@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import os
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import httpx
 import pytest
@@ -119,92 +121,72 @@ async def wait_connected(pub, dropping, view: RouterView, marker: int) -> None:
     await view.until(lambda: marker in view.blocks, "the connection")
 
 
-async def test_gap_is_filled_from_replay():
+@asynccontextmanager
+async def running(*, buffer: int | None = None, publish_to: str | None = None) -> AsyncIterator[
+        tuple[RouterView, KvSubscriber, KvEventPublisher, DroppingPub]]:
+    """A subscriber on fresh endpoints sending to a RouterView, and the sim's publisher (to
+    ``publish_to``, default the subscriber's endpoint; ``buffer``: replay kept), both running.
+    Both are stopped and the publisher closed on exit."""
     endpoint, replay = endpoints()
     view = RouterView()
     sub = KvSubscriber(endpoint, replay)
-    pub, dropping = await publisher(endpoint, replay)
+    pub, dropping = await publisher(publish_to or endpoint, replay, buffer=buffer)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(sub.run, view.send)
             nursery.start_soon(pub.run)
-            await wait_connected(pub, dropping, view, 1)
-            dropping.drop = 2
-            emit(pub, dropping, wire.block_stored([2], None, [0] * BS, BS))
-            emit(pub, dropping, wire.block_removed([1]))
-            assert pub.dropped == 2
-            emit(pub, dropping, wire.block_stored([3], None, [0] * BS, BS))  # delivered: reveals the gap
-            await view.until(lambda: view.blocks == {2, 3}, "the replayed batches")
-            assert sub.gaps == 1 and sub.resyncs == 0
-            assert view.deltas[-1].gaps == 1
+            yield view, sub, pub, dropping
             nursery.cancel_scope.cancel()
     finally:
         pub.close()
+
+
+async def test_gap_is_filled_from_replay():
+    async with running() as (view, sub, pub, dropping):
+        await wait_connected(pub, dropping, view, 1)
+        dropping.drop = 2
+        emit(pub, dropping, wire.block_stored([2], None, [0] * BS, BS))
+        emit(pub, dropping, wire.block_removed([1]))
+        assert pub.dropped == 2
+        emit(pub, dropping, wire.block_stored([3], None, [0] * BS, BS))  # delivered: reveals the gap
+        await view.until(lambda: view.blocks == {2, 3}, "the replayed batches")
+        assert sub.gaps == 1 and sub.resyncs == 0
+        assert view.deltas[-1].gaps == 1
 
 
 async def test_gap_replay_cannot_fill_is_a_resync():
-    endpoint, replay = endpoints()
-    view = RouterView()
-    sub = KvSubscriber(endpoint, replay)
-    pub, dropping = await publisher(endpoint, replay, buffer=1)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sub.run, view.send)
-            nursery.start_soon(pub.run)
-            await wait_connected(pub, dropping, view, 1)
-            dropping.drop = 3
-            for h in (2, 3, 4):  # lost, and only the last kept for replay
-                emit(pub, dropping, wire.block_stored([h], None, [0] * BS, BS))
-            emit(pub, dropping, wire.block_stored([5], None, [0] * BS, BS))
-            await view.until(lambda: sub.resyncs == 1 and 5 in view.blocks, "the resync")
-            assert view.blocks == sub.mirror.blocks and 1 not in view.blocks, "the mirror was purged"
-            assert any(d.reset for d in view.deltas[1:]), "a resync is sent as a reset"
-            assert sub.gaps == 1
-            nursery.cancel_scope.cancel()
-    finally:
-        pub.close()
+    async with running(buffer=1) as (view, sub, pub, dropping):
+        await wait_connected(pub, dropping, view, 1)
+        dropping.drop = 3
+        for h in (2, 3, 4):  # lost, and only the last kept for replay
+            emit(pub, dropping, wire.block_stored([h], None, [0] * BS, BS))
+        emit(pub, dropping, wire.block_stored([5], None, [0] * BS, BS))
+        await view.until(lambda: sub.resyncs == 1 and 5 in view.blocks, "the resync")
+        assert view.blocks == sub.mirror.blocks and 1 not in view.blocks, "the mirror was purged"
+        assert any(d.reset for d in view.deltas[1:]), "a resync is sent as a reset"
+        assert sub.gaps == 1
 
 
 async def test_silent_pub_path_events_arrive_by_replay():
-    endpoint, replay = endpoints()
-    view = RouterView()
-    sub = KvSubscriber(endpoint, replay)
     # The engine publishes to an endpoint nobody binds: the PUB path delivers nothing at all.
-    pub, dropping = await publisher(f"tcp://127.0.0.1:{free_tcp_port()}", replay)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sub.run, view.send)
-            nursery.start_soon(pub.run)
-            emit(pub, dropping, wire.block_stored([10, 11], None, [0] * 2 * BS, BS))
-            emit(pub, dropping, wire.block_removed([10]))
-            await view.until(lambda: view.blocks == {11}, "the replayed blocks")
-            assert sub.replayed_batches == 2 and sub.gaps == 0 and sub.resyncs == 0
-            nursery.cancel_scope.cancel()
-    finally:
-        pub.close()
+    async with running(publish_to=f"tcp://127.0.0.1:{free_tcp_port()}") as (view, sub, pub, dropping):
+        emit(pub, dropping, wire.block_stored([10, 11], None, [0] * 2 * BS, BS))
+        emit(pub, dropping, wire.block_removed([10]))
+        await view.until(lambda: view.blocks == {11}, "the replayed blocks")
+        assert sub.replayed_batches == 2 and sub.gaps == 0 and sub.resyncs == 0
 
 
 async def test_engine_restart_and_new_session_send_resets():
-    endpoint, replay = endpoints()
-    view = RouterView()
-    sub = KvSubscriber(endpoint, replay)
-    pub, dropping = await publisher(endpoint, replay)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sub.run, view.send)
-            nursery.start_soon(pub.run)
-            await wait_connected(pub, dropping, view, 1)
-            count = len(view.deltas)
-            sub.resend_full()  # a new session: the full copy again
-            await view.until(lambda: len(view.deltas) > count, "the full copy")
-            assert view.deltas[-1].reset and view.deltas[-1].stored == (1,)
-            assert sub.full_copy() == view.deltas[-1]
-            sub.engine_restarted()
-            await view.until(lambda: not view.blocks, "the reset to nothing")
-            assert view.deltas[-1].reset and sub.next_seq == 0
-            nursery.cancel_scope.cancel()
-    finally:
-        pub.close()
+    async with running() as (view, sub, pub, dropping):
+        await wait_connected(pub, dropping, view, 1)
+        count = len(view.deltas)
+        sub.resend_full()  # a new session: the full copy again
+        await view.until(lambda: len(view.deltas) > count, "the full copy")
+        assert view.deltas[-1].reset and view.deltas[-1].stored == (1,)
+        assert sub.full_copy() == view.deltas[-1]
+        sub.engine_restarted()
+        await view.until(lambda: not view.blocks, "the reset to nothing")
+        assert view.deltas[-1].reset and sub.next_seq == 0
 
 
 async def test_bind_failure_raises_before_started():

@@ -7,7 +7,6 @@ GGUF files written by llmgw.testing.gguf; one replica is shared by the module.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -17,7 +16,7 @@ import trio
 
 from llmgw.node.install.llamacpp import find_installed
 from llmgw.testing.gguf import write_tiny_lora, write_tiny_model
-from tests.system.harness import Cluster, eventually, iter_replicas
+from tests.system.harness import Cluster, iter_replicas, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -46,12 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                           "--adapter", f"{ADAPTER}={lora}",
                           "--arg=-c", "--arg=512", "--arg=-np", "--arg=2", "--arg=-t", "--arg=1")
         assert out.returncode == 0, out.stderr
-
-        async def ready() -> dict[str, Any] | None:
-            rows = [r for r in iter_replicas(cluster, MODEL) if r["state"] == "ready"]
-            return rows[0] if rows else None
-
-        replica = await eventually(ready, "a ready llama.cpp replica", timeout=READY_TIMEOUT)
+        [replica] = await ready_replicas(cluster, MODEL, 1, READY_TIMEOUT)
         return {"cluster": cluster, "replica": replica, "model": model}
 
     try:

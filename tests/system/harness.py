@@ -137,6 +137,19 @@ class Cluster:
         self.gateway = ""
         self.admin_dir = self.server_dir / "admin"
 
+    async def __aenter__(self) -> Cluster:
+        """``async with Cluster(...) as c``: :meth:`init` and :meth:`start_server`; :meth:`stop` on exit."""
+        try:
+            await self.init()
+            await self.start_server()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.stop()
+
     # -- processes ------------------------------------------------------------------
 
     async def init(self) -> None:
@@ -227,6 +240,32 @@ def iter_replicas(cluster: Cluster, model: str | None = None) -> Iterator[dict[s
     for r in cluster.ctl_json("replicas")["replicas"]:
         if model is None or r["model"] == model:
             yield r
+
+
+async def ready_replicas(cluster: Cluster, model: str, count: int = 1, timeout: float = WAIT) -> list[dict[str, Any]]:
+    """Return the READY replicas of ``model`` once there are exactly ``count``.
+
+    Fails at once (:class:`Fatal`) when a replica of ``model`` is FAILED, with its row.
+    """
+    async def check() -> list[dict[str, Any]] | None:
+        rows = list(iter_replicas(cluster, model))
+        failed = [r for r in rows if r["state"] == "failed"]
+        if failed:
+            raise Fatal(f"a replica of {model} failed: {failed[0]}")
+        ready = [r for r in rows if r["state"] == "ready"]
+        return ready if len(ready) == count else None
+
+    return await eventually(check, f"{count} ready replica(s) of {model}", timeout=timeout)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Return the sum of every sample of ``name`` in a Prometheus scrape ``text`` whose
+    labels include ``labels`` (0 when there is none)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", text, re.MULTILINE):
+        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def standalone_pki(root: Path) -> ClusterCA:

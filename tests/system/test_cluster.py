@@ -12,28 +12,15 @@ import openai
 import pytest
 
 from llmgw.client import ClientError, connect
-from tests.system.harness import Cluster, alive, eventually, iter_replicas
+from tests.system.harness import alive, Cluster, eventually, iter_replicas, ready_replicas
 
 pytestmark = pytest.mark.system
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, lost_after="3s", replace_grace="2s")
-    try:
-        await c.init()
-        await c.start_server()
+    async with Cluster(tmp_path, lost_after="3s", replace_grace="2s") as c:
         yield c
-    finally:
-        c.stop()
-
-
-async def ready_replicas(cluster: Cluster, model: str, count: int) -> list[dict]:
-    async def check() -> list[dict] | None:
-        rows = [r for r in iter_replicas(cluster, model) if r["state"] == "ready"]
-        return rows if len(rows) == count else None
-
-    return await eventually(check, f"{count} ready replica(s) of {model}")
 
 
 async def test_two_nodes_serve_a_model_through_the_gateway(cluster: Cluster) -> None:

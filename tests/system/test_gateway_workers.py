@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.system.harness import Cluster, alive, eventually, iter_replicas
+from tests.system.harness import alive, Cluster, eventually, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -24,13 +24,8 @@ def body(model: str) -> dict:
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, auth=True, extra={"gateway": {"workers": 2}})
-    try:
-        await c.init()
-        await c.start_server()
+    async with Cluster(tmp_path, auth=True, extra={"gateway": {"workers": 2}}) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def worker_pids(cluster: Cluster) -> dict[int, int]:
@@ -60,10 +55,7 @@ async def test_two_workers_share_state_usage_metrics_and_restart(cluster: Cluste
     await cluster.start_agent("node-a")
     assert cluster.ctl("models", "add", "m1", "--engine", "sim").returncode == 0
 
-    async def ready(model: str) -> bool:
-        return any(r["state"] == "ready" for r in iter_replicas(cluster, model))
-
-    await eventually(lambda: ready("m1"), "a ready replica of m1")
+    await ready_replicas(cluster, "m1")
     cluster.ctl_json("tenants", "add", "acme")
     key = cluster.ctl_json("keys", "create", "--tenant", "acme")["key"]
     key_id = key.split("_")[1]
@@ -96,7 +88,7 @@ async def test_two_workers_share_state_usage_metrics_and_restart(cluster: Cluste
     assert cluster.ctl("models", "add", "m2", "--engine", "sim").returncode == 0
     statuses, _ = await through_many(cluster, "m2", key)
     assert 404 not in statuses
-    await eventually(lambda: ready("m2"), "a ready replica of m2")
+    await ready_replicas(cluster, "m2")
 
     async def m2_served() -> bool:
         return (await through_many(cluster, "m2", key))[0] == {200}

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.system.harness import Cluster, eventually, iter_replicas
+from tests.system.harness import Cluster, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -19,23 +19,15 @@ BODY = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tok
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path, auth=True)
-    try:
-        await c.init()
-        await c.start_server()
+    async with Cluster(tmp_path, auth=True) as c:
         yield c
-    finally:
-        c.stop()
 
 
 async def test_keys_tenants_usage_and_stop_through_ctl(cluster: Cluster) -> None:
     await cluster.start_agent("node-a")
     assert cluster.ctl("models", "add", "m1", "--engine", "sim").returncode == 0
 
-    async def ready() -> bool:
-        return any(r["state"] == "ready" for r in iter_replicas(cluster, "m1"))
-
-    await eventually(ready, "a ready replica of m1")
+    await ready_replicas(cluster, "m1")
 
     tenant = cluster.ctl_json("tenants", "add", "acme", "--models", "m1", "--rpm", "1000")
     assert tenant["name"] == "acme" and tenant["models"] == ["m1"] and tenant["rpm"] == 1000

@@ -4,7 +4,6 @@ replica that served a request; a stopped replica's blocks leave the index."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 from llmgw import kvhash
-from tests.system.harness import Cluster, eventually, iter_replicas
+from tests.system.harness import Cluster, eventually, metric_sum, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -21,20 +20,8 @@ BS = 16
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        await c.init()
-        await c.start_server()
+    async with Cluster(tmp_path) as c:
         yield c
-    finally:
-        c.stop()
-
-
-def metric(text: str, name: str, replica: str | None = None) -> float:
-    """Returns the value of ``name`` (with ``replica="..."`` when given) in a scrape, 0 if absent."""
-    labels = "" if replica is None else r'\{[^}]*replica="' + re.escape(replica) + r'"[^}]*\}'
-    m = re.search(rf"^{re.escape(name)}{labels}\s+(\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
 
 
 async def test_blocks_of_a_request_reach_the_gateway_index_of_its_replica(cluster: Cluster) -> None:
@@ -43,11 +30,7 @@ async def test_blocks_of_a_request_reach_the_gateway_index_of_its_replica(cluste
     out = cluster.ctl("models", "add", "kv", "--engine", "sim", "--replicas", "2")
     assert out.returncode == 0, out.stderr
 
-    async def two_ready() -> list[dict] | None:
-        rows = [r for r in iter_replicas(cluster, "kv") if r["state"] == "ready"]
-        return rows if len(rows) == 2 else None
-
-    first, second = await eventually(two_ready, "2 ready replicas of kv")
+    first, second = await ready_replicas(cluster, "kv", 2)
     prompt = list(range(7, 7 + 4 * BS + 3))
     expected = len(kvhash.block_hashes(prompt, BS))
     async with httpx.AsyncClient(timeout=30) as http:
@@ -57,19 +40,19 @@ async def test_blocks_of_a_request_reach_the_gateway_index_of_its_replica(cluste
 
         async def indexed() -> str | None:
             text = (await http.get(cluster.gateway + "/metrics")).text
-            return text if metric(text, "llmgw_gateway_kv_index_blocks") >= expected else None
+            return text if metric_sum(text, "llmgw_gateway_kv_index_blocks") >= expected else None
 
         text = await eventually(indexed, "the request's blocks in the gateway's KV index")
-        assert metric(text, "llmgw_gateway_kv_index_blocks") == expected
-        assert metric(text, "llmgw_gateway_kv_events_applied_total", first["id"]) >= 1
-        assert metric(text, "llmgw_gateway_kv_events_applied_total", second["id"]) == 0
-        assert metric(text, "llmgw_gateway_kv_resyncs_total", first["id"]) == 0
+        assert metric_sum(text, "llmgw_gateway_kv_index_blocks") == expected
+        assert metric_sum(text, "llmgw_gateway_kv_events_applied_total", replica=first["id"]) >= 1
+        assert metric_sum(text, "llmgw_gateway_kv_events_applied_total", replica=second["id"]) == 0
+        assert metric_sum(text, "llmgw_gateway_kv_resyncs_total", replica=first["id"]) == 0
 
         # Stopping the replica drops its blocks from the index.
         assert cluster.ctl("models", "remove", "kv").returncode == 0
 
         async def emptied() -> bool:
             text = (await http.get(cluster.gateway + "/metrics")).text
-            return metric(text, "llmgw_gateway_kv_index_blocks") == 0
+            return metric_sum(text, "llmgw_gateway_kv_index_blocks") == 0
 
         await eventually(emptied, "the KV index emptied after the replicas stopped")

@@ -12,29 +12,21 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from tests.system.harness import Cluster, eventually, iter_replicas
+from tests.system.harness import Cluster, ready_replicas
 
 pytestmark = pytest.mark.system
 
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        await c.init()
-        await c.start_server()
+    async with Cluster(tmp_path) as c:
         await c.start_agent("node-a")
         yield c
-    finally:
-        c.stop()
 
 
 async def ready_endpoint(cluster: Cluster, model: str) -> str:
-    async def check() -> str | None:
-        rows = [r for r in iter_replicas(cluster, model) if r["state"] == "ready"]
-        return rows[0]["endpoint"] if rows else None
-
-    return await eventually(check, f"a ready replica of {model}")
+    [replica] = await ready_replicas(cluster, model)
+    return str(replica["endpoint"])
 
 
 async def test_adapters_reach_the_engine_and_share_the_model_namespace(cluster: Cluster) -> None:

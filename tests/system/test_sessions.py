@@ -13,8 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.system.harness import LLMGW, Cluster, Proc, alive, engines_under
-from tests.system.test_cluster import ready_replicas
+from tests.system.harness import LLMGW, alive, Cluster, engines_under, Proc, ready_replicas
 
 pytestmark = pytest.mark.system
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from llmgw.node.engines.llamacpp import LlamaCppEngine
 from llmgw.node.engines.sim import SimEngine

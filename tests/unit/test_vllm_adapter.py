@@ -11,7 +11,6 @@ import pytest
 from llmgw.node.engines import ENGINES, EngineRefused, get_engine
 from llmgw.node.engines.vllm import (
     CPU_BLOCK_SIZE,
-    KvEventsConfig,
     MultiNode,
     VLLM_HASH_SEED,
     VllmEngine,
