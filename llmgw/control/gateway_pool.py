@@ -52,7 +52,7 @@ from llmgw.router.admission import Admission, AdmissionLimits, TenantCounters
 from llmgw.router.app import Gateway
 from llmgw.router.auth import AuthTable, KeyEntry
 from llmgw.router.channel import Channel, ChannelClosed, Message
-from llmgw.router.replicas import Replica, ReplicaTable
+from llmgw.router.replicas import ModelInfo, Replica, ReplicaTable
 from llmgw.router.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
 from llmgw.router.upstream import UpstreamTimeouts
 from llmgw.router.workerstate import (
@@ -121,8 +121,10 @@ class ObservedTable(ReplicaTable):
         super().set_model_replicas(model, replicas)
         self._changed()
 
-    def replace_all(self, mapping: Mapping[str, Sequence[Replica]]) -> None:
-        super().replace_all(mapping)
+    def replace_all(
+        self, mapping: Mapping[str, Sequence[Replica]], infos: Mapping[str, ModelInfo] | None = None
+    ) -> None:
+        super().replace_all(mapping, infos)
         self._changed()
 
     def remove_model(self, model: str) -> None:

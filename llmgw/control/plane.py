@@ -130,10 +130,9 @@ class ControlPlane:
                     model: [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters)
                             for r in self.registry.replicas_of(model)]
                     for model in models
-                }
+                },
+                infos,
             )
-            for model, info in infos.items():
-                self.table.set_model_info(model, info)
             if not started:
                 task_status.started()
                 started = True

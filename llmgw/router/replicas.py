@@ -95,8 +95,12 @@ class ReplicaTable:
         self._replicas[model] = _checked(model, replicas)
         self._created.setdefault(model, int(time.time()))
 
-    def replace_all(self, mapping: Mapping[str, Sequence[Replica]]) -> None:
-        """Make the catalog exactly ``mapping``'s keys, each with its ready replicas.
+    def replace_all(
+        self, mapping: Mapping[str, Sequence[Replica]], infos: Mapping[str, ModelInfo] | None = None
+    ) -> None:
+        """Make the catalog exactly ``mapping``'s keys, each with its ready replicas, and,
+        when ``infos`` is given, the models' info exactly ``infos`` (else each model keeps
+        what it had).
 
         Models absent from ``mapping`` leave the catalog. Validates everything before
         changing anything (``ValueError`` as in :meth:`set_model_replicas`).
@@ -105,7 +109,8 @@ class ReplicaTable:
         now = int(time.time())
         self._created = {model: self._created.get(model, now) for model in checked}
         self._replicas = checked
-        self._info = {model: info for model, info in self._info.items() if model in checked}
+        source = self._info if infos is None else infos
+        self._info = {model: info for model, info in source.items() if model in checked}
         self._reindex_adapters()
 
     def remove_model(self, model: str) -> None:

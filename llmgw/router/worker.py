@@ -51,7 +51,7 @@ from .replicas import LoadTracker
 from .serve import serve_gateway
 from .upstream import UpstreamTimeouts
 from .workerstate import (
-    MirrorTable, decode_keys, decode_kv_delta, decode_table, encode_admission, encode_metrics, encode_usage,
+    MirrorTable, decode_keys, decode_kv_delta, encode_admission, encode_metrics, encode_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,7 @@ class Worker:
 
     def apply(self, state: Message) -> None:
         """Make the gateway's table, keys and ``stopped`` equal to ``state``."""
-        replicas, created = decode_table(state["table"])
-        self.table.load(replicas, created)
+        self.table.load_state(state["table"])
         self.gateway.auth.replace(decode_keys(state["keys"]))
         self.gateway.stopped = bool(state["stopped"])
 

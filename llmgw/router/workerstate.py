@@ -60,9 +60,10 @@ def encode_table(table: ReplicaTable) -> dict[str, Any]:
     }
 
 
-def decode_table(data: Mapping[str, Any]) -> tuple[dict[str, list[Replica]], dict[str, int]]:
-    """Return ``(replicas by model, created by model)`` from :func:`encode_table`'s value
-    (model info: :meth:`MirrorTable.load_state`)."""
+def decode_table(
+    data: Mapping[str, Any],
+) -> tuple[dict[str, list[Replica]], dict[str, int], dict[str, ModelInfo]]:
+    """Return ``(replicas, created, info)``, each by model, from :func:`encode_table`'s value."""
     replicas = {
         model: [
             Replica(rid, model, endpoint, node, engine, tuple((str(n), str(p)) for n, p in adapters))
@@ -70,7 +71,11 @@ def decode_table(data: Mapping[str, Any]) -> tuple[dict[str, list[Replica]], dic
         ]
         for model, rows in data["replicas"].items()
     }
-    return replicas, dict(data["created"])
+    info = {
+        model: ModelInfo(str(engine), tuple(map(str, adapters)), int(max_loaded))
+        for model, (engine, adapters, max_loaded) in data.get("info", {}).items()
+    }
+    return replicas, dict(data["created"]), info
 
 
 def encode_keys(entries: Iterable[KeyEntry], workers: int) -> list[list[Any]]:
@@ -100,20 +105,13 @@ def decode_keys(rows: Sequence[Sequence[Any]]) -> list[KeyEntry]:
 class MirrorTable(ReplicaTable):
     """A worker's copy of the control plane's table, ``created`` times included."""
 
-    def load(self, replicas: Mapping[str, Sequence[Replica]], created: Mapping[str, int]) -> None:
-        """Make the table exactly ``replicas``, each model with the control plane's ``created``."""
-        self.replace_all(replicas)
+    def load_state(self, data: Mapping[str, Any]) -> None:
+        """Make the table exactly :func:`encode_table`'s value: replicas, the control plane's
+        ``created`` times and model info (engines, adapters)."""
+        replicas, created, info = decode_table(data)
+        self.replace_all(replicas, info)
         now = int(time.time())
         self._created = {model: int(created.get(model, now)) for model in replicas}
-
-    def load_state(self, data: Mapping[str, Any]) -> None:
-        """Make the table exactly :func:`encode_table`'s value: replicas, ``created`` times
-        and model info (engines, adapters)."""
-        replicas, created = decode_table(data)
-        self.load(replicas, created)
-        for model, (engine, adapters, max_loaded) in data.get("info", {}).items():
-            if model in replicas:
-                self.set_model_info(model, ModelInfo(str(engine), tuple(map(str, adapters)), int(max_loaded)))
 
 
 # -- KV-cache deltas (down) ---------------------------------------------------------------

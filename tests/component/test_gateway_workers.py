@@ -33,7 +33,7 @@ from llmgw.router.channel import Message
 from llmgw.node.kvevents import MAX_HASHES_PER_DELTA
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.kvrouting import ALARM_TEXT
-from llmgw.router.replicas import Replica
+from llmgw.router.replicas import ModelInfo, Replica
 from llmgw.router.workerstate import decode_kv_delta
 from llmgw.sim.launch import start_sim
 from llmgw.spec import KvDelta
@@ -133,6 +133,15 @@ async def test_state_changes_reach_every_worker_before_synced_returns(pooled: Po
     master.table.set_model_replicas("m", [Replica("r2", "m", engine)])
     assert await pool.synced()
     assert await statuses() == {200}
+    # model info travels too: an adapter of "m" is listed (and so routable) by every worker
+    master.table.replace_all({"m": [Replica("r2", "m", engine, "n", "sim", (("a1", "a1-v1"),))]},
+                             {"m": ModelInfo("sim", ("a1",), 0)})
+    assert await pool.synced()
+    listings = set()
+    for _ in range(CONNECTIONS):
+        cards = (await pooled.get("/v1/models")).json()["data"]
+        listings.add(tuple(sorted((c["id"], c["parent"]) for c in cards)))
+    assert listings == {(("a1", "m"), ("m", None))}
 
     made = generate_key()
     master.auth.enabled = True  # the workers' switch is their own; here only keys travel
