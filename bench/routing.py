@@ -467,7 +467,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     result[label][name] = await run_policy(name, policy_factory(name, http), convs, workload, shape,
                                                            replicas, subs, sink, http)
             convs = conversations(normal, seed=11)
-            log(f"two_gateways: the uniform stream, each request through one of two routers at random")
+            log("two_gateways: the uniform stream, each request through one of two routers at random")
             result["two_gateways"] = {}
             for name in ("least-load", "approximate", "precise"):
                 result["two_gateways"][name] = await run_policy(name, policy_factory(name, http), convs, normal, shape,

@@ -85,19 +85,8 @@ class PrefixCache:
         Emits ``BlockRemoved`` for evictions and one ``BlockStored`` for the
         blocks after the hit run.
         """
+        hashes, hit = self._lookup(prompt, lora, cache_salt)
         bs = self.block_size
-        hashes = kvhash.block_hashes(
-            prompt,
-            bs,
-            seed=self.seed,
-            lora=(lora.name, lora.path) if lora else None,
-            cache_salt=cache_salt,
-        )
-        max_hit = max(0, (len(prompt) - 1) // bs)
-        hit = 0
-        blocks = self._blocks
-        while hit < max_hit and hit < len(hashes) and hashes[hit] in blocks:
-            hit += 1
         self.queries += len(prompt)
         self.hits += hit * bs
         self._store(hashes, hit, prompt, lora)
@@ -108,6 +97,11 @@ class PrefixCache:
 
         For benchmarks: the truth an oracle router would route by.
         """
+        return self._lookup(prompt, lora, cache_salt)[1]
+
+    def _lookup(self, prompt: Sequence[int], lora: LoraRef | None, cache_salt: str | None) -> tuple[list[bytes], int]:
+        """Return ``prompt``'s block hashes and how many leading ones are cached (at most all
+        but the block holding the last token: vLLM always computes that one)."""
         bs = self.block_size
         hashes = kvhash.block_hashes(prompt, bs, seed=self.seed, lora=(lora.name, lora.path) if lora else None,
                                      cache_salt=cache_salt)
@@ -115,7 +109,7 @@ class PrefixCache:
         hit = 0
         while hit < max_hit and hit < len(hashes) and hashes[hit] in self._blocks:
             hit += 1
-        return hit
+        return hashes, hit
 
     def store_decoded(
         self,
