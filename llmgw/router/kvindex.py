@@ -26,8 +26,7 @@ Everything here is synchronous, does no I/O and runs on the trio thread.
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Container, Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 import attrs
 
@@ -48,32 +47,28 @@ class ReplicaKv:
     """What the index knows about one replica's cache.
 
     ``blocks`` are its block hashes in the order they were stored (oldest first);
-    ``block_size`` the tokens per block its engine reported (0: unknown); ``updated``
-    the monotonic time of the last delta; the counters are the agent subscriber's
-    cumulative totals from the last delta (events applied, sequence gaps, resyncs).
+    ``block_size`` the tokens per block its engine reported (0: unknown); the counters
+    are the agent subscriber's cumulative totals from the last delta (events applied,
+    sequence gaps, resyncs).
     """
 
     blocks: dict[int, None] = attrs.field(factory=dict)
     block_size: int = 0
-    updated: float = 0.0
     events_applied: int = 0
     gaps: int = 0
     resyncs: int = 0
-    deltas: int = 0
 
 
 class KvIndex:
     """Block hash -> replicas holding it, bounded in memory (see the module docstring).
 
-    ``clock`` returns monotonic seconds (injectable for tests). ``max_blocks`` overrides
-    :data:`MAX_INDEX_BLOCKS`.
+    ``max_blocks`` overrides :data:`MAX_INDEX_BLOCKS`.
     """
 
-    def __init__(self, *, max_blocks: int = MAX_INDEX_BLOCKS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, max_blocks: int = MAX_INDEX_BLOCKS) -> None:
         if max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._clock = clock
         self._replicas: dict[str, ReplicaKv] = {}
         self._size = 0
         #: Entries dropped by the memory bound since start (a metric: nonzero means the
@@ -109,11 +104,9 @@ class KvIndex:
                 self._size += 1
         if delta.block_size > 0:
             entry.block_size = delta.block_size
-        entry.updated = self._clock()
         entry.events_applied = delta.events_applied
         entry.gaps = delta.gaps
         entry.resyncs = delta.resyncs
-        entry.deltas += 1
         if self._size > self.max_blocks:
             self._enforce_bound()
         return entry

@@ -112,7 +112,6 @@ class _AgreementState:
     mismatches: int = 0
     silent: int = 0
     alarmed: bool = False
-    agreements: int = 0
 
 
 class HashAgreement:
@@ -193,7 +192,6 @@ class HashAgreement:
     def _agreed(self, replica_id: str, state: _AgreementState) -> None:
         state.mismatches = 0
         state.silent = 0
-        state.agreements += 1
         if state.alarmed:
             state.alarmed = False
             log.warning("model %s replica %s: router and engine block hashes agree again", state.model, replica_id)
@@ -292,7 +290,7 @@ class KvAwarePolicy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.load = load
-        self.index = index if index is not None else KvIndex(clock=clock)
+        self.index = index if index is not None else KvIndex()
         self.settings = settings
         self.hasher = hasher if hasher is not None else TokenHasher(timeout=settings.tokenize_timeout)
         self.observer = observer or RoutingObserver()

@@ -155,7 +155,7 @@ async def test_stale_events_fall_back_to_approximate() -> None:
 
 
 def agreement(clock: Clock, threshold: int, rec: RoutingObserver | None = None) -> tuple[HashAgreement, KvIndex]:
-    index = KvIndex(clock=clock)
+    index = KvIndex()
     return HashAgreement(index, window=5, threshold=threshold, observer=rec, clock=clock), index
 
 
