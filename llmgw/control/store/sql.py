@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 import attrs
 import trio
 
+from llmgw.control.catalog import namespace_conflict
 from llmgw.control.store.base import (
     ApiKeyRecord,
     AuditEntry,
@@ -243,8 +244,6 @@ class SqlStore(Store):
     # -- models --------------------------------------------------------------------------
 
     async def put_model(self, spec: ModelSpec, *, create_only: bool) -> ModelSpec:
-        from llmgw.control.catalog import namespace_conflict
-
         now = time.time()
         params = (
             spec.name, spec.engine, spec.source, _profile_to_json(spec.profile),
