@@ -33,7 +33,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import errors, hypercorn_fast, hypercorn_fix
+from . import errors, h1fastlane, hypercorn_fast, hypercorn_fix
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 hypercorn_fix.install()
 # Hypercorn's per-response idle-timer churn and split head/body writes (see hypercorn_fast.py).
 hypercorn_fast.install()
+# Simple, complete HTTP/1.1 requests skip h11 and Hypercorn's per-request stream (see h1fastlane.py).
+h1fastlane.install()
 
 # Attempts per request: the chosen replica plus one other if the first refused the
 # connection. More would add latency for little gain: the control plane takes a dead

@@ -1,0 +1,419 @@
+"""A fast lane through Hypercorn 0.18's HTTP/1.1 protocol for simple, complete requests.
+
+Profiled on the gateway under load (py-spy, keep-alive connections, small JSON requests
+and answers), Hypercorn's HTTP/1.1 machinery was about a quarter of the gateway's CPU
+per request: h11's state machine parsing the request into events and serializing the
+response, an ``HTTPStream`` per request, a memory channel and an app task per request
+(``TaskGroup.spawn_app``), and the recycling of the connection after the response. The
+gateway's hot path needs none of it: a request arrives whole in one read, and the
+answer is a head plus a body of known length, or an event stream.
+
+:class:`FastLaneProtocol` is Hypercorn's ``H11Protocol`` with a lane in front: when a
+connection has nothing else in progress and one read holds a **simple** request whole
+(see :func:`parse_simple_request`), the lane parses it with one regular expression,
+builds the same ASGI scope Hypercorn builds, and runs the app in a task of the
+connection's task group with ``receive``/``send`` of its own (:class:`_Exchange`), which
+frame the response as h11 would (content-length, or chunked when the app gives none).
+Anything else (a partial or malformed request, ``Transfer-Encoding``, ``Expect``,
+``Upgrade``, ``Connection: close``, ``HEAD``, HTTP/1.0, an over-long head) goes to
+``H11Protocol`` unchanged, so h11 keeps answering the odd and the broken with its own
+errors. Requests that arrive pipelined wait for the response before them, as h11
+makes them wait.
+
+What the lane keeps from Hypercorn: the scope's fields, the ``date`` header and
+``Connection: close`` after ``keep_alive_max_requests``, the keep-alive idle timer
+(``Updated`` events), ``mark_request``, writes through the server's ``protocol_send``
+(its send lock and its handling of a broken connection), closing after the response
+when the worker is terminating, ``http.disconnect`` for a client that went away (and
+:data:`~llmgw.router.hypercorn_fast.ON_CLOSE_KEY`), a 500 for an app that fails before
+responding, and closing the connection when it fails mid-response. The lane stays
+closed when Hypercorn's access log or ``server_names`` are configured (the gateway
+sets neither).
+
+:func:`install` makes Hypercorn's trio server use :class:`FastLaneProtocol` for HTTP/1.1
+connections (idempotent); importing :mod:`llmgw.router.app` installs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+from typing import Any, Final
+from urllib.parse import unquote
+
+import h11
+import trio
+from hypercorn import protocol as hypercorn_protocol
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
+
+from .hypercorn_fast import ON_CLOSE_KEY
+
+log = logging.getLogger(__name__)
+
+# A request line the lane takes: a method whose request has a body or none (not HEAD,
+# whose response has none; not CONNECT or TRACE), an origin-form target of visible
+# ASCII, HTTP/1.1 (HTTP/1.0 defaults to closing and has no chunked framing).
+_REQUEST_LINE: Final = re.compile(rb"(GET|POST|PUT|PATCH|DELETE|OPTIONS) (/[!-~]*) HTTP/1\.1")
+
+# Header lines, each "token: value CRLF": a token name (RFC 9110), a value of visible
+# characters, spaces, tabs and obs-text. No lone CR or LF, no NUL or other controls,
+# no obs-fold continuation lines: anything else is h11's to judge. The same pattern
+# checks the response headers an app hands over.
+_HEADER_LINES: Final = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t -~\x80-\xff]*\r\n)*")
+
+# Content-Length digits the lane accepts (10**15 bytes); longer goes to h11.
+_MAX_LENGTH_DIGITS: Final = 15
+
+# Request headers that need HTTP/1.1 machinery the lane does not have.
+_NOT_SIMPLE: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te"})
+
+# Seconds the lane's own error response (500, or closing after a failure mid-response)
+# may take while shielded: it is a few bytes, so this only bounds a client that stopped
+# reading.
+_ABORT_WRITE_TIMEOUT_S: Final = 5.0
+
+_REASONS: Final = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
+
+# Exchange states.
+_REQUEST, _RESPONSE, _DONE = 0, 1, 2
+
+
+class SimpleRequest:
+    """A request the lane can serve: ``method`` (str), ``target`` (bytes), ``headers``
+    (lower-case names, stripped values), ``body`` (bytes, whole) and ``size`` (bytes of
+    the read it used, head and body)."""
+
+    __slots__ = ("method", "target", "headers", "body", "size")
+
+    def __init__(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+                 size: int) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.size = size
+
+
+def parse_simple_request(data: bytes, max_head: int) -> SimpleRequest | None:
+    """Return the simple request at the start of ``data``, or None if there is none.
+
+    None means "not for the lane": the head or the body is not all in ``data``, the head
+    is longer than ``max_head`` bytes, or the request is not simple (see the module
+    docstring); h11 then parses it, and answers it or rejects it. Never raises.
+    """
+    head_end = data.find(b"\r\n\r\n", 0, max_head)
+    if head_end < 0:
+        return None
+    line_end = data.find(b"\r\n")
+    match = _REQUEST_LINE.fullmatch(data, 0, line_end)
+    if match is None or line_end == head_end:  # no headers at all: no Host
+        return None
+    block_start = line_end + 2
+    block_end = head_end + 2
+    if _HEADER_LINES.fullmatch(data, block_start, block_end) is None:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    length = -1
+    hosts = 0
+    for line in data[block_start:head_end].split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        name = name.lower()
+        value = value.strip(b" \t")
+        if name == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > _MAX_LENGTH_DIGITS:
+                return None
+            length = int(value)
+        elif name == b"host":
+            hosts += 1
+        elif name in _NOT_SIMPLE or (name == b"connection" and value.lower() != b"keep-alive"):
+            return None
+        headers.append((name, value))
+    if hosts != 1:
+        return None
+    body_start = head_end + 4
+    size = body_start + max(length, 0)
+    if len(data) < size:
+        return None
+    body = data[body_start:size] if length > 0 else b""
+    return SimpleRequest(match.group(1).decode("ascii"), match.group(2), headers, body, size)
+
+
+class FastLaneProtocol(H11Protocol):
+    """Hypercorn's ``H11Protocol`` with the fast lane of the module docstring in front."""
+
+    #: Requests the lane has served, all connections together (tests and benchmarks read it).
+    served = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lane_open = not self.config.server_names and self.config.log.access_logger is None
+        self._scheme = "https" if self.ssl else "http"
+        self._exchange: _Exchange | None = None
+        self._exchange_done: trio.Event | None = None
+        self._closed = False
+
+    async def handle(self, event: Any) -> None:
+        if type(event) is RawData and self._lane_open and event.data:
+            data = event.data
+            while data:
+                if self._exchange is not None:
+                    # More bytes while a response is in progress (a pipelining client):
+                    # they wait for it, as h11 pauses reading.
+                    done = self._exchange_done
+                    if done is None:
+                        done = self._exchange_done = trio.Event()
+                    await done.wait()
+                    if self._closed:
+                        return
+                if not self._lane_free():
+                    break
+                request = parse_simple_request(data, self.config.h11_max_incomplete_size)
+                if request is None:
+                    break
+                data = data[request.size:]
+                await self._start(request)
+            if not data:
+                return
+            event = RawData(data=data)
+        elif type(event) is Closed:
+            self._closed = True
+            exchange = self._exchange
+            if exchange is not None:
+                exchange.client_gone()
+        await super().handle(event)
+
+    def _lane_free(self) -> bool:
+        """Return whether h11 has nothing in progress: no stream, idle, nothing buffered."""
+        connection = self.connection
+        return (
+            self.stream is None
+            and type(connection) is h11.Connection
+            and connection.their_state is h11.IDLE
+            and connection.our_state is h11.IDLE
+            and not connection.trailing_data[0]
+            and not self.context.terminated.is_set()
+        )
+
+    async def _start(self, request: SimpleRequest) -> None:
+        """Run the app for ``request`` in a task of the connection's task group."""
+        raw_path, _, query = request.target.partition(b"?")
+        path = raw_path.decode("ascii")
+        scope = {
+            "type": "http",
+            "http_version": "1.1",
+            "asgi": {"spec_version": "2.1", "version": "3.0"},
+            "method": request.method,
+            "scheme": self._scheme,
+            "path": unquote(path) if "%" in path else path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": self.config.root_path,
+            "headers": request.headers,
+            "client": self.client,
+            "server": self.server,
+            "state": self.connection_state.copy(),
+            "extensions": {},
+        }
+        self.keep_alive_requests += 1
+        FastLaneProtocol.served += 1
+        await self.context.mark_request()
+        await self.send(Updated(idle=False))
+        exchange = self._exchange = _Exchange(self, scope, request.body)
+        self.task_group.spawn(exchange.run)
+
+    async def _end_exchange(self, close: bool) -> None:
+        """The response is complete (or abandoned): recycle or close, then let held bytes in."""
+        self._exchange = None
+        waiting = self._exchange_done
+        self._exchange_done = None
+        try:
+            if close or self.context.terminated.is_set():
+                self._closed = True
+                await self.send(Closed())
+            else:
+                await self.send(Updated(idle=True))
+        finally:
+            if waiting is not None:
+                waiting.set()
+
+
+class _Exchange:
+    """One request on the lane: the app's ``receive`` and ``send``, and the response framing."""
+
+    __slots__ = ("protocol", "scope", "body", "state", "body_given", "gone", "gone_event", "head", "chunked",
+                 "remaining", "no_body", "close_after")
+
+    def __init__(self, protocol: FastLaneProtocol, scope: dict[str, Any], body: bytes) -> None:
+        self.protocol = protocol
+        self.scope = scope
+        self.body = body
+        self.state = _REQUEST
+        self.body_given = False
+        self.gone = False  # receive() now answers http.disconnect
+        self.gone_event: trio.Event | None = None
+        self.head: bytes | None = None  # a response head held back to go out with the first body bytes
+        self.chunked = False
+        self.remaining = -1  # body bytes the declared content-length still expects (-1: none declared)
+        self.no_body = False
+        self.close_after = False
+
+    async def run(self) -> None:
+        """Run the app; then, if it did not finish its response, answer 500 or close.
+
+        App errors are logged as Hypercorn logs them; cancellation (the connection's task
+        group going down) propagates after the connection is told to close.
+        """
+        protocol = self.protocol
+        try:
+            await protocol.app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
+        except trio.Cancelled:
+            raise
+        except BaseExceptionGroup as error:
+            _, others = error.split(trio.Cancelled)
+            if others is None:
+                raise
+            await protocol.config.log.exception("Error in ASGI Framework")
+        except Exception:
+            await protocol.config.log.exception("Error in ASGI Framework")
+        finally:
+            if self.state != _DONE:
+                with trio.CancelScope(shield=True, relative_deadline=_ABORT_WRITE_TIMEOUT_S):
+                    await self._abort()
+
+    async def _abort(self) -> None:
+        """The app ended without completing its response: 500 if none was started, then close."""
+        started = self.state != _REQUEST
+        self.state = _DONE
+        self._mark_gone()
+        protocol = self.protocol
+        if not started and not protocol._closed:
+            head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (
+                _header_lines(protocol.config.response_headers("h11")))
+            await protocol.send(RawData(data=head))
+        await protocol._end_exchange(close=True)
+
+    async def receive(self) -> dict[str, Any]:
+        """The ASGI receive: the whole body first, then ``http.disconnect`` once the client
+        is gone or the response is complete."""
+        if not self.body_given:
+            self.body_given = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        if not self.gone:
+            event = self.gone_event
+            if event is None:
+                event = self.gone_event = trio.Event()
+            await event.wait()
+        return {"type": "http.disconnect"}
+
+    def client_gone(self) -> None:
+        """The connection closed while this exchange was in progress: tell the app."""
+        self._mark_gone()
+        hook = self.scope["extensions"].get(ON_CLOSE_KEY)
+        if hook is not None:
+            hook()
+
+    def _mark_gone(self) -> None:
+        self.gone = True
+        event = self.gone_event
+        if event is not None:
+            event.set()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """The ASGI send for ``http.response.start`` and ``http.response.body``.
+
+        Raises ``ValueError`` for a malformed response head or a body that does not match
+        its declared ``content-length``, and ``RuntimeError`` for a message out of order or
+        of another type (as Hypercorn raises for HTTP/1.1); the app's failure then ends
+        the exchange (500, or the connection closes).
+        """
+        kind = message["type"]
+        protocol = self.protocol
+        if kind == "http.response.body" and self.state == _RESPONSE:
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            data = self._frame(body, more)
+            if not more:
+                self.state = _DONE
+            if data:
+                await protocol.send(RawData(data=data))
+            if not more:
+                self._mark_gone()
+                await protocol._end_exchange(self.close_after)
+        elif kind == "http.response.start" and self.state == _REQUEST:
+            head = self._head(int(message["status"]), message.get("headers", ()))
+            self.state = _RESPONSE
+            if self.remaining < 0 or self.no_body:
+                await protocol.send(RawData(data=head))  # a stream's head goes out at once
+            else:
+                self.head = head
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r} in state {self.state}")
+
+    def _head(self, status: int, headers: Any) -> bytes:
+        """Return the response head, and set the framing (content-length, chunked or none)."""
+        if not 200 <= status <= 999:
+            raise ValueError(f"the fast lane sends no {status} responses")
+        protocol = self.protocol
+        lines = []
+        for name, value in headers:
+            name = bytes(name).strip()
+            value = bytes(value).strip()
+            lower = name.lower()
+            if lower == b"content-length":
+                if not value.isdigit():
+                    raise ValueError(f"bad content-length {value!r}")
+                self.remaining = int(value)
+            elif lower == b"transfer-encoding":
+                continue  # the framing is the server's, as h11 decides it
+            elif lower == b"connection" and b"close" in value.lower():
+                self.close_after = True
+            lines.append(b"%s: %s\r\n" % (name, value))
+        lines.append(_header_lines(protocol.config.response_headers("h11")))
+        if status in (204, 304):
+            self.no_body = True
+        elif self.remaining < 0:
+            self.chunked = True
+            lines.append(b"transfer-encoding: chunked\r\n")
+        if protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests and not self.close_after:
+            self.close_after = True
+            lines.append(b"connection: close\r\n")
+        block = b"".join(lines)
+        if _HEADER_LINES.fullmatch(block) is None:
+            raise ValueError("response headers with characters HTTP does not allow")
+        return b"HTTP/1.1 %d %s\r\n%s\r\n" % (status, _REASONS.get(status, b""), block)
+
+    def _frame(self, body: bytes, more: bool) -> bytes:
+        """Return the bytes to write for one body message (with a held head before them)."""
+        if self.no_body:
+            data = b""
+        elif self.chunked:
+            data = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
+            if not more:
+                data += b"0\r\n\r\n"
+        else:
+            remaining = self.remaining - len(body)
+            if remaining < 0 or (not more and remaining):
+                raise ValueError("response body does not match its content-length")
+            self.remaining = remaining
+            data = bytes(body)
+        head = self.head
+        if head is not None:
+            self.head = None
+            return head + data
+        return data
+
+
+def _header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(b"%s: %s\r\n" % (name, value) for name, value in headers)
+
+
+def install() -> None:
+    """Make Hypercorn's ``ProtocolWrapper`` use :class:`FastLaneProtocol` for HTTP/1.1 (idempotent)."""
+    if hypercorn_protocol.H11Protocol is FastLaneProtocol:
+        return
+    if hypercorn_protocol.H11Protocol is not H11Protocol:
+        log.warning("hypercorn's HTTP/1.1 protocol is already replaced: fast lane not installed")
+        return
+    hypercorn_protocol.H11Protocol = FastLaneProtocol  # type: ignore[misc]

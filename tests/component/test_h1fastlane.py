@@ -1,0 +1,211 @@
+"""The fast lane (llmgw.router.h1fastlane) on real sockets under serve_gateway.
+
+Each test counts the requests the lane served, so a lane that silently stopped taking
+requests fails here, and checks the bytes on the wire: the framing h11 would have
+chosen, requests the lane leaves to h11 on the same connection, pipelining, an app
+that fails before or during its response, a client that leaves, and the keep-alive
+limit.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+from hypercorn.config import Config
+
+import llmgw.router.app  # noqa: F401  (installs the Hypercorn patches, as the gateway does)
+from llmgw.router.h1fastlane import FastLaneProtocol
+from llmgw.router.hypercorn_fast import ON_CLOSE_KEY
+from llmgw.router.serve import serve_gateway
+from tests.component.test_hypercorn_fast import _eof, _read_response
+
+DEADLINE_S = 20
+
+
+class App:
+    """ASGI app. Paths: ``/echo`` (the body back, with content-length, plus what the scope
+    said), ``/stream`` (two chunks, no content-length), ``/empty`` (204), ``/fail`` (raises
+    before responding), ``/short`` (declares 10 bytes, sends 2), ``/wait`` (waits for
+    ``http.disconnect`` and records it)."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, Any]] = []
+        self.disconnected = trio.Event()
+        self.closed_hook_called = False
+        self.waiting = trio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        self.scopes.append(scope)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/fail":
+            raise RuntimeError("the app failed (expected by the test)")
+        if path == "/wait":
+            scope["extensions"][ON_CLOSE_KEY] = self._hook
+            self.waiting.set()
+            assert (await receive())["type"] == "http.disconnect"
+            self.disconnected.set()
+            return
+        if path == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            for part in (b"one", b"two"):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/empty":
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        length = 10 if path == "/short" else len(body)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % length), (b"x-path", scope["raw_path"])]})
+        await send({"type": "http.response.body", "body": body[:2] if path == "/short" else body})
+
+    def _hook(self) -> None:
+        self.closed_hook_called = True
+
+
+@asynccontextmanager
+async def served(app: App) -> AsyncIterator[trio.SocketStream]:
+    """Serve ``app``; yield a client connection to it."""
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_gateway, app, "127.0.0.1", 0))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            try:
+                yield stream
+            finally:
+                await stream.aclose()
+                nursery.cancel_scope.cancel()
+
+
+def _post(path: str, body: bytes = b"{}", extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
+
+
+async def _read_until(stream: trio.SocketStream, buffer: bytearray, end: bytes) -> bytes:
+    while end not in buffer:
+        data = await stream.receive_some(65536)
+        assert data, f"closed before {end!r}; got {bytes(buffer)!r}"
+        buffer += data
+    cut = buffer.index(end) + len(end)
+    out = bytes(buffer[:cut])
+    del buffer[:cut]
+    return out
+
+
+async def test_pipelined_requests_are_answered_in_order_by_the_lane() -> None:
+    app = App()
+    before = FastLaneProtocol.served
+    async with served(app) as stream:
+        await stream.send_all(_post("/echo", b"first") + _post("/echo%20two", b"second") + _post("/echo", b"3"))
+        buffer = bytearray()
+        bodies = []
+        for _ in range(3):
+            head, body = await _read_response(stream, buffer)
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+            bodies.append(body)
+        assert bodies == [b"first", b"second", b"3"]
+    assert FastLaneProtocol.served - before == 3
+    assert app.scopes[1]["path"] == "/echo two" and app.scopes[1]["raw_path"] == b"/echo%20two"
+    assert app.scopes[0]["headers"] == [(b"host", b"x"), (b"content-length", b"5")]
+    assert app.scopes[0]["http_version"] == "1.1" and app.scopes[0]["scheme"] == "http"
+
+
+async def test_requests_left_to_h11_and_lane_requests_share_a_connection() -> None:
+    app = App()
+    before = FastLaneProtocol.served
+    async with served(app) as stream:
+        buffer = bytearray()
+        chunked = (b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                   b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        # The lane first: h11 then takes the chunked body and the HEAD on the same
+        # connection. A request arriving while h11 still finishes its exchange is h11's
+        # too, so the last one may go either way; it must be answered all the same.
+        for request, expected in ((_post("/echo", b"lane"), b"lane"), (chunked, b"abcde"),
+                                  (b"HEAD /echo HTTP/1.1\r\nhost: x\r\n\r\n", None), (_post("/echo", b"again"), b"again")):
+            await stream.send_all(request)
+            if expected is None:
+                head = await _read_until(stream, buffer, b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 ")  # h11 answers HEAD without a body
+                assert FastLaneProtocol.served - before == 1
+                continue
+            head, body = await _read_response(stream, buffer)
+            assert body == expected
+
+
+async def test_a_stream_is_chunked_and_204_has_no_body() -> None:
+    app = App()
+    async with served(app) as stream:
+        buffer = bytearray()
+        await stream.send_all(_post("/stream"))
+        head = await _read_until(stream, buffer, b"\r\n\r\n")
+        assert b"\r\ntransfer-encoding: chunked\r\n" in head and b"content-length" not in head
+        assert await _read_until(stream, buffer, b"0\r\n\r\n") == b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n"
+        await stream.send_all(_post("/empty"))
+        head = await _read_until(stream, buffer, b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 204 No Content\r\n") and b"transfer-encoding" not in head
+        await stream.send_all(_post("/echo", b"after"))  # the connection is still in step
+        assert (await _read_response(stream, buffer))[1] == b"after"
+
+
+async def test_an_app_failing_before_its_response_gets_500_and_the_connection_closes() -> None:
+    async with served(App()) as stream:
+        await stream.send_all(_post("/fail"))
+        buffer = bytearray()
+        head, body = await _read_response(stream, buffer)
+        assert head.startswith(b"HTTP/1.1 500 ") and b"\r\nconnection: close" in head and body == b""
+        await _eof(stream)
+
+
+async def test_a_body_short_of_its_content_length_closes_the_connection() -> None:
+    async with served(App()) as stream:
+        await stream.send_all(_post("/short"))
+        received = b""
+        while True:  # the connection closes: no response the client could take as whole
+            data = await stream.receive_some(65536)
+            if not data:
+                break
+            received += data
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert len(body) < 10
+
+
+async def test_a_client_leaving_gets_the_app_a_disconnect_and_the_close_hook() -> None:
+    app = App()
+    before = FastLaneProtocol.served
+    async with served(app) as stream:
+        await stream.send_all(_post("/wait"))
+        await app.waiting.wait()
+        await stream.aclose()
+        await app.disconnected.wait()
+    assert app.closed_hook_called
+    assert FastLaneProtocol.served - before == 1
+
+
+async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Config, "keep_alive_max_requests", 2)
+    async with served(App()) as stream:
+        buffer = bytearray()
+        await stream.send_all(_post("/echo", b"1"))
+        head, _ = await _read_response(stream, buffer)
+        assert b"connection: close" not in head
+        await stream.send_all(_post("/echo", b"2"))
+        head, body = await _read_response(stream, buffer)
+        assert b"\r\nconnection: close" in head and body == b"2"
+        await _eof(stream)
