@@ -23,8 +23,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import re
-import uuid
 from typing import Any, AsyncIterator, Mapping
 
 import httpx
@@ -37,7 +35,7 @@ from . import errors, h1fastlane, hypercorn_fast, hypercorn_fix
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
-from .fastpath import FastForward, ForwardCall, ForwardResult
+from .fastpath import FastForward, ForwardCall, ForwardResult, request_id_from
 from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, RoutingPolicy
 from .kvindex import KvIndex
 from llmgw.spec import KvDelta
@@ -71,10 +69,6 @@ MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 # Seconds allowed to receive the request body from the client.
 BODY_TIMEOUT_S = 60.0
-
-# A client-supplied x-request-id is kept if it looks like an id (it ends up in logs and
-# upstream headers), otherwise a fresh one is generated.
-_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 # Seconds the last body message of a response may take to send while shielded from
 # cancellation (see _RequestCleanup): it only writes a final chunk and closes or recycles
@@ -245,8 +239,7 @@ class Gateway:
             await self.tracer.aclose()
 
     async def _assign_request_id(self) -> None:
-        given = request.headers.get("x-request-id", "")
-        g.request_id = given if _REQUEST_ID_RE.fullmatch(given) else uuid.uuid4().hex
+        g.request_id = request_id_from(request.headers.get("x-request-id"))
 
     async def _tag_response(self, response: Response) -> Response:
         request_id = getattr(g, "request_id", None)
