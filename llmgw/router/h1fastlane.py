@@ -74,9 +74,9 @@ _MAX_LENGTH_DIGITS: Final = 15
 # Request headers that need HTTP/1.1 machinery the lane does not have.
 _NOT_SIMPLE: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te"})
 
-# Seconds the lane's own error response (500, or closing after a failure mid-response)
-# may take while shielded: it is a few bytes, so this only bounds a client that stopped
-# reading.
+# Seconds the lane's error path (a 500 head of a few bytes, then closing the connection)
+# may take while shielded from cancellation: it must run even when the connection's
+# task group is being cancelled, but not hold it up.
 _ABORT_WRITE_TIMEOUT_S: Final = 5.0
 
 _REASONS: Final = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
@@ -234,7 +234,7 @@ class FastLaneProtocol(H11Protocol):
         waiting = self._exchange_done
         self._exchange_done = None
         try:
-            if close or self.context.terminated.is_set():
+            if close or self._closed or self.context.terminated.is_set():
                 self._closed = True
                 await self.send(Closed())
             else:

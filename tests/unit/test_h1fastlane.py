@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import h11
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.router.h1fastlane import parse_simple_request
 
@@ -79,3 +82,60 @@ def test_a_head_longer_than_the_limit_is_left_to_h11() -> None:
     data = _post(b"host: x\r\ncontent-length: 2\r\nx-big: %s\r\n" % (b"a" * 200))
     assert parse_simple_request(data, 100) is None
     assert parse_simple_request(data, 1000) is not None
+
+
+# -- differential: whatever the lane takes, h11 reads the same way ---------------------------
+
+_TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Mostly names and values a client sends (three draws in four), else anything.
+_known_names = st.sampled_from(["Host", "content-length", "content-type", "connection", "expect", "transfer-encoding",
+                                "upgrade", "x-request-id", "authorization", "te", "accept", "user-agent"])
+_names = st.one_of(_known_names, _known_names, _known_names,
+                   st.text(alphabet=_TOKEN_CHARS + " :\t", min_size=0, max_size=12))
+_known_values = st.sampled_from(["x", "2", " 2 ", "keep-alive", "close", "chunked", "100-continue", "", "Bearer k",
+                                 "-1", "02", "\tapplication/json ", "caf\xe9"])
+_values = st.one_of(_known_values, _known_values, _known_values,
+                    st.binary(max_size=12).map(lambda b: b.decode("latin-1")))
+_good_lines = st.sampled_from(["POST /v1/chat/completions HTTP/1.1", "GET /v1/models HTTP/1.1",
+                               "POST /a%20b?x=1 HTTP/1.1", "PUT /x HTTP/1.1"])
+_lines = st.one_of(_good_lines, _good_lines, _good_lines,
+                   st.sampled_from(["HEAD / HTTP/1.1", "POST / HTTP/1.0", "post / HTTP/1.1", "POST  / HTTP/1.1",
+                                    "POST / HTTP/1.1 ", "POST http://x/ HTTP/1.1"]))
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> bytes:
+    line = draw(_lines)
+    headers = draw(st.lists(st.tuples(_names, _values), max_size=3))
+    if draw(st.integers(0, 3)):
+        headers.insert(draw(st.integers(0, len(headers))), ("Host", "gw"))
+    body = draw(st.binary(max_size=8))
+    if draw(st.integers(0, 3)):
+        headers.append(("Content-Length", str(len(body))))
+    sep = draw(st.sampled_from(["\r\n"] * 5 + ["\n"]))
+    head = sep.join([line, *(f"{n}:{v}" for n, v in headers)]) + "\r\n\r\n"
+    return head.encode("latin-1") + body + draw(st.binary(max_size=4))
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_requests())
+def test_what_the_lane_takes_h11_reads_the_same_way(data: bytes) -> None:
+    request = parse_simple_request(data, MAX_HEAD)
+    if request is None:
+        return  # h11's to judge, as before the lane existed
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(data[:request.size])
+    event = connection.next_event()  # raises RemoteProtocolError if h11 would have refused it
+    assert isinstance(event, h11.Request)
+    assert event.method.decode() == request.method
+    assert event.target == request.target
+    assert list(event.headers) == request.headers
+    body = b""
+    while True:
+        event = connection.next_event()
+        if isinstance(event, h11.Data):
+            body += event.data
+        else:
+            break
+    assert isinstance(event, h11.EndOfMessage), event
+    assert body == request.body
