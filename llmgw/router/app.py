@@ -36,6 +36,7 @@ from .admission import Admission, Ticket, estimate_tokens, request_too_large, sy
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
 from .fastpath import FastForward, ForwardCall, ForwardResult, request_id_from
+from .h1fastlane import FAST_LANE_KEY
 from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, RoutingPolicy
 from .kvindex import KvIndex
 from llmgw.spec import KvDelta
@@ -94,7 +95,8 @@ class _RequestCleanup:
     streaming body was started, a cancellation between the view returning and Quart
     iterating the body, or a failure while sending headers.
 
-    It also shields the last ``http.response.body`` message from cancellation. Hypercorn
+    It also shields the last ``http.response.body`` message from cancellation (except on
+    the fast lane, which needs no shield: :data:`~llmgw.router.h1fastlane.FAST_LANE_KEY`). Hypercorn
     finishes the exchange inside that ``send`` (closes a ``Connection: close`` /
     HTTP/1.0 connection, or re-arms the keep-alive idle timer), and that same ``send``
     delivers ``http.disconnect`` to the app's receiver, which (in Quart-Trio and in
@@ -118,10 +120,13 @@ class _RequestCleanup:
             else:
                 await send(message)
 
+        # The fast lane finishes its exchange by itself, cancelled or not (h1fastlane.py).
+        extensions = scope.get("extensions")
+        lane = extensions is not None and FAST_LANE_KEY in extensions
         async with contextlib.AsyncExitStack() as stack:
             token = _cleanup_stack.set(stack)
             try:
-                await self._inner(scope, receive, send_last_shielded)
+                await self._inner(scope, receive, send if lane else send_last_shielded)
             finally:
                 _cleanup_stack.reset(token)
 

@@ -22,8 +22,10 @@ makes them wait.
 
 What the lane keeps from Hypercorn: the scope's fields, the ``date`` header and
 ``Connection: close`` after ``keep_alive_max_requests``, the keep-alive idle timer
-(``Updated`` events), ``mark_request``, writes through the server's ``protocol_send``
-(its send lock and its handling of a broken connection), closing after the response
+(``Updated`` events), ``mark_request``, a broken connection on a write treated as
+closed (as ``protocol_send`` does; the lane writes to the stream itself, without the
+send lock and the shielded scope: it is the connection's only writer while an exchange
+runs, and a write cut short ends the exchange by closing), closing after the response
 when the worker is terminating, ``http.disconnect`` for a client that went away (and
 :data:`~llmgw.router.hypercorn_fast.ON_CLOSE_KEY`), a 500 for an app that fails before
 responding, and closing the connection when it fails mid-response. The lane stays
@@ -56,6 +58,12 @@ log = logging.getLogger(__name__)
 #: which ``receive()`` would also give as its first message. An app may take it from
 #: here instead (the gateway's fast path does: no receive call and no body timer).
 WHOLE_BODY_KEY = "llmgw.whole_body"
+
+#: Key in ``scope["extensions"]`` (value True) of a request served by the lane, which
+#: finishes its exchange (recycles or closes the connection) even if the app is
+#: cancelled during its last send: the app need not shield that send, as it must for
+#: Hypercorn's own HTTP/1.1 protocol (see ``_RequestCleanup`` in llmgw/router/app.py).
+FAST_LANE_KEY = "llmgw.fast_lane"
 
 # A request line the lane takes: a method whose request has a body or none (not HEAD,
 # whose response has none; not CONNECT or TRACE), an origin-form target of visible
@@ -158,6 +166,10 @@ class FastLaneProtocol(H11Protocol):
         self._exchange: _Exchange | None = None
         self._exchange_done: trio.Event | None = None
         self._closed = False
+        # The connection's stream, written directly (see the module docstring); None if
+        # Hypercorn's send callback is not TCPServer.protocol_send: writes then go through it.
+        server = getattr(self.send, "__self__", None)
+        self._stream: Any = getattr(server, "stream", None)
 
     async def handle(self, event: Any) -> None:
         if type(event) is RawData and self._lane_open and event.data:
@@ -219,7 +231,7 @@ class FastLaneProtocol(H11Protocol):
             "client": self.client,
             "server": self.server,
             "state": self.connection_state.copy(),
-            "extensions": {WHOLE_BODY_KEY: request.body},
+            "extensions": {WHOLE_BODY_KEY: request.body, FAST_LANE_KEY: True},
         }
         self.keep_alive_requests += 1
         FastLaneProtocol.served += 1
@@ -228,17 +240,36 @@ class FastLaneProtocol(H11Protocol):
         exchange = self._exchange = _Exchange(self, scope, request.body)
         self.task_group.spawn(exchange.run)
 
+    async def write(self, data: bytes) -> None:
+        """Write ``data`` to the client; a broken or closed connection counts as closed.
+
+        Cancellation can cut a write short: the exchange then closes the connection.
+        """
+        stream = self._stream
+        if stream is None:
+            await self.send(RawData(data=data))
+            return
+        try:
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            await self.handle(Closed())
+
     async def _end_exchange(self, close: bool) -> None:
-        """The response is complete (or abandoned): recycle or close, then let held bytes in."""
+        """The response is complete (or abandoned): recycle or close, then let held bytes in.
+
+        Closing is shielded from cancellation: a connection left open here would wait
+        for a response that never comes.
+        """
         self._exchange = None
         waiting = self._exchange_done
         self._exchange_done = None
         try:
             if close or self._closed or self.context.terminated.is_set():
                 self._closed = True
-                await self.send(Closed())
+                with trio.CancelScope(shield=True):
+                    await self.send(Closed())
             else:
-                await self.send(Updated(idle=True))
+                await self.send(Updated(idle=True))  # re-arms the idle timer: no checkpoint
         finally:
             if waiting is not None:
                 waiting.set()
@@ -296,7 +327,7 @@ class _Exchange:
         if not started and not protocol._closed:
             head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (
                 _header_lines(protocol.config.response_headers("h11")))
-            await protocol.send(RawData(data=head))
+            await protocol.write(head)
         await protocol._end_exchange(close=True)
 
     async def receive(self) -> dict[str, Any]:
@@ -339,18 +370,17 @@ class _Exchange:
             body = message.get("body", b"")
             more = message.get("more_body", False)
             data = self._frame(body, more)
+            if data:
+                await protocol.write(data)  # if cancelled here, run() closes the connection
             if not more:
                 self.state = _DONE
-            if data:
-                await protocol.send(RawData(data=data))
-            if not more:
                 self._mark_gone()
                 await protocol._end_exchange(self.close_after)
         elif kind == "http.response.start" and self.state == _REQUEST:
             head = self._head(int(message["status"]), message.get("headers", ()))
             self.state = _RESPONSE
             if self.remaining < 0 or self.no_body:
-                await protocol.send(RawData(data=head))  # a stream's head goes out at once
+                await protocol.write(head)  # a stream's head goes out at once
             else:
                 self.head = head
         else:

@@ -30,7 +30,7 @@ class App:
     """ASGI app. Paths: ``/echo`` (the body back, with content-length, plus what the scope
     said), ``/stream`` (two chunks, no content-length), ``/empty`` (204), ``/fail`` (raises
     before responding), ``/short`` (declares 10 bytes, sends 2), ``/wait`` (waits for
-    ``http.disconnect`` and records it)."""
+    ``http.disconnect`` and records it), ``/cut`` (cancelled during its last send)."""
 
     def __init__(self) -> None:
         self.scopes: list[dict[str, Any]] = []
@@ -66,6 +66,12 @@ class App:
             for part in (b"one", b"two"):
                 await send({"type": "http.response.body", "body": part, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
+            return
+        if path == "/cut":  # the app is cancelled during its last send, before any byte
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            with trio.CancelScope() as cut:
+                cut.cancel()
+                await send({"type": "http.response.body", "body": b"{}"})
             return
         if path == "/empty":
             await send({"type": "http.response.start", "status": 204, "headers": []})
@@ -209,3 +215,16 @@ async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monke
         head, body = await _read_response(stream, buffer)
         assert b"\r\nconnection: close" in head and body == b"2"
         await _eof(stream)
+
+
+async def test_an_app_cancelled_during_its_last_send_closes_the_connection() -> None:
+    """The response was cut short: the client must see the connection close, not wait forever."""
+    async with served(App()) as stream:
+        await stream.send_all(_post("/cut"))
+        received = b""
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                break
+            received += data
+        assert b"{}" not in received
