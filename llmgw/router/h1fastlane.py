@@ -50,6 +50,7 @@ from hypercorn import protocol as hypercorn_protocol
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 
+from . import eagerio
 from .hypercorn_fast import ON_CLOSE_KEY
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ class FastLaneProtocol(H11Protocol):
             await self.send(RawData(data=data))
             return
         try:
-            await stream.send_all(data)
+            await eagerio.send_all(stream, data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             await self.handle(Closed())
 

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
+from . import eagerio
+
 # Bytes asked for per receive; SSE chunks and small JSON answers fit in one.
 RECV_BYTES = 65_536
 
@@ -156,7 +158,7 @@ class _Conn:
     async def recv(self, *, eof_ok: bool = False) -> bytes:
         """Return the next bytes from the socket (b"" at EOF if ``eof_ok``, else ReadError)."""
         try:
-            data = await self.stream.receive_some(RECV_BYTES)
+            data = await eagerio.receive_some(self.stream, RECV_BYTES)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise httpx.ReadError(f"connection to replica broke while reading: {error!r}") from error
         if not data and not eof_ok:
@@ -376,7 +378,7 @@ class H1Pool:
         # generator-based context manager per request (measurable on this hot path).
         try:
             with trio.CancelScope(relative_deadline=self._write_timeout) as write_scope:
-                await conn.stream.send_all(payload)
+                await eagerio.send_all(conn.stream, payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise _StaleConnection() from error
         if write_scope.cancelled_caught:
@@ -389,7 +391,8 @@ class H1Pool:
             if len(buffer) > MAX_HEAD_BYTES:
                 raise httpx.RemoteProtocolError("replica sent an over-long response head")
             try:
-                data = await conn.stream.receive_some(RECV_BYTES)
+                # The answer cannot be there before the engine has read the request.
+                data = await eagerio.receive_some(conn.stream, RECV_BYTES, wait_first=not buffer)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
                 if not buffer:
                     raise _StaleConnection() from error

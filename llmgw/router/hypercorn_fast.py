@@ -49,6 +49,8 @@ from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import tcp_server
 
+from . import eagerio
+
 log = logging.getLogger(__name__)
 
 _MARK = "_llmgw_fast_installed"
@@ -164,7 +166,9 @@ class IdleTimer:
 
 async def _read_until_closed(server: Any) -> None:
     """``TCPServer._read_data`` for a server without ``read_timeout`` (the gateway's case):
-    the same loop, minus a ``fail_after(inf)`` context manager around every receive.
+    the same loop, minus a ``fail_after(inf)`` context manager around every receive, and
+    reading with :func:`llmgw.router.eagerio.receive_some` (no schedule point when the
+    bytes are there).
 
     Hands every received chunk to the protocol; on EOF, or when the stream is closed or
     broken, tells the protocol the connection closed and returns.
@@ -173,7 +177,7 @@ async def _read_until_closed(server: Any) -> None:
     protocol = server.protocol
     while True:
         try:
-            data = await stream.receive_some(tcp_server.MAX_RECV)
+            data = await eagerio.receive_some(stream, tcp_server.MAX_RECV)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             break
         await protocol.handle(RawData(bytes(data)))

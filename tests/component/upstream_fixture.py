@@ -55,7 +55,7 @@ class FakeUpstream:
         self.gated = False
         self.hold: trio.Event | None = None
         self.break_stream_after: int | None = None
-        self.chunks_sent = 0
+        self.chunks_sent = 0  # stream chunks handed to the socket
         self.disconnected = trio.Event()
         self._permits_in, self._permits_out = trio.open_memory_channel[None](math.inf)
         self._changed = trio.Event()
@@ -196,8 +196,10 @@ class FakeUpstream:
                     nursery.cancel_scope.cancel()
                     return  # the caller closes the socket mid-body
                 event = self._chunk(model, chat, token, last=index == len(CHUNK_TOKENS) - 1)
-                await self._send(stream, conn, h11.Data(data=b"data: " + json.dumps(event).encode() + b"\n\n"))
+                # Counted before the write: the gateway may relay the chunk, and the client
+                # read it, before this task runs again after its write.
                 self.chunks_sent += 1
+                await self._send(stream, conn, h11.Data(data=b"data: " + json.dumps(event).encode() + b"\n\n"))
                 self._notify()
             finished = True
             await self._send(stream, conn, h11.Data(data=b"data: [DONE]\n\n"))

@@ -1,0 +1,100 @@
+"""llmgw.router.eagerio on real socket pairs: same results and errors as trio's stream methods,
+no schedule point when the kernel can answer at once, and waiting when it cannot."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from llmgw.router import eagerio
+
+DEADLINE_S = 10
+
+
+def _pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+async def test_bytes_already_there_are_read_and_written_without_a_schedule_point() -> None:
+    left, right = _pair()
+    with trio.fail_after(DEADLINE_S):
+        with trio.testing.assert_no_checkpoints():
+            await eagerio.send_all(left, b"hello")
+            assert await eagerio.receive_some(right, 100) == b"hello"
+        await left.aclose()
+        with trio.testing.assert_no_checkpoints():
+            assert await eagerio.receive_some(right, 100) == b""  # end of stream
+        await right.aclose()
+
+
+async def test_a_read_waits_for_bytes_and_wait_first_waits_before_reading() -> None:
+    left, right = _pair()
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def read(wait_first: bool) -> None:
+                got.append(await eagerio.receive_some(right, 100, wait_first=wait_first))
+
+            for wait_first in (False, True):
+                nursery.start_soon(read, wait_first)
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(got) == (0 if not wait_first else 1)  # the reader is waiting
+                await left.send_all(b"x%d" % wait_first)
+                await trio.testing.wait_all_tasks_blocked()
+            assert got == [b"x0", b"x1"]
+    await left.aclose()
+    await right.aclose()
+
+
+async def test_a_write_larger_than_the_socket_buffers_waits_for_the_reader() -> None:
+    left, right = _pair()
+    payload = bytes(range(256)) * (32 * 1024)  # 8 MiB
+    received = bytearray()
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            async def drain() -> None:
+                while len(received) < len(payload):
+                    received.extend(await eagerio.receive_some(right, 1 << 20))
+
+            nursery.start_soon(drain)
+            await eagerio.send_all(left, payload)
+    assert bytes(received) == payload
+    await left.aclose()
+    await right.aclose()
+
+
+async def test_errors_are_trios() -> None:
+    left, right = _pair()
+    await left.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await eagerio.receive_some(left, 10)
+    with pytest.raises(trio.ClosedResourceError):
+        await eagerio.send_all(left, b"x")
+    with pytest.raises(trio.BrokenResourceError):  # the peer is gone
+        for _ in range(100):
+            await eagerio.send_all(right, b"x" * 65536)
+    await right.aclose()
+
+
+async def test_a_read_waiting_when_its_stream_is_closed_raises_closed() -> None:
+    left, right = _pair()
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            async def read() -> None:
+                with pytest.raises(trio.ClosedResourceError):
+                    await eagerio.receive_some(right, 10)
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            await right.aclose()
+    await left.aclose()
+
+
+async def test_other_streams_use_their_own_methods() -> None:
+    send, receive = trio.testing.memory_stream_pair()
+    with trio.fail_after(DEADLINE_S):
+        await eagerio.send_all(send, b"abc")
+        assert await eagerio.receive_some(receive, 10, wait_first=True) == b"abc"
