@@ -21,7 +21,7 @@ import llmgw.router.app  # noqa: F401  (installs the Hypercorn patches, as the g
 from llmgw.router.h1fastlane import FastLaneProtocol
 from llmgw.router.hypercorn_fast import ON_CLOSE_KEY
 from llmgw.router.serve import serve_gateway
-from tests.component.test_hypercorn_fast import _eof, _read_response
+from tests.component.test_hypercorn_fast import _eof, _read_response, serve_lifespan
 
 DEADLINE_S = 20
 
@@ -44,11 +44,8 @@ class App:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
+            await serve_lifespan(receive, send)
+            return
         self.scopes.append(scope)
         body = b""
         while True:

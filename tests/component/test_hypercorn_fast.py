@@ -22,6 +22,15 @@ DEADLINE_S = 20
 SHORT_KEEP_ALIVE_S = 0.3
 
 
+async def serve_lifespan(receive: Any, send: Any) -> None:
+    """Answer an ASGI lifespan scope: complete startup and shutdown; return after shutdown."""
+    while True:
+        message = await receive()
+        await send({"type": message["type"] + ".complete"})
+        if message["type"] == "lifespan.shutdown":
+            return
+
+
 class App:
     """ASGI app: ``/len`` answers with content-length, ``/slow`` the same after a pause,
     ``/stream`` sends its head and then one chunk once ``release`` is set."""
@@ -31,11 +40,8 @@ class App:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
+            await serve_lifespan(receive, send)
+            return
         while (await receive()).get("more_body"):
             pass
         if scope["path"] == "/stream":
