@@ -27,24 +27,32 @@ import os
 import trio
 
 
+def try_send(stream: trio.abc.SendStream, data: bytes) -> int:
+    """Write what the kernel takes of ``data`` at once; return how many bytes that was.
+
+    Returns 0 for a stream that is not a plain ``trio.SocketStream``, when the socket
+    buffer is full, and when the socket is closed or broken (the caller's
+    ``stream.send_all`` of the rest then raises trio's error). Never waits or raises.
+    """
+    if type(stream) is not trio.SocketStream:
+        return 0
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except OSError:  # BlockingIOError: no room; others: closed or broken
+        return 0
+
+
 async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
     """Write all of ``data`` to ``stream``, as ``stream.send_all(data)`` does.
 
-    Returns without yielding when the kernel takes ``data`` in one write; otherwise the
-    rest goes through ``stream.send_all``. Raises as ``send_all`` does.
+    Returns without yielding when the kernel takes ``data`` in one write
+    (:func:`try_send`); otherwise the rest goes through ``stream.send_all``. Raises as
+    ``send_all`` does.
     """
-    if type(stream) is trio.SocketStream:
-        try:
-            sent = os.write(stream.socket.fileno(), data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            sent = 0  # closed or broken: send_all below raises trio's error for it
-        if sent == len(data):
-            return
-        if sent:
-            data = memoryview(data)[sent:]
-    await stream.send_all(data)
+    sent = try_send(stream, data)
+    if sent == len(data):
+        return
+    await stream.send_all(memoryview(data)[sent:] if sent else data)
 
 
 async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int, *, wait_first: bool = False) -> bytes:

@@ -98,3 +98,18 @@ async def test_other_streams_use_their_own_methods() -> None:
     with trio.fail_after(DEADLINE_S):
         await eagerio.send_all(send, b"abc")
         assert await eagerio.receive_some(receive, 10, wait_first=True) == b"abc"
+
+
+async def test_try_send_writes_what_fits_and_never_waits_or_raises() -> None:
+    left, right = _pair()
+    with trio.testing.assert_no_checkpoints():
+        assert eagerio.try_send(left, b"abc") == 3
+        big = b"x" * (64 * 1024 * 1024)
+        taken = eagerio.try_send(left, big)
+        assert 0 < taken < len(big)  # the socket buffers filled up
+        assert eagerio.try_send(left, b"more") == 0  # no room left
+    await left.aclose()
+    assert eagerio.try_send(left, b"x") == 0  # closed: the caller's send_all raises
+    send, _ = trio.testing.memory_stream_pair()
+    assert eagerio.try_send(send, b"x") == 0  # not a socket: all of it is the caller's
+    await right.aclose()
