@@ -31,7 +31,7 @@ from . import errors
 from .admission import request_too_large
 from .errors import GatewayError
 from .h1fastlane import WHOLE_BODY_KEY
-from .hypercorn_fast import ON_CLOSE_KEY, on_close_supported
+from .hypercorn_fast import ON_CLOSE_KEY
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -125,35 +125,25 @@ class FastForward:
         # The app's MAX_CONTENT_LENGTH, read per request as Quart does (it may be changed live).
         limit: int | None = self._gateway.app.config["MAX_CONTENT_LENGTH"]
         body_timeout = self._body_timeout
-        scope.setdefault("extensions", {})
-        if on_close_supported():
-            # Hypercorn (as patched by hypercorn_fast) calls on_close when the request's
-            # stream closes: cancelling this scope then does what a task waiting for
-            # http.disconnect would, without a task and a nursery per request.
-            with trio.CancelScope() as request_scope:
-                scope["extensions"][ON_CLOSE_KEY] = request_scope.cancel
-                await self._serve(scope, headers, request_id, content_length, limit, body_timeout,
-                                  receive, send, None)
-            return
-        async with trio.open_nursery() as nursery:
-            await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send,
-                              nursery)
-            nursery.cancel_scope.cancel()
+        # Hypercorn (as patched by hypercorn_fast, which importing llmgw.router.app installs)
+        # and the fast lane call on_close when the request's stream closes: cancelling this
+        # scope then does what a task waiting for http.disconnect would, without a task
+        # and a nursery per request.
+        with trio.CancelScope() as request_scope:
+            scope.setdefault("extensions", {})[ON_CLOSE_KEY] = request_scope.cancel
+            await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send)
 
     async def _serve(self, scope: dict[str, Any], headers: dict[str, str], request_id: str,
-                     content_length: int | None, limit: int | None, body_timeout: float, receive: Any, send: Any,
-                     nursery: trio.Nursery | None) -> None:
-        """Read the body on demand, forward, respond; with ``nursery``, watch for the
-        disconnect in a task of it once the body is read (else the caller's scope is
-        cancelled by Hypercorn's on_close)."""
+                     content_length: int | None, limit: int | None, body_timeout: float, receive: Any,
+                     send: Any) -> None:
+        """Read the body on demand, forward, respond (the caller's scope is cancelled by
+        on_close when the client goes away)."""
 
         async def read_body() -> bytes:
             whole: bytes | None = scope["extensions"].get(WHOLE_BODY_KEY)
             if whole is not None:  # the fast lane read it all already: no receive, no timer
                 if limit is not None and len(whole) > limit:
                     raise request_too_large(limit)
-                if nursery is not None:
-                    nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
                 return whole
             parts: list[bytes] = []
             size = 0
@@ -172,10 +162,6 @@ class FastForward:
                         break
             if timer.cancelled_caught:
                 raise errors.http_error(408, f"The request body did not arrive within {body_timeout:g}s.")
-            # From here on the only message left is the disconnect: a client that goes
-            # away cancels the request, and with it the upstream request.
-            if nursery is not None:
-                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
         call = ForwardCall(scope["path"], scope.get("query_string", b""), headers, request_id,
@@ -215,15 +201,6 @@ class FastForward:
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
-
-
-async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
-    """Cancel ``scope`` when the client disconnects (the only message left after the body)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
 
 
 def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

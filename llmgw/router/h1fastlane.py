@@ -157,7 +157,8 @@ def parse_simple_request(data: bytes, max_head: int) -> SimpleRequest | None:
 class FastLaneProtocol(H11Protocol):
     """Hypercorn's ``H11Protocol`` with the fast lane of the module docstring in front."""
 
-    #: Requests the lane has served, all connections together (tests and benchmarks read it).
+    #: Requests the lane has served, all connections together (the tests read it to know
+    #: which path served a request).
     served = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -238,7 +239,7 @@ class FastLaneProtocol(H11Protocol):
         FastLaneProtocol.served += 1
         await self.context.mark_request()
         await self.send(Updated(idle=False))
-        exchange = self._exchange = _Exchange(self, scope, request.body)
+        exchange = self._exchange = _Exchange(self, scope)
         self.task_group.spawn(exchange.run)
 
     async def write(self, data: bytes) -> None:
@@ -279,13 +280,12 @@ class FastLaneProtocol(H11Protocol):
 class _Exchange:
     """One request on the lane: the app's ``receive`` and ``send``, and the response framing."""
 
-    __slots__ = ("protocol", "scope", "body", "state", "body_given", "gone", "gone_event", "head", "chunked",
+    __slots__ = ("protocol", "scope", "state", "body_given", "gone", "gone_event", "head", "chunked",
                  "remaining", "no_body", "close_after")
 
-    def __init__(self, protocol: FastLaneProtocol, scope: dict[str, Any], body: bytes) -> None:
+    def __init__(self, protocol: FastLaneProtocol, scope: dict[str, Any]) -> None:
         self.protocol = protocol
         self.scope = scope
-        self.body = body
         self.state = _REQUEST
         self.body_given = False
         self.gone = False  # receive() now answers http.disconnect
@@ -336,7 +336,7 @@ class _Exchange:
         is gone or the response is complete."""
         if not self.body_given:
             self.body_given = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
+            return {"type": "http.request", "body": self.scope["extensions"][WHOLE_BODY_KEY], "more_body": False}
         if not self.gone:
             event = self.gone_event
             if event is None:

@@ -64,14 +64,6 @@ _HELD = "_llmgw_held_head"
 #: per request that would otherwise wait for ``http.disconnect`` (which is still sent).
 ON_CLOSE_KEY = "llmgw.on_close"
 
-_installed = False
-
-
-def on_close_supported() -> bool:
-    """Return whether Hypercorn calls ``scope["extensions"][ON_CLOSE_KEY]`` (i.e. :func:`install` ran)."""
-    return _installed
-
-
 class IdleTimer:
     """Drop-in for ``TrioSingleTask`` as ``TCPServer.idle_task``: one task per connection.
 
@@ -288,5 +280,3 @@ def install() -> None:
 
     HTTPStream.handle = handle  # type: ignore[method-assign]
     setattr(H11Protocol, _MARK, True)
-    global _installed
-    _installed = True
