@@ -29,22 +29,32 @@ async def test_bytes_already_there_are_read_and_written_without_a_schedule_point
         await right.aclose()
 
 
-async def test_a_read_waits_for_bytes_and_wait_first_waits_before_reading() -> None:
+async def test_a_read_waits_for_bytes() -> None:
     left, right = _pair()
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
             got: list[bytes] = []
 
-            async def read(wait_first: bool) -> None:
-                got.append(await eagerio.receive_some(right, 100, wait_first=wait_first))
+            async def read() -> None:
+                got.append(await eagerio.receive_some(right, 100))
 
-            for wait_first in (False, True):
-                nursery.start_soon(read, wait_first)
-                await trio.testing.wait_all_tasks_blocked()
-                assert len(got) == (0 if not wait_first else 1)  # the reader is waiting
-                await left.send_all(b"x%d" % wait_first)
-                await trio.testing.wait_all_tasks_blocked()
-            assert got == [b"x0", b"x1"]
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # the reader is waiting
+            await left.send_all(b"x")
+        assert got == [b"x"]
+    await left.aclose()
+    await right.aclose()
+
+
+async def test_wait_first_waits_even_when_bytes_are_there() -> None:
+    left, right = _pair()
+    with trio.fail_after(DEADLINE_S):
+        await left.send_all(b"ab")
+        with trio.testing.assert_checkpoints():  # it waited for readability before reading
+            assert await eagerio.receive_some(right, 1, wait_first=True) == b"a"
+        with trio.testing.assert_no_checkpoints():
+            assert await eagerio.receive_some(right, 1) == b"b"
     await left.aclose()
     await right.aclose()
 

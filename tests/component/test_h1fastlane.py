@@ -18,7 +18,7 @@ import trio
 from hypercorn.config import Config
 
 import llmgw.router.app  # noqa: F401  (installs the Hypercorn patches, as the gateway does)
-from llmgw.router.h1fastlane import FastLaneProtocol
+from llmgw.router.h1fastlane import FAST_LANE_KEY, FastLaneProtocol
 from llmgw.router.hypercorn_fast import ON_CLOSE_KEY
 from llmgw.router.serve import serve_gateway
 from tests.component.test_hypercorn_fast import _eof, _read_response, serve_lifespan
@@ -173,17 +173,25 @@ async def test_a_stream_is_chunked_and_204_has_no_body() -> None:
         assert (await _read_response(stream, buffer))[1] == b"after"
 
 
+def _all_on_the_lane(app: App, count: int) -> bool:
+    """Return whether the app saw ``count`` requests, all served by the lane (not h11)."""
+    return len(app.scopes) == count and all(FAST_LANE_KEY in scope["extensions"] for scope in app.scopes)
+
+
 async def test_an_app_failing_before_its_response_gets_500_and_the_connection_closes() -> None:
-    async with served(App()) as stream:
+    app = App()
+    async with served(app) as stream:
         await stream.send_all(_post("/fail"))
         buffer = bytearray()
         head, body = await _read_response(stream, buffer)
         assert head.startswith(b"HTTP/1.1 500 ") and b"\r\nconnection: close" in head and body == b""
         await _eof(stream)
+    assert _all_on_the_lane(app, 1)
 
 
 async def test_a_body_short_of_its_content_length_closes_the_connection() -> None:
-    async with served(App()) as stream:
+    app = App()
+    async with served(app) as stream:
         await stream.send_all(_post("/short"))
         received = b""
         while True:  # the connection closes: no response the client could take as whole
@@ -193,6 +201,7 @@ async def test_a_body_short_of_its_content_length_closes_the_connection() -> Non
             received += data
         head, _, body = received.partition(b"\r\n\r\n")
         assert len(body) < 10
+    assert _all_on_the_lane(app, 1)
 
 
 async def test_a_client_leaving_gets_the_app_a_disconnect_and_the_close_hook() -> None:
@@ -209,7 +218,8 @@ async def test_a_client_leaving_gets_the_app_a_disconnect_and_the_close_hook() -
 
 async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Config, "keep_alive_max_requests", 2)
-    async with served(App()) as stream:
+    app = App()
+    async with served(app) as stream:
         buffer = bytearray()
         await stream.send_all(_post("/echo", b"1"))
         head, _ = await _read_response(stream, buffer)
@@ -218,11 +228,13 @@ async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monke
         head, body = await _read_response(stream, buffer)
         assert b"\r\nconnection: close" in head and body == b"2"
         await _eof(stream)
+    assert _all_on_the_lane(app, 2)
 
 
 async def test_an_app_cancelled_during_its_last_send_closes_the_connection() -> None:
     """The response was cut short: the client must see the connection close, not wait forever."""
-    async with served(App()) as stream:
+    app = App()
+    async with served(app) as stream:
         await stream.send_all(_post("/cut"))
         received = 0
         while True:
@@ -231,3 +243,4 @@ async def test_an_app_cancelled_during_its_last_send_closes_the_connection() -> 
                 break
             received += len(data)
         assert 0 < received < CUT_BODY_BYTES
+    assert _all_on_the_lane(app, 1)

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from llmgw.node.engines.vllm import CPU_BLOCK_SIZE
+from llmgw.router.kvrouting import ALARM_TEXT
 from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
 from tests.system.harness import Cluster, eventually, iter_replicas, metric_sum, ready_replicas
@@ -146,7 +147,8 @@ async def test_wrong_hash_seed_raises_the_mismatch_alarm(cluster: tuple[Cluster,
                 status = await eventually(alarmed, "the hash-mismatch alarm", timeout=180)
             except AssertionError as exc:
                 raise AssertionError(f"{exc}; the gateway's KV metrics after {sent} requests:\n{seen}") from None
-            assert any("kv-bad-seed" in alarm or "hash" in alarm for alarm in status["kv_alarms"])
+            assert any(alarm.startswith("model kv-bad-seed replica ") and ALARM_TEXT in alarm
+                       for alarm in status["kv_alarms"])
             assert metric_sum(await scrape(http, c.gateway), "llmgw_gateway_kv_hash_mismatches_total") >= 2
     finally:
         await retire(c, "kv-bad-seed")
