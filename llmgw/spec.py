@@ -62,6 +62,15 @@ class EngineInfo:
     state: str = ""  # what the agent is doing about it, in words ("installing: downloading X (16 MB)"); "" = idle
 
 
+#: Engines that load LoRA adapters at run time through vLLM's API, at most a model's
+#: ``max_loaded_adapters`` at a time (the gateway loads them on demand).
+ON_DEMAND_ADAPTER_ENGINES = frozenset({"vllm", "sim"})
+#: Engines that load every adapter at start and pick them with a per-request ``lora`` field.
+LORA_FIELD_ENGINES = frozenset({"llama.cpp"})
+#: Engines that serve LoRA adapters at all (SGLang's adapter support is not wired up yet).
+ADAPTER_ENGINES = ON_DEMAND_ADAPTER_ENGINES | LORA_FIELD_ENGINES
+
+
 @attrs.frozen
 class Adapter:
     """A LoRA adapter of a catalog model. ``name`` shares the model namespace (requests

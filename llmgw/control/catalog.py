@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from llmgw.node.fetch import FetchError, is_remote, parse_source
-from llmgw.spec import Adapter, ModelSpec, Profile
+from llmgw.spec import ADAPTER_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile
 
 #: Engines a model may name; each has an adapter in llmgw/node/engines.
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
@@ -27,11 +27,6 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _TOP_KEYS = ("name", "engine", "source", "profile", "adapters", "max_loaded_adapters")
 _ADAPTER_KEYS = ("name", "source")
-#: Engines that can load adapters on demand (at most ``max_loaded_adapters`` at a time);
-#: llama.cpp loads every adapter at start and cannot swap them at run time.
-ON_DEMAND_ADAPTER_ENGINES = frozenset({"vllm", "sim"})
-#: Engines that serve LoRA adapters at all (SGLang's adapter support is not wired up yet).
-ADAPTER_ENGINES = ON_DEMAND_ADAPTER_ENGINES | {"llama.cpp"}
 _PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env")
 
 #: The argument/environment policy lives with the engines (the node applies it again

@@ -45,6 +45,8 @@ import attrs
 import httpx
 import trio
 
+from llmgw.spec import LORA_FIELD_ENGINES, ON_DEMAND_ADAPTER_ENGINES
+
 from . import errors
 from .auth import Tenant, model_not_allowed
 from .replicas import LoadTracker, Replica, ReplicaTable
@@ -54,12 +56,6 @@ if TYPE_CHECKING:
     from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
-
-#: Engines whose replicas load adapters at run time through vLLM's API (when the model's
-#: ``max_loaded_adapters`` is above 0).
-ON_DEMAND_ENGINES = frozenset({"vllm", "sim"})
-#: Engines that load every adapter at start and pick them with a per-request ``lora`` field.
-LORA_FIELD_ENGINES = frozenset({"llama.cpp"})
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
@@ -545,7 +541,7 @@ class Adapters:
 
     def _on_demand(self, replica: Replica, target: Target) -> bool:
         info = self.table.model_info(target.model)
-        return info.max_loaded_adapters > 0 and (replica.engine or info.engine) in ON_DEMAND_ENGINES
+        return info.max_loaded_adapters > 0 and (replica.engine or info.engine) in ON_DEMAND_ADAPTER_ENGINES
 
     def _limit(self, model: str) -> int:
         return max(1, self.table.model_info(model).max_loaded_adapters)
