@@ -140,7 +140,8 @@ class EventSink:
     def sender(self, replica_id: str) -> Any:
         async def send(delta: KvDelta) -> None:
             for policy in self.policies:
-                policy.kv_applied(replica_id, delta, policy.index.apply(replica_id, delta))
+                policy.index.apply(replica_id, delta)
+                policy.kv_applied(replica_id, delta)
 
         return send
 

@@ -303,10 +303,10 @@ class Gateway:
         Synchronous and cheap; never raises for an unknown replica (it is remembered
         until :meth:`kv_forget`).
         """
-        entry = self.kv_index.apply(replica_id, delta)
+        self.kv_index.apply(replica_id, delta)
         applied = getattr(self.policy, "kv_applied", None)
         if applied is not None:
-            applied(replica_id, delta, entry)
+            applied(replica_id, delta)
 
     def kv_forget(self, replica_id: str) -> None:
         """Drop everything known about ``replica_id``'s KV cache (its shard stopped or its

@@ -45,7 +45,7 @@ from llmgw.config import (
 )
 from llmgw.spec import KvDelta
 
-from .kvindex import KvIndex, ReplicaKv
+from .kvindex import KvIndex
 from .prefixtree import PrefixTree, path_hashes, prompt_text
 from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
 from .tokens import TokenHasher, cache_salt
@@ -143,7 +143,9 @@ class HashAgreement:
         """Record that ``replica_id`` should soon report some of ``hashes`` (the first
         :data:`EXPECTED_HASHES` are kept)."""
         wanted = frozenset(itertools.islice(hashes, EXPECTED_HASHES))
-        state = self._state.setdefault(replica_id, _AgreementState())
+        state = self._state.get(replica_id)
+        if state is None:
+            state = self._state[replica_id] = _AgreementState()
         state.model = model
         self._expire(replica_id, state)
         if not wanted:
@@ -276,7 +278,7 @@ class KvAwarePolicy:
 
     ``index`` is the KV index the gateway feeds (:meth:`~llmgw.router.app.Gateway.kv_update`);
     ``hasher`` turns requests into block hashes (bound to the gateway's upstream client
-    when it starts). ``observer`` receives decisions, mismatches and alarms (metrics).
+    when it starts). :meth:`attach_observer` sends decisions, mismatches and alarms to the metrics.
     """
 
     def __init__(
@@ -286,14 +288,13 @@ class KvAwarePolicy:
         index: KvIndex | None = None,
         settings: RoutingConfig = RoutingConfig(),
         hasher: TokenHasher | None = None,
-        observer: RoutingObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.load = load
         self.index = index if index is not None else KvIndex()
         self.settings = settings
         self.hasher = hasher if hasher is not None else TokenHasher(timeout=settings.tokenize_timeout)
-        self.observer = observer or RoutingObserver()
+        self.observer = RoutingObserver()  # the gateway's metrics, by attach_observer
         self.tree = PrefixTree()
         self.unconfirmed = Unconfirmed(settings.unconfirmed_ttl, clock)
         self.agreement = HashAgreement(self.index, window=settings.agreement_window,
@@ -313,7 +314,7 @@ class KvAwarePolicy:
         self.observer = observer
         self.agreement.observer = observer
 
-    def kv_applied(self, replica_id: str, delta: KvDelta, entry: ReplicaKv) -> None:
+    def kv_applied(self, replica_id: str, delta: KvDelta) -> None:
         """A delta from ``replica_id`` was applied to the index: check hash agreement, and stop
         counting evicted (or, on a reset, all) routed-but-unconfirmed blocks."""
         self.agreement.observe(replica_id, delta)
@@ -442,13 +443,13 @@ class RoundRobin:
         return candidates[turn % len(candidates)]
 
 
-def make_policy(settings: RoutingConfig, load: LoadTracker, observer: RoutingObserver | None = None) -> Any:
+def make_policy(settings: RoutingConfig, load: LoadTracker) -> Any:
     """Return the routing policy ``settings.policy`` names, on ``load``.
 
     Raises ValueError for an unknown policy name (config validation refuses it first).
     """
     if settings.policy == "kv":
-        return KvAwarePolicy(load, settings=settings, observer=observer)
+        return KvAwarePolicy(load, settings=settings)
     if settings.policy == "least-load":
         return LeastOutstanding(load)
     if settings.policy == "round-robin":

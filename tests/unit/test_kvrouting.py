@@ -69,8 +69,9 @@ def policy(clock: Clock, hasher: FixedHasher | None = None, load: LoadTracker | 
 
 
 def live(p: KvAwarePolicy, replica: Replica, stored: tuple[int, ...] = ()) -> None:
-    p.kv_applied(replica.id, KvDelta(reset=True, stored=stored, block_size=16),
-                 p.index.apply(replica.id, KvDelta(reset=True, stored=stored, block_size=16)))
+    delta = KvDelta(reset=True, stored=stored, block_size=16)
+    p.index.apply(replica.id, delta)
+    p.kv_applied(replica.id, delta)
 
 
 async def test_precise_goes_to_the_replica_holding_the_prefix() -> None:
@@ -121,7 +122,7 @@ async def test_unconfirmed_blocks_count_until_ttl() -> None:
     first = await p.decide([A, B], chat())
     again = await p.decide([A, B], chat())
     assert again.replica is first.replica and again.kind == PRECISE and again.matched == 10
-    p.kv_applied(first.replica.id, KvDelta(removed=HASHES[5:]), p.index.apply(first.replica.id, KvDelta()))
+    p.kv_applied(first.replica.id, KvDelta(removed=HASHES[5:]))  # (the index is not consulted here)
     assert (await p.decide([A, B], chat())).matched == 5  # evicted blocks stop counting at once
     clock.now += RoutingConfig().unconfirmed_ttl + 0.1
     later = await p.decide([A, B], chat())
@@ -150,7 +151,8 @@ async def test_stale_events_fall_back_to_approximate() -> None:
     assert not p.precise_capable(A, None) and not p.precise_capable(B, None)
     decision = await p.decide([A, B], chat("fresh " * 200))
     assert decision.kind == MISS  # approximate scoring, nothing in the tree for this prompt
-    p.kv_applied("a", KvDelta(stored=(5,)), p.index.apply("a", KvDelta(stored=(5,))))
+    p.index.apply("a", KvDelta(stored=(5,)))
+    p.kv_applied("a", KvDelta(stored=(5,)))
     assert p.precise_capable(A, None)  # it reports again: precise again
 
 
