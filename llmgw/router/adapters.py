@@ -50,7 +50,7 @@ from llmgw.spec import LORA_FIELD_ENGINES, ON_DEMAND_ADAPTER_ENGINES
 from . import errors
 from .auth import Tenant, model_not_allowed
 from .replicas import LoadTracker, Replica, ReplicaTable
-from .upstream import UpstreamClient, UpstreamConnectError, close_quietly
+from .upstream import UpstreamClient, UpstreamConnectError, describe_error
 
 if TYPE_CHECKING:
     from .metrics import GatewayMetrics
@@ -130,15 +130,8 @@ class UpstreamAdmin:
         self, replica: Replica, method: str, path: str, payload: Mapping[str, Any] | None, request_id: str
     ) -> tuple[int, bytes]:
         """See :meth:`EngineAdmin.call`; closes the response before returning."""
-        client = self._client()
         body = json.dumps(payload).encode() if payload is not None else b""
-        response = await client.open(
-            replica, method, path, headers={"content-type": "application/json"}, body=body, request_id=request_id
-        )
-        try:
-            return response.status_code, await client.read_body(response, replica.id)
-        finally:
-            await close_quietly(response)
+        return await self._client().call(replica, method, path, body, request_id)
 
 
 class AdapterHold:
@@ -678,7 +671,5 @@ def engine_message(body: bytes) -> str:
 
 
 def _describe(error: BaseException) -> str:
-    if isinstance(error, errors.GatewayError):
-        return error.message
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return error.message if isinstance(error, errors.GatewayError) else describe_error(error)
 

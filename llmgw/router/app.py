@@ -41,7 +41,7 @@ from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTabl
 from .kvindex import KvIndex
 from llmgw.spec import KvDelta
 from .h1pool import H1Response
-from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly
+from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
 from .adapters import NO_HOLD, Adapters, UpstreamAdmin
 
@@ -427,10 +427,10 @@ class Gateway:
                 continue
             except httpx.TimeoutException as error:
                 lease.release()
-                raise errors.upstream_timeout(info.model, _describe(error)) from error
+                raise errors.upstream_timeout(info.model, describe_error(error)) from error
             except httpx.HTTPError as error:
                 lease.release()
-                raise errors.upstream_failed(info.model, _describe(error)) from error
+                raise errors.upstream_failed(info.model, describe_error(error)) from error
             stack.push_async_callback(close_quietly, response)
             # LoRA: a 404 for an adapter the gateway loaded means the engine lost it (restart, or
             # another gateway worker unloaded it): load it again and retry once.
@@ -457,9 +457,9 @@ class Gateway:
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
-            raise errors.upstream_timeout(info.model, _describe(error)) from error
+            raise errors.upstream_timeout(info.model, describe_error(error)) from error
         except httpx.HTTPError as error:
-            raise errors.upstream_failed(info.model, _describe(error)) from error
+            raise errors.upstream_failed(info.model, describe_error(error)) from error
         finally:
             lease.release()
             await close_quietly(upstream)
@@ -531,9 +531,9 @@ async def _relay_stream(
                     if out:
                         yield out
         except httpx.TimeoutException as error:
-            failure = errors.upstream_timeout(model, _describe(error))
+            failure = errors.upstream_timeout(model, describe_error(error))
         except httpx.HTTPError as error:
-            failure = errors.upstream_failed(model, _describe(error))
+            failure = errors.upstream_failed(model, describe_error(error))
         else:
             rest = watch.flush()
             if rest:
@@ -583,10 +583,6 @@ _NO_SPAN = contextlib.nullcontext()
 
 def _replica_ids(table: ReplicaTable) -> list[str]:
     return [r.id for m in table.models() for r in table.replicas(m.name) or ()]
-
-
-def _describe(error: Exception) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def create_app(

@@ -33,7 +33,7 @@ from llmgw import kvhash
 from llmgw.config import DEFAULT_TOKENIZE_TIMEOUT
 
 from .replicas import Replica, RequestInfo
-from .upstream import UpstreamClient, close_quietly
+from .upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ MAX_CACHED_HASHES = 2_000_000
 #: Chat fields that change the tokens the chat template produces, passed to /tokenize.
 _CHAT_FIELDS = ("tools", "chat_template_kwargs", "continue_final_message", "add_special_tokens", "documents")
 
-_JSON_HEADERS = {"content-type": "application/json"}
 
 
 def tokenize_request(request: RequestInfo, model: str) -> bytes | None:
@@ -153,16 +152,11 @@ class TokenHasher:
         self.calls += 1
         try:
             with trio.move_on_after(self.timeout) as scope:
-                response = await client.open(replica, "POST", "/tokenize", headers=_JSON_HEADERS, body=payload,
-                                             request_id="llmgw-tokenize")
-                try:
-                    body = await client.read_body(response, replica.id)
-                finally:
-                    await close_quietly(response)
+                status, body = await client.call(replica, "POST", "/tokenize", payload, "llmgw-tokenize")
             if scope.cancelled_caught:
                 raise TimeoutError(f"no answer within {self.timeout:g}s")
-            if response.status_code != 200:
-                raise ValueError(f"status {response.status_code}: {body[:200]!r}")
+            if status != 200:
+                raise ValueError(f"status {status}: {body[:200]!r}")
             tokens = json.loads(body)["tokens"]
             if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                 raise ValueError("'tokens' is not a list of ints")

@@ -83,6 +83,10 @@ READ_BACKSTOP_SLACK_S = 5.0
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "user-agent", "traceparent", "tracestate")
 
 
+# Headers of the gateway's own JSON calls to engines (UpstreamClient.call).
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
 @attrs.frozen
 class UpstreamTimeouts:
     """Deadlines, in seconds, for talking to replicas (see the module constants).
@@ -259,6 +263,19 @@ class UpstreamClient:
                 parts.append(chunk)
         return b"".join(parts)
 
+    async def call(self, replica: Replica, method: str, path: str, body: bytes, request_id: str) -> tuple[int, bytes]:
+        """Send a JSON ``body`` to ``path`` on ``replica``; return (status, whole response body).
+
+        For the gateway's own calls to an engine (``/tokenize``, loading adapters). Opens,
+        reads and closes the response under the deadlines of :meth:`open` and
+        :meth:`read_body`; raises as they do.
+        """
+        response = await self.open(replica, method, path, headers=_JSON_HEADERS, body=body, request_id=request_id)
+        try:
+            return response.status_code, await self.read_body(response, replica.id)
+        finally:
+            await close_quietly(response)
+
     def _count(self, replica_id: str, kind: str) -> None:
         if self._metrics is not None:
             self._metrics.upstream_error(replica_id, kind)
@@ -266,6 +283,11 @@ class UpstreamClient:
     async def aclose(self) -> None:
         """Close every pooled connection; the client cannot be used afterwards."""
         await self._pool.aclose()
+
+
+def describe_error(error: BaseException) -> str:
+    """Return ``error`` as "Type: message" (just "Type" when it has no message) for logs and errors."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 async def close_quietly(response: H1Response) -> None:
