@@ -56,8 +56,10 @@ from llmgw.router.kvrouting import KvAwarePolicy, RoundRobin, RoutingObserver
 from llmgw.router.prefixtree import path_hashes, prompt_text
 from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
 from llmgw.router.upstream import UpstreamClient
-from llmgw.sim.launch import SimProcess, free_tcp_port, start_sim
+from llmgw.sim.launch import DEFAULT_START_TIMEOUT_S, SimProcess, free_tcp_port, start_sim
 from llmgw.spec import KvDelta
+
+from bench.rpc import percentile
 
 MODEL = "bench-routing"
 HOST = "127.0.0.1"
@@ -158,8 +160,10 @@ def start_engines(shape: EngineShape, n: int) -> tuple[list[SimProcess], list[tu
                     "--prefill-us-per-token", str(shape.prefill_us_per_token),
                     "--decode-us-per-token", str(shape.decode_us_per_token),
                     "--kv-events-endpoint", ep[0], "--kv-replay-endpoint", ep[1]]
-            sims.append(start_sim(args, env=env))
+            sims.append(start_sim(args, env=env, wait=False))  # all start at once; waited for below
             endpoints.append(ep)
+        for sim in sims:
+            sim.wait_listening(DEFAULT_START_TIMEOUT_S)
     except BaseException:
         for sim in sims:
             sim.stop()
@@ -217,8 +221,8 @@ class Kinds(RoutingObserver):
 
 
 def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))] if ordered else 0.0
+    """Return the nearest-rank 99th percentile of ``values`` (bench.rpc's rule), 0 if none."""
+    return percentile(sorted(values), 0.99) if values else 0.0
 
 
 async def settle(http: httpx.AsyncClient, replicas: list[Replica], subs: list[KvSubscriber]) -> None:
@@ -460,14 +464,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
             for replica, sub in zip(replicas, subs):
                 await nursery.start(sub.run, sink.sender(replica.id))
-            for label, workload in (("uniform", normal), ("hot_tenant", hot)):
-                convs = conversations(workload, seed=11)
+            uniform = conversations(normal, seed=11)  # also the two-gateway pass's stream
+            for label, workload, convs in (("uniform", normal, uniform),
+                                           ("hot_tenant", hot, conversations(hot, seed=11))):
                 log(f"{label}: {len(convs)} conversations x {workload.turns} turns, concurrency {workload.concurrency}")
                 result[label] = {}
                 for name in POLICY_NAMES:
                     result[label][name] = await run_policy(name, policy_factory(name, http), convs, workload, shape,
                                                            replicas, subs, sink, http)
-            convs = conversations(normal, seed=11)
+            convs = uniform
             log("two_gateways: the uniform stream, each request through one of two routers at random")
             result["two_gateways"] = {}
             for name in ("least-load", "approximate", "precise"):

@@ -38,7 +38,7 @@ from llmgw.router.workerstate import decode_kv_delta
 from llmgw.sim.launch import start_sim
 from llmgw.spec import KvDelta
 
-from tests.system.harness import alive, eventually
+from tests.system.harness import alive, eventually, metric_sum
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 #: Fresh connections per check: with 2 workers, all landing on one is a 2^-29 chance.
@@ -267,7 +267,7 @@ async def served(engine: str) -> float:
     """Return the requests ``engine`` has finished (its own vLLM-style /metrics)."""
     async with httpx.AsyncClient(timeout=10) as http:
         text = (await http.get(f"{engine}/metrics")).text
-    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+    return metric_sum(text, "vllm:request_success_total")
 
 
 def family(report: Message, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -334,11 +334,10 @@ async def test_every_worker_routes_by_the_kv_deltas_it_was_sent(kv_engines: tupl
         assert (on_a, on_b) == (0, CONNECTIONS)
 
         metrics = (await pooled.get("/metrics")).text
-        precise = re.search(r'llmgw_gateway_routing_decisions_total\{kind="precise",model="m"\} (\S+)', metrics)
-        assert precise is not None and float(precise.group(1)) == CONNECTIONS, metrics
+        assert metric_sum(metrics, "llmgw_gateway_routing_decisions_total", kind="precise", model="m") == CONNECTIONS
         # The index is the same in both workers: its size is reported once, not summed.
-        size = re.search(r"^llmgw_gateway_kv_index_blocks (\S+)$", metrics, re.M)
-        assert size is not None and float(size.group(1)) == len(pooled.master.kv_index) == 3 + len(hashes)
+        size = metric_sum(metrics, "llmgw_gateway_kv_index_blocks")
+        assert size == len(pooled.master.kv_index) == 3 + len(hashes), metrics
 
 
 async def test_a_restarted_worker_gets_a_full_copy_first(kv_engines: tuple[str, str]) -> None:
