@@ -4,6 +4,8 @@ restarts, and adoption by a new agent that binds the same persisted endpoint."""
 
 from __future__ import annotations
 
+import logging
+
 import os
 import signal
 from pathlib import Path
@@ -134,26 +136,39 @@ async def test_deltas_full_copy_on_bind_reset_on_restart_and_adoption(state_dir:
         agent2.cancel_scope.cancel()
 
 
-async def test_no_kv_events_option_and_reporters_without_kv_update(state_dir: Path) -> None:
+async def test_no_kv_events_option_and_reporters_without_kv_update(state_dir: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     class StatusOnly:
         def __init__(self) -> None:
             self.ready = trio.Event()
+            self.endpoint = ""
 
         async def status(self, status: ShardStatus) -> None:
             if status.state is ShardState.READY:
+                self.endpoint = status.endpoint
                 self.ready.set()
 
     async with trio.open_nursery() as agent:
         sup = Supervisor(state_dir, engines={"sim": SimEngine()}, policy=POLICY)
         await agent.start(sup.run)
         off = ShardSpec(id="off", model="m", engine="sim", source="sim", args=("--llmgw-no-kv-events",))
-        plain = StatusOnly()
+        plain, quiet = StatusOnly(), StatusOnly()
         await sup.start_shard(off, plain)
-        await sup.start_shard(spec(), StatusOnly())  # events on, but the reporter takes none
+        await sup.start_shard(spec(), quiet)  # events on, but the reporter takes none
         records = {r.spec.id: r for r in shard_state.load_all(state_dir)}
         assert records["off"].kv_events is None and records["kv1"].kv_events is not None
         with trio.fail_after(WAIT):
             await plain.ready.wait()
+            await quiet.ready.wait()
+        prompt = list(range(700, 700 + 2 * BS + 1))
+        await complete(quiet.endpoint, prompt)  # events while the reporter cannot take them
+        rec = KvRecorder()
+        sup.bind_reporter("kv1", rec)  # a reporter that can: a full copy, then the deltas
+        await rec.until(lambda: hashes(prompt) <= rec.blocks)
+        assert rec.deltas[0].reset
         await sup.stop_shard("off", grace=5)
         await sup.stop_shard("kv1", grace=5)
         agent.cancel_scope.cancel()
+    # A reporter without kv_update is not a failed send ("sending a delta failed" warnings).
+    failures = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "llmgw.node.kvevents"]
+    assert not failures, [r.getMessage() for r in failures]
