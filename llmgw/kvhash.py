@@ -34,7 +34,7 @@ KV_HASH_SEED = "0"
 
 #: Mask applied by vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default)
 #: to turn a 32-byte digest into the uint64 it puts in KV events.
-_UINT64_MASK = (1 << 64) - 1
+UINT64_MASK = (1 << 64) - 1
 
 ExtraKeys = tuple[tuple[object, ...], ...] | None
 
@@ -123,7 +123,7 @@ def block_hashes(
 
 def event_hash(digest: bytes) -> int:
     """Return the uint64 vLLM publishes in KV events for ``digest`` (its low 64 bits, big-endian)."""
-    return int.from_bytes(digest, "big") & _UINT64_MASK
+    return int.from_bytes(digest, "big") & UINT64_MASK
 
 
 def event_hashes(digests: Iterable[bytes]) -> list[int]:

@@ -35,6 +35,7 @@ import attrs
 import trio
 import zmq
 
+from llmgw import kvhash
 from llmgw.sim import kvevents as wire
 from llmgw.spec import KvDelta
 
@@ -68,11 +69,8 @@ QUIET_REPLAY_INTERVAL = 1.0
 REPLAY_TIMEOUT = 2.0
 #: After a failed send, the next (a full copy) waits this long: a broken session is not hammered.
 SEND_RETRY_INTERVAL = 1.0
-#: vLLM's tier name for device memory (also on CPU); blocks on other tiers (offloaded) are not mirrored.
-DEVICE_MEDIUM = "GPU"
 #: vLLM's end-of-replay frames after the empty delimiter.
 _REPLAY_END = [b"", wire.REPLAY_END_SEQ, b""]
-_UINT64_MASK = (1 << 64) - 1
 
 
 @attrs.frozen
@@ -121,9 +119,9 @@ def _free_tcp_port(host: str) -> int:
 def _as_hash(value: object) -> int:
     """Returns a block hash as vLLM's uint64 event form (ints as they are, 32-byte digests folded)."""
     if isinstance(value, int):
-        return value & _UINT64_MASK
+        return value & kvhash.UINT64_MASK
     if isinstance(value, (bytes, bytearray)):
-        return int.from_bytes(value, "big") & _UINT64_MASK
+        return kvhash.event_hash(value)
     raise ValueError(f"block hash must be an int or bytes, got {type(value).__name__}")
 
 
@@ -185,16 +183,16 @@ class KvMirror:
     def apply(self, event: dict[str, Any]) -> None:
         """Applies one decoded event map; raises ValueError if it is malformed. Unknown types are skipped."""
         kind = event.get("type")
-        medium = event.get("medium")
+        medium = event.get("medium")  # device memory (wire.MEDIUM, also on CPU); offloaded tiers are not mirrored
         if kind == "BlockStored":
-            if medium not in (None, DEVICE_MEDIUM):
+            if medium not in (None, wire.MEDIUM):
                 return
             size = event.get("block_size")
             if not self.block_size and isinstance(size, int) and size > 0:
                 self.block_size = size
             self.stored([_as_hash(h) for h in event.get("block_hashes") or ()])
         elif kind == "BlockRemoved":
-            if medium not in (None, DEVICE_MEDIUM):
+            if medium not in (None, wire.MEDIUM):
                 return
             self.removed([_as_hash(h) for h in event.get("block_hashes") or ()])
         elif kind == "AllBlocksCleared":

@@ -51,7 +51,6 @@ __all__ = [
     "CPU_BLOCK_MULTIPLE",
     "CPU_BLOCK_SIZE",
     "GPU_BLOCK_SIZE",
-    "KvEventsConfig",
     "block_size_of",
     "kv_events_config_arg",
     "MultiNode",
