@@ -7,7 +7,7 @@ turns them into Cap'n Proto structs and back at the edge. Nothing here does I/O.
 from __future__ import annotations
 
 import enum
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 import attrs
 
@@ -79,6 +79,19 @@ class Adapter:
 
     name: str
     source: str
+
+
+def adapters_to_dicts(adapters: Iterable[Adapter]) -> list[dict[str, str]]:
+    """Return ``adapters`` as ``[{"name", "source"}, ...]`` (JSON, the catalog's YAML, RPC structs)."""
+    return [{"name": a.name, "source": a.source} for a in adapters]
+
+
+def adapters_from_dicts(items: Iterable[Mapping[str, Any]]) -> tuple[Adapter, ...]:
+    """Return the adapters ``items`` (as :func:`adapters_to_dicts` writes them) describe.
+
+    Raises KeyError if an item lacks ``name`` or ``source``.
+    """
+    return tuple(Adapter(str(a["name"]), str(a["source"])) for a in items)
 
 
 @attrs.frozen

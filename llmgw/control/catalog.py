@@ -14,7 +14,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from llmgw.node.fetch import FetchError, is_remote, parse_source
-from llmgw.spec import ADAPTER_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile
+from llmgw.spec import ADAPTER_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile, adapters_to_dicts
 
 #: Engines a model may name; each has an adapter in llmgw/node/engines.
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
@@ -299,6 +299,6 @@ def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
             "engine_args": list(profile.engine_args),
             "engine_env": dict(profile.engine_env),
         },
-        "adapters": [{"name": a.name, "source": a.source} for a in spec.adapters],
+        "adapters": adapters_to_dicts(spec.adapters),
         "max_loaded_adapters": spec.max_loaded_adapters,
     }

@@ -26,7 +26,7 @@ import attrs
 from llmgw.files import atomic_write
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.node.process import ProcessIdentity
-from llmgw.spec import Adapter, Compute, ShardSpec
+from llmgw.spec import Compute, ShardSpec, adapters_from_dicts, adapters_to_dicts
 from llmgw.node.engines.compute import compute_from_json, compute_to_json
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class ShardRecord:
                 "memory_mb": spec.memory_mb,
                 "cpu_cores": spec.cpu_cores,
                 "gpus": list(spec.gpus),
-                "adapters": [{"name": a.name, "source": a.source} for a in spec.adapters],
+                "adapters": adapters_to_dicts(spec.adapters),
                 "max_loaded_adapters": spec.max_loaded_adapters,
             },
             "port": self.port,
@@ -99,7 +99,7 @@ class ShardRecord:
             memory_mb=int(s.get("memory_mb", 0)),
             cpu_cores=float(s.get("cpu_cores", 0.0)),
             gpus=tuple(int(g) for g in s.get("gpus", ())),
-            adapters=tuple(Adapter(str(a["name"]), str(a["source"])) for a in s.get("adapters", ())),
+            adapters=adapters_from_dicts(s.get("adapters", ())),
             max_loaded_adapters=int(s.get("max_loaded_adapters", 0)),
         )
         identity = data.get("identity")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
-from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta
+from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta, adapters_to_dicts
 
 
 def _kv(mapping: Mapping[str, str]) -> list[dict[str, str]]:
@@ -82,13 +82,9 @@ def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
         "memoryMb": s.memory_mb,
         "cpuCores": s.cpu_cores,
         "gpus": list(s.gpus),
-        "adapters": adapters_list(s.adapters),
+        "adapters": adapters_to_dicts(s.adapters),
         "maxLoadedAdapters": s.max_loaded_adapters,
     }
-
-
-def adapters_list(adapters: tuple[Adapter, ...]) -> list[dict[str, str]]:
-    return [{"name": a.name, "source": a.source} for a in adapters]
 
 
 def adapters_from(items: Any) -> tuple[Adapter, ...]:
@@ -226,7 +222,7 @@ def model_dict(m: ModelSpec) -> dict[str, Any]:
             "engineArgs": list(p.engine_args),
             "engineEnv": _kv(p.engine_env),
         },
-        "adapters": adapters_list(m.adapters),
+        "adapters": adapters_to_dicts(m.adapters),
         "maxLoadedAdapters": m.max_loaded_adapters,
     }
 

@@ -36,7 +36,7 @@ from llmgw.control.store.migrations import (
     check_migrations,
     latest_version,
 )
-from llmgw.spec import Adapter, ModelSpec, Profile
+from llmgw.spec import Adapter, ModelSpec, Profile, adapters_from_dicts, adapters_to_dicts
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -102,13 +102,13 @@ def _profile_from_json(text: str) -> Profile:
 
 
 def _adapters_to_json(adapters: Sequence[Adapter]) -> str:
-    return _dump_json([{"name": a.name, "source": a.source} for a in adapters])
+    return _dump_json(adapters_to_dicts(adapters))
 
 
 def _adapters_from_json(value: Any) -> tuple[Adapter, ...]:
     """Rebuild adapters from stored JSON (text on SQLite; PostgreSQL's driver may hand back a list)."""
     data = json.loads(value) if isinstance(value, (str, bytes)) else value
-    return tuple(Adapter(name=str(a["name"]), source=str(a["source"])) for a in data or ())
+    return adapters_from_dicts(data or ())
 
 
 def _model(row: Row) -> ModelSpec:
