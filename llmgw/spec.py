@@ -62,6 +62,8 @@ class EngineInfo:
     state: str = ""  # what the agent is doing about it, in words ("installing: downloading X (16 MB)"); "" = idle
 
 
+#: Engines whose ``source`` (and adapters' sources) are free-form labels: nothing is loaded from disk.
+FREE_SOURCE_ENGINES = frozenset({"sim"})
 #: Engines that load LoRA adapters at run time through vLLM's API, at most a model's
 #: ``max_loaded_adapters`` at a time (the gateway loads them on demand).
 ON_DEMAND_ADAPTER_ENGINES = frozenset({"vllm", "sim"})

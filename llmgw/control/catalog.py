@@ -14,12 +14,10 @@ import re
 from typing import Any, Mapping, Sequence
 
 from llmgw.node.fetch import FetchError, is_remote, parse_source
-from llmgw.spec import ADAPTER_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile, adapters_to_dicts
+from llmgw.spec import ADAPTER_ENGINES, FREE_SOURCE_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile, adapters_to_dicts
 
 #: Engines a model may name; each has an adapter in llmgw/node/engines.
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
-#: Engines whose ``source`` is free-form (may be empty): nothing is loaded from disk.
-FREE_SOURCE_ENGINES = frozenset({"sim"})
 
 NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
 _NAME_RE = re.compile(NAME_PATTERN)

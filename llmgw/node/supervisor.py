@@ -58,7 +58,7 @@ from llmgw.node.process import (
     terminate,
 )
 from llmgw.node.shard_state import ShardRecord
-from llmgw.spec import KvDelta, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import FREE_SOURCE_ENGINES, KvDelta, ShardSpec, ShardState, ShardStatus
 
 logger = logging.getLogger(__name__)
 
@@ -601,7 +601,7 @@ class _Shard:
             spec = attrs.evolve(spec, source=str(local))
         if spec.adapters:  # the simulated engine's adapters are names only: no files to check
             adapters = await fetch_adapters(
-                spec.adapters, self._sup.fetch_settings, progress, check_local=spec.engine != "sim"
+                spec.adapters, self._sup.fetch_settings, progress, check_local=spec.engine not in FREE_SOURCE_ENGINES
             )
             spec = attrs.evolve(spec, adapters=adapters)
         return spec
