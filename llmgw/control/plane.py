@@ -109,8 +109,7 @@ class ControlPlane:
         Runs until cancelled. A store that cannot be read keeps the previous model
         list (the gateway goes on routing) and is retried on the next change.
         """
-        models: list[str] = []
-        infos: dict[str, ModelInfo] = {}
+        infos: dict[str, ModelInfo] = {}  # catalog models, in catalog order
         seen_registry = -1
         seen_catalog = -1
         started = False
@@ -120,7 +119,6 @@ class ControlPlane:
                 try:
                     with trio.fail_after(CATALOG_READ_TIMEOUT):
                         specs = await self.store.list_models()
-                    models = [m.name for m in specs]
                     infos = {m.name: model_info(m) for m in specs}
                 except Exception as exc:  # noqa: BLE001 - keep serving with the last good list
                     log.warning("gateway: could not read the catalog: %s", exc)
@@ -129,7 +127,7 @@ class ControlPlane:
                 {
                     model: [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters)
                             for r in self.registry.replicas_of(model)]
-                    for model in models
+                    for model in infos
                 },
                 infos,
             )
