@@ -107,6 +107,14 @@ def _post(path: str, body: bytes = b"{}", extra: bytes = b"") -> bytes:
     return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (path.encode(), len(body), extra, body)
 
 
+async def _read_to_eof(stream: trio.SocketStream) -> bytes:
+    """Return everything ``stream`` receives until the server closes it."""
+    received = bytearray()
+    while data := await stream.receive_some(1 << 20):
+        received += data
+    return bytes(received)
+
+
 async def _read_until(stream: trio.SocketStream, buffer: bytearray, end: bytes) -> bytes:
     while end not in buffer:
         data = await stream.receive_some(65536)
@@ -193,12 +201,7 @@ async def test_a_body_short_of_its_content_length_closes_the_connection() -> Non
     app = App()
     async with served(app) as stream:
         await stream.send_all(_post("/short"))
-        received = b""
-        while True:  # the connection closes: no response the client could take as whole
-            data = await stream.receive_some(65536)
-            if not data:
-                break
-            received += data
+        received = await _read_to_eof(stream)  # the connection closes: no whole response
         head, _, body = received.partition(b"\r\n\r\n")
         assert len(body) < 10
     assert _all_on_the_lane(app, 1)
@@ -236,11 +239,6 @@ async def test_an_app_cancelled_during_its_last_send_closes_the_connection() -> 
     app = App()
     async with served(app) as stream:
         await stream.send_all(_post("/cut"))
-        received = 0
-        while True:
-            data = await stream.receive_some(1 << 20)
-            if not data:
-                break
-            received += len(data)
+        received = len(await _read_to_eof(stream))
         assert 0 < received < CUT_BODY_BYTES
     assert _all_on_the_lane(app, 1)
