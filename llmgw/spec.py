@@ -115,6 +115,34 @@ class KvDelta:
     resyncs: int = 0
 
 
+#: Hashes in one KV message (agent -> control plane, control plane -> gateway workers; 64 KiB
+#: of uint64): a full copy of a large cache is split into several messages, not one huge call.
+MAX_HASHES_PER_DELTA = 8192
+
+
+def split_delta(delta: KvDelta, limit: int = MAX_HASHES_PER_DELTA) -> list[KvDelta]:
+    """Returns ``delta`` as messages of at most ``limit`` hashes each, same meaning in order.
+
+    Only the first part of a reset is a reset; the rest add to it. An empty delta is one
+    message (an empty reset means "holds nothing"). Raises ValueError if ``limit`` < 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be positive, got {limit}")
+    if len(delta.stored) + len(delta.removed) <= limit:
+        return [delta]
+    hashes = [(h, True) for h in delta.stored] + [(h, False) for h in delta.removed]
+    parts = []
+    for i in range(0, len(hashes), limit):
+        chunk = hashes[i : i + limit]
+        parts.append(attrs.evolve(
+            delta,
+            reset=delta.reset and i == 0,
+            stored=tuple(h for h, s in chunk if s),
+            removed=tuple(h for h, s in chunk if not s),
+        ))
+    return parts
+
+
 @attrs.frozen
 class ShardSpec:
     """What the control plane asks a node to run: one replica of one model.

@@ -46,7 +46,6 @@ from llmgw.config import RoutingConfig, TracingConfig
 from llmgw.control.keys import DEFAULT_USAGE_FLUSH_S, STORE_CALL_TIMEOUT_S, AccessSync
 from llmgw.control.store import Store
 from llmgw.control.store.base import UsageRecord
-from llmgw.node.kvevents import split_delta
 from llmgw.rpc.kjtrio import unwrap_single_group
 from llmgw.router.admission import Admission, AdmissionLimits, TenantCounters
 from llmgw.router.app import Gateway
@@ -58,7 +57,7 @@ from llmgw.router.upstream import UpstreamTimeouts
 from llmgw.router.workerstate import (
     decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_table, merge_metrics,
 )
-from llmgw.spec import KvDelta
+from llmgw.spec import KvDelta, split_delta
 
 log = logging.getLogger(__name__)
 

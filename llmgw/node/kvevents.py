@@ -4,7 +4,7 @@ The engine (vLLM, or ``python -m llmgw.sim``) CONNECTS its PUB socket to a loopb
 endpoint this subscriber BINDS, and BINDS a ROUTER replay socket this subscriber asks
 when it misses batches. Each message is ``[topic, seq (8 bytes BE), msgpack
 KVEventBatch]`` (``../shared/reference/vllm.md``; the format lives in
-:mod:`llmgw.sim.kvevents`).
+:mod:`llmgw.kvwire`).
 
 The subscriber keeps a *mirror*: the set of 64-bit block hashes the engine holds
 (``BlockStored`` is idempotent, ``BlockRemoved`` and ``AllBlocksCleared`` remove), and
@@ -36,18 +36,16 @@ import trio
 import zmq
 
 from llmgw import kvhash
-from llmgw.sim import kvevents as wire
-from llmgw.spec import KvDelta
+from llmgw import kvwire as wire
+from llmgw.spec import KvDelta, split_delta
 
 __all__ = [
-    "MAX_HASHES_PER_DELTA",
     "MIN_SEND_INTERVAL",
     "QUIET_REPLAY_INTERVAL",
     "REPLAY_TIMEOUT",
     "KvEventsConfig",
     "KvMirror",
     "KvSubscriber",
-    "split_delta",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,9 +56,6 @@ MIN_SEND_INTERVAL = 0.05
 #: Pending changes (hashes) that make a send go out before MIN_SEND_INTERVAL: a burst
 #: (a long prompt's prefill) reaches the router at once instead of waiting.
 FLUSH_PENDING_HASHES = 4096
-#: Hashes in one message to the control plane (64 KiB of uint64): a full copy of a large
-#: cache is split into several messages instead of one huge RPC call.
-MAX_HASHES_PER_DELTA = 8192
 #: With no message on the PUB path for this long, replay is asked from the next expected
 #: sequence: events reach the router within about a second even if PUB delivers nothing.
 QUIET_REPLAY_INTERVAL = 1.0
@@ -221,29 +216,6 @@ class KvMirror:
             reset=reset, stored=stored, removed=removed, block_size=self.block_size,
             events_applied=self.events_applied, gaps=self.gaps, resyncs=self.resyncs,
         )
-
-
-def split_delta(delta: KvDelta, limit: int = MAX_HASHES_PER_DELTA) -> list[KvDelta]:
-    """Returns ``delta`` as messages of at most ``limit`` hashes each, same meaning in order.
-
-    Only the first part of a reset is a reset; the rest add to it. An empty delta is one
-    message (an empty reset means "holds nothing"). Raises ValueError if ``limit`` < 1.
-    """
-    if limit < 1:
-        raise ValueError(f"limit must be positive, got {limit}")
-    if len(delta.stored) + len(delta.removed) <= limit:
-        return [delta]
-    hashes = [(h, True) for h in delta.stored] + [(h, False) for h in delta.removed]
-    parts = []
-    for i in range(0, len(hashes), limit):
-        chunk = hashes[i : i + limit]
-        parts.append(attrs.evolve(
-            delta,
-            reset=delta.reset and i == 0,
-            stored=tuple(h for h, s in chunk if s),
-            removed=tuple(h for h, s in chunk if not s),
-        ))
-    return parts
 
 
 class _Socket:

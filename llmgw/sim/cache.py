@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import attrs
 
 from llmgw import kvhash
-from llmgw.sim import kvevents
+from llmgw import kvwire
 
 
 @attrs.frozen
@@ -53,7 +53,7 @@ class PrefixCache:
         num_blocks: int,
         *,
         seed: str | None,
-        emit: Callable[[kvevents.Event], None],
+        emit: Callable[[kvwire.Event], None],
     ) -> None:
         if block_size <= 0 or num_blocks <= 0:
             raise ValueError("block_size and num_blocks must be positive")
@@ -143,7 +143,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every block and emit ``AllBlocksCleared``."""
         self._blocks.clear()
-        self._emit(kvevents.all_blocks_cleared())
+        self._emit(kvwire.all_blocks_cleared())
 
     def _store(self, chain: list[bytes], first_new: int, tokens: Sequence[int], lora: LoraRef | None) -> None:
         """Store ``chain[first_new:]``, evicting LRU blocks, then touch the chain tail first."""
@@ -165,9 +165,9 @@ class PrefixCache:
                     evicted.append(kvhash.event_hash(old))
                 blocks[digest] = None
             for h in evicted:
-                self._emit(kvevents.block_removed([h]))
+                self._emit(kvwire.block_removed([h]))
             self._emit(
-                kvevents.block_stored(
+                kvwire.block_stored(
                     block_hashes=kvhash.event_hashes(new),
                     parent_block_hash=kvhash.event_hash(chain[first_new - 1]) if first_new > 0 else None,
                     token_ids=tokens[first_new * bs : len(chain) * bs],

@@ -24,7 +24,7 @@ import time
 import trio
 import zmq
 
-from llmgw.sim import kvevents
+from llmgw import kvwire
 
 #: Batches kept for replay (vLLM's ``buffer_steps`` default).
 REPLAY_BUFFER_STEPS = 10_000
@@ -61,7 +61,7 @@ class KvEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self.next_seq = 0  # seq of the next batch published
         self.dropped = 0  # batches the PUB socket refused (HWM)
-        self._pending: list[kvevents.Event] = []
+        self._pending: list[kvwire.Event] = []
         self._wake = trio.Event()
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
@@ -73,7 +73,7 @@ class KvEventPublisher:
         """Return True when events are published anywhere."""
         return self.endpoint is not None
 
-    def emit(self, event: kvevents.Event) -> None:
+    def emit(self, event: kvwire.Event) -> None:
         """Queue one event for the current step's batch (no-op when disabled). Never blocks."""
         if self.endpoint is None:
             return
@@ -82,8 +82,8 @@ class KvEventPublisher:
 
     def replay_frames(self, start_seq: int) -> list[list[bytes]]:
         """Return the reply frames (after identity) for a replay from ``start_seq``, end marker last."""
-        out = [[b"", self.topic, kvevents.encode_seq(seq), payload] for seq, _, payload in self._buffer if seq >= start_seq]
-        out.append([b"", b"", kvevents.REPLAY_END_SEQ, b""])
+        out = [[b"", self.topic, kvwire.encode_seq(seq), payload] for seq, _, payload in self._buffer if seq >= start_seq]
+        out.append([b"", b"", kvwire.REPLAY_END_SEQ, b""])
         return out
 
     def open(self) -> None:
@@ -138,13 +138,13 @@ class KvEventPublisher:
             if events:
                 self._publish(pub, events)
 
-    def _publish(self, pub: zmq.Socket, events: list[kvevents.Event]) -> None:
+    def _publish(self, pub: zmq.Socket, events: list[kvwire.Event]) -> None:
         seq = self.next_seq
         self.next_seq += 1
-        payload = kvevents.encode_batch(time.time(), events, self.data_parallel_rank)
+        payload = kvwire.encode_batch(time.time(), events, self.data_parallel_rank)
         self._buffer.append((seq, self.topic, payload))
         try:
-            pub.send_multipart([self.topic, kvevents.encode_seq(seq), payload], zmq.NOBLOCK)
+            pub.send_multipart([self.topic, kvwire.encode_seq(seq), payload], zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
 
@@ -164,7 +164,7 @@ class KvEventPublisher:
         if len(frames) != 3 or len(frames[2]) != 8:
             return
         identity = frames[0]
-        start = kvevents.decode_seq(frames[2])
+        start = kvwire.decode_seq(frames[2])
         for reply in self.replay_frames(start):
             try:
                 router.send_multipart([identity, *reply], zmq.NOBLOCK)

@@ -30,13 +30,12 @@ from llmgw.router.admission import AdmissionLimits
 from llmgw.router.app import Gateway, create_app, gateway_of
 from llmgw.router.auth import KeyEntry, Tenant, generate_key
 from llmgw.router.channel import Message
-from llmgw.node.kvevents import MAX_HASHES_PER_DELTA
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.kvrouting import ALARM_TEXT
 from llmgw.router.replicas import ModelInfo, Replica
 from llmgw.router.workerstate import decode_kv_delta
 from llmgw.sim.launch import start_sim
-from llmgw.spec import KvDelta
+from llmgw.spec import MAX_HASHES_PER_DELTA, KvDelta
 
 from tests.system.harness import alive, eventually, metric_sum
 

@@ -16,7 +16,7 @@ import zmq
 
 from llmgw import kvhash
 from llmgw.node.kvevents import KvSubscriber
-from llmgw.sim import kvevents as wire
+from llmgw import kvwire as wire
 from llmgw.sim.launch import free_tcp_port, start_sim
 from llmgw.sim.publisher import KvEventPublisher
 from llmgw.spec import KvDelta

@@ -2,9 +2,9 @@
 
 import pytest
 
-from llmgw.node.kvevents import KvEventsConfig, KvMirror, split_delta
-from llmgw.sim import kvevents as wire
-from llmgw.spec import KvDelta
+from llmgw.node.kvevents import KvEventsConfig, KvMirror
+from llmgw import kvwire as wire
+from llmgw.spec import KvDelta, split_delta
 
 
 def stored(*hashes, block_size=16, medium="GPU"):
