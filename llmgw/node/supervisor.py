@@ -1,132 +1,38 @@
-"""The node agent's shard supervisor: runs, watches, restarts, adopts and stops engines.
+"""The node agent's shard supervisor: the set of shards, adoption and the session binding.
 
-Each shard is a task in the supervisor's nursery, with its own nursery underneath:
+The supervisor's nursery holds one task per shard (:class:`llmgw.node.shard.Shard`, which
+owns the engine's lifecycle: spawn, health, restart with backoff, stop; its own task
+tree is drawn in :mod:`llmgw.node.shard`):
 
-    shard ── status sender (latest status -> bound reporter, one call at a time, deadline each)
-          ├─ KV-event subscriber (engines with KV events; bound before the first spawn):
-          │    mirror of the engine's blocks, net deltas -> bound reporter's kv_update,
-          │    a full copy at every binding, a reset at every engine (re)start
-          └─ lifecycle ── per engine run: exit watcher, output reader, health poller
+    supervisor ── shard (one per shard id) ── status sender, KV-event subscriber, lifecycle
 
-Lifecycle of one shard: spawn (or adopt) the engine -> STARTING; the health poller
-turns it READY on the first passing check, UNHEALTHY after UNHEALTHY_AFTER failures in
-a row (and READY again on success). If the engine exits, or is not healthy within the
-adapter's ``startup_timeout`` (then it is killed), the shard goes RESTARTING with the
-reason and the engine's last lines, waits out an exponential backoff and starts again;
-after ``max_failures`` consecutive failures it is FAILED. Only :meth:`Supervisor.stop_shard`
-ends an engine: SIGTERM to its process group, grace period, SIGKILL to the group, then
-the shard's state is deleted and STOPPED reported.
+:meth:`Supervisor.start_shard` checks a new spec (id, engine, arguments), gives it a free
+port and persists it before its task starts; :meth:`Supervisor.bind_reporter` points a
+shard's statuses at the session that asked for it; :meth:`Supervisor.stop_shard` ends it.
 
 The shard's spec, port, engine process identity and restart count are persisted under
 ``state_dir``. Cancelling :meth:`Supervisor.run` (agent exit) leaves engines running
 and their state on disk; the next agent's ``run`` adopts them (same pid, create time
 and command line) or, if they are gone, starts them again on the same port.
-
-Reporting never blocks a shard: the shard only records its latest status; a sender
-task pushes it to the reporter bound at the time, with a deadline per call. A failing
-or slow reporter is logged, and the status waits for the next binding.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import signal
 import socket
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Mapping
 
-import attrs
-import httpx
 import trio
-import zmq
 
 from llmgw.node import shard_state
-from llmgw.node.engines import ENGINES, Engine, EngineRefused, base_environment, get_engine
-from llmgw.node.engines import compute as engine_compute
-from llmgw.node.kvevents import KvEventsConfig, KvSubscriber
-from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights, is_remote
-from llmgw.node.process import (
-    EngineProcess,
-    OutputTail,
-    adopt,
-    describe_exit,
-    identity_of,
-    signal_group,
-    spawn,
-    terminate,
-)
+from llmgw.node.engines import ENGINES, Engine, get_engine
+from llmgw.node.fetch import FetchSettings
+from llmgw.node.kvevents import KvEventsConfig
+from llmgw.node.shard import STOP_GRACE, RestartPolicy, Shard, ShardContext, ShardReporter
 from llmgw.node.shard_state import ShardRecord
-from llmgw.spec import FREE_SOURCE_ENGINES, KvDelta, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import ShardSpec, ShardStatus
 
-logger = logging.getLogger(__name__)
-
-# First wait before restarting a crashed engine; doubled per consecutive failure.
-# Short enough that a one-off crash costs little serving time.
-BACKOFF_INITIAL = 1.0
-# Ceiling of the backoff: a crash-looping engine retries at most this often.
-BACKOFF_MAX = 60.0
-# An engine that became ready and stayed up this long counts as having recovered:
-# its next crash starts the backoff (and the failure count) from the beginning.
-BACKOFF_RESET_AFTER = 300.0
-# Consecutive failures (crash, or not healthy in time) after which the shard is
-# FAILED rather than retried: by then it is a configuration problem, not bad luck.
-MAX_CONSECUTIVE_FAILURES = 5
-
-# Health polling: once a second is cheap for the engine and notices trouble quickly.
-HEALTH_INTERVAL = 1.0
-# Deadline of one health request; a loaded engine can be slow to answer, not dead.
-HEALTH_TIMEOUT = 5.0
-# Failed checks in a row before a READY shard is reported UNHEALTHY (one slow answer
-# under load is no reason to pull a replica from routing).
-UNHEALTHY_AFTER = 3
-
-# How long an engine gets to exit after SIGTERM before its group is SIGKILLed: long
-# enough for vLLM to free GPU memory and finish in-flight requests.
-STOP_GRACE = 30.0
-
-# Deadline of one status call to a reporter; a session that cannot take a status in
-# this time is treated as gone (the status is kept for the next binding).
-REPORT_TIMEOUT = 10.0
-
-# How many of the engine's last lines go into a crash or failure report.
-LAST_OUTPUT_LINES = 20
-
-# The engine log is rotated (one old generation kept) when a new run starts and the
-# file has grown past this. A long-running engine's log is not rotated under it.
-LOG_ROTATE_BYTES = 64 * 1024 * 1024
-
-
-@attrs.frozen
-class RestartPolicy:
-    """Timings and limits of supervision; defaults are the module constants above."""
-
-    backoff_initial: float = BACKOFF_INITIAL
-    backoff_max: float = BACKOFF_MAX
-    backoff_reset_after: float = BACKOFF_RESET_AFTER
-    max_failures: int = MAX_CONSECUTIVE_FAILURES
-    health_interval: float = HEALTH_INTERVAL
-    health_timeout: float = HEALTH_TIMEOUT
-    unhealthy_after: int = UNHEALTHY_AFTER
-    report_timeout: float = REPORT_TIMEOUT
-    kill_grace: float = STOP_GRACE  # SIGTERM grace when killing an engine that missed its startup deadline
-
-    def backoff(self, failures: int) -> float:
-        """Returns the wait before the next start after ``failures`` consecutive failures (>= 1)."""
-        return min(self.backoff_max, self.backoff_initial * math.pow(2, max(0, failures - 1)))
-
-
-class ShardReporter(Protocol):
-    """Where a shard's status goes (implemented by the RPC layer).
-
-    Calls may fail or hang when the session is gone; the supervisor bounds and logs them.
-    """
-
-    async def status(self, status: ShardStatus) -> None: ...
-
-    # Optional: ``async def kv_update(self, delta: KvDelta) -> None`` takes the shard's KV-cache
-    # changes (reporters without it get none; the full copy at the next binding covers them).
+__all__ = ["KV_EVENTS_HOST", "Supervisor", "free_port", "kv_events_for"]
 
 
 def free_port(host: str, avoid: set[int] = frozenset()) -> int:  # type: ignore[assignment]
@@ -159,11 +65,6 @@ def kv_events_for(engine: Engine, spec: ShardSpec) -> KvEventsConfig | None:
     return chooser(spec, KV_EVENTS_HOST)
 
 
-def endpoint_url(host: str, port: int) -> str:
-    """Returns ``http://host:port`` (IPv6 addresses in brackets)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 class Supervisor:
     """Runs the shards of this node; see the module docstring.
 
@@ -188,7 +89,7 @@ class Supervisor:
         self.host = host
         self.engines: Mapping[str, Engine] = ENGINES if engines is None else engines
         self.policy = policy or RestartPolicy()
-        self._shards: dict[str, _Shard] = {}
+        self._shards: dict[str, Shard] = {}
         self._nursery: trio.Nursery | None = None
         self._start_lock = trio.Lock()  # one start_shard at a time: ids and ports are checked, then taken
 
@@ -204,7 +105,7 @@ class Supervisor:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for record in records:
-                    shard = _Shard(self, record, self.engines.get(record.spec.engine), reporter=None)
+                    shard = self._new_shard(record, self.engines.get(record.spec.engine), reporter=None)
                     self._shards[record.spec.id] = shard
                     await nursery.start(shard.run, True)
                 task_status.started()
@@ -247,7 +148,7 @@ class Supervisor:
         await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
         if self._nursery is None:
             raise RuntimeError("the supervisor stopped while the shard was being started")
-        shard = _Shard(self, record, engine, reporter=reporter)
+        shard = self._new_shard(record, engine, reporter=reporter)
         self._shards[spec.id] = shard
         await self._nursery.start(shard.run, False)
 
@@ -267,8 +168,13 @@ class Supervisor:
         """
         await self._shards[shard_id].stop(grace)
 
-    def _forget(self, shard: _Shard) -> None:
-        """Drops a stopped shard (called by the shard itself)."""
+    def _new_shard(self, record: ShardRecord, engine: Engine | None, reporter: ShardReporter | None) -> Shard:
+        """Returns the (not yet running) shard of ``record``, sharing this supervisor's settings."""
+        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings)
+        return Shard(record, engine, reporter, context=context, on_stopped=self._forget)
+
+    def _forget(self, shard: Shard) -> None:
+        """Drops a stopped shard (the shard's ``on_stopped``)."""
         if self._shards.get(shard.spec.id) is shard:
             del self._shards[shard.spec.id]
 
@@ -286,486 +192,3 @@ class Supervisor:
         At most :data:`llmgw.node.process.OUTPUT_LINES` are kept. Raises KeyError if unknown.
         """
         return self._shards[shard_id].tail.last(lines)
-
-
-class _Shard:
-    """One shard's supervision (see the module docstring). Owned by Supervisor."""
-
-    def __init__(self, sup: Supervisor, record: ShardRecord, engine: Engine | None, reporter: ShardReporter | None):
-        self._sup = sup
-        self._policy = sup.policy
-        self.record = record
-        self.engine = engine
-        self.dir = shard_state.shard_dir(sup.state_dir, record.spec.id)
-        self.tail = OutputTail(self.dir / shard_state.LOG_FILE)
-        # compute: the engine's startup lines until READY, parsed then (engine_compute)
-        self.collector = engine_compute.OutputCollector()
-        self.tail.on_line = self.collector.add
-        self._fatal: str | None = None  # set when the engine must be FAILED, not restarted
-        self.status = ShardStatus(
-            id=record.spec.id,
-            state=ShardState.STARTING,
-            endpoint=endpoint_url(sup.host, record.port),
-            restarts=record.restarts,
-            compute=record.compute,
-        )
-        self._reporter = reporter
-        self._delivered: tuple[object, ShardStatus] | None = None  # (reporter, status) last sent
-        self._wakeup = trio.Event()
-        self._process: EngineProcess | None = None
-        self._adopted: EngineProcess | None = None
-        self._ready_seen = False
-        self._life_scope = trio.CancelScope()
-        self._stop_requested = trio.Event()
-        self._stop_grace = STOP_GRACE
-        self._stopped = trio.Event()
-        self._save_lock = trio.Lock()
-        kv = record.kv_events
-        # KV events: mirrored for the shard's lifetime (across engine restarts and sessions).
-        self.kv: KvSubscriber | None = (
-            None if kv is None else KvSubscriber(kv.endpoint, kv.replay_endpoint, topic=kv.topic, block_size=kv.block_size)
-        )
-
-    @property
-    def spec(self) -> ShardSpec:
-        return self.record.spec
-
-    @property
-    def port(self) -> int:
-        return self.record.port
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop_requested.is_set()
-
-    # -- status --------------------------------------------------------------------
-
-    def publish(self, state: ShardState, message: str, **changes: object) -> None:
-        """Records a new status (restarts always from the record) and wakes the sender."""
-        self.status = attrs.evolve(
-            self.status, state=state, message=message, restarts=self.record.restarts, **changes
-        )
-        logger.info("shard %s: %s: %s", self.spec.id, state.value, message)
-        self._wakeup.set()
-
-    def bind(self, reporter: ShardReporter | None) -> None:
-        """Binds ``reporter`` and has the sender push the current status to it (and, for a
-        shard with KV events, a full copy of its KV mirror)."""
-        self._reporter = reporter
-        self._delivered = None
-        self._wakeup.set()
-        if self.kv is not None and reporter is not None:
-            self.kv.resend_full()
-
-    async def _send_kv(self, delta: KvDelta) -> None:
-        """Sends one KV delta to the bound reporter within the report deadline. Without a
-        reporter (or one without ``kv_update``) the delta is dropped: the mirror is kept and
-        the next binding gets a full copy. Raises what the reporter raises, or TooSlowError;
-        the subscriber then sends a full copy next."""
-        send = getattr(self._reporter, "kv_update", None)
-        if send is None:
-            return
-        with trio.fail_after(self._policy.report_timeout):
-            await send(delta)
-
-    async def _run_kv(self, kv: KvSubscriber, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Runs the KV subscriber until cancelled. A bind failure is raised (before started);
-        a later failure is logged and ends only the subscriber: the engine keeps serving."""
-        try:
-            await kv.run(self._send_kv, task_status=task_status)
-        except Exception:
-            if not kv.bound:
-                raise
-            logger.exception("shard %s: the KV-event subscriber failed; the router routes it approximately", self.spec.id)
-
-    async def _send_loop(self) -> None:
-        """Pushes the latest status to the bound reporter whenever it changes. Runs until cancelled."""
-        while True:
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            reporter, status = self._reporter, self.status
-            if reporter is None:
-                continue
-            if self._delivered is not None and self._delivered[0] is reporter and self._delivered[1] is status:
-                continue
-            if await self._deliver(reporter, status):
-                self._delivered = (reporter, status)
-
-    async def _deliver(self, reporter: ShardReporter, status: ShardStatus) -> bool:
-        """Sends one status within the report deadline; returns False (logged) if it failed."""
-        try:
-            with trio.fail_after(self._policy.report_timeout):
-                await reporter.status(status)
-        except trio.TooSlowError:
-            logger.warning(
-                "shard %s: reporter took over %.0f s for a status; keeping it for the next binding",
-                self.spec.id,
-                self._policy.report_timeout,
-            )
-            return False
-        except Exception:
-            logger.warning("shard %s: reporter failed; keeping the status for the next binding", self.spec.id, exc_info=True)
-            return False
-        return True
-
-    async def _save(self) -> None:
-        """Persists the record (in a thread; not cancellable midway). Logs, never raises OSError."""
-        async with self._save_lock:
-            try:
-                await trio.to_thread.run_sync(shard_state.save, self._sup.state_dir, self.record)
-            except OSError:
-                logger.exception("shard %s: cannot persist its state; a restarted agent may not adopt it", self.spec.id)
-
-    # -- lifetime ------------------------------------------------------------------
-
-    async def run(self, adopting: bool, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The shard task: prepares (adopts), signals started, supervises until stopped.
-
-        Returns after a stop completed (STOPPED sent). Cancellation (agent exit) leaves
-        the engine running. Errors inside the lifecycle are turned into FAILED, never
-        propagated to the supervisor.
-        """
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_loop)
-                if self.kv is not None:  # bound before the engine starts: vLLM connects to it
-                    try:
-                        await nursery.start(self._run_kv, self.kv)
-                    except zmq.ZMQError as exc:
-                        logger.warning(
-                            "shard %s: cannot bind the KV-event endpoint %s (%s); no KV events for this shard",
-                            self.spec.id, self.kv.endpoint, exc,
-                        )
-                        self.kv = None
-                if adopting:
-                    self._prepare_adoption()
-                else:
-                    self.publish(ShardState.STARTING, "starting the engine")
-                task_status.started()
-                with self._life_scope:
-                    try:
-                        await self._lifecycle()
-                    except Exception as exc:
-                        logger.exception("shard %s: supervision failed", self.spec.id)
-                        self.publish(ShardState.FAILED, f"supervision failed inside the agent: {exc!r}", pid=0)
-                await self._stop_requested.wait()
-                await self._stop_engine()
-                nursery.cancel_scope.cancel()
-        finally:
-            if self._process is not None:  # releases a pidfd; never signals the engine
-                self._process.close()
-        self._sup._forget(self)
-        reporter = self._reporter
-        if reporter is not None and self._delivered != (reporter, self.status):
-            await self._deliver(reporter, self.status)
-        self._stopped.set()
-
-    def _prepare_adoption(self) -> None:
-        """Adopts the persisted engine if it still runs; sets the first status either way."""
-        identity = self.record.identity
-        process = adopt(identity) if identity is not None else None
-        self._adopted = process
-        if process is not None:
-            self._process = process
-            self.tail.load_existing()
-            if self.record.failed:  # a FAILED shard keeps no engine; a live one is a stray, killed on stop
-                self.publish(
-                    ShardState.FAILED, self.record.message, pid=process.identity.pid, last_output=self.record.last_output
-                )
-            else:
-                self.publish(
-                    ShardState.STARTING,
-                    f"adopted the running engine (pid {process.identity.pid}) from a previous agent; checking its health",
-                    pid=process.identity.pid,
-                    adapters=self._adopted_adapters(),
-                )
-        elif self.record.failed:
-            self.publish(ShardState.FAILED, self.record.message, last_output=self.record.last_output)
-        elif identity is not None:
-            self.publish(
-                ShardState.STARTING,
-                f"the engine of the previous agent (pid {identity.pid}) is gone; starting it again",
-            )
-        else:
-            self.publish(ShardState.STARTING, "starting the engine (none was running)")
-
-    async def stop(self, grace: float) -> None:
-        """Asks the shard task to stop its engine; returns once STOPPED is recorded."""
-        if not self._stop_requested.is_set():
-            self._stop_grace = grace
-            self.publish(ShardState.STOPPING, f"SIGTERM sent to the engine's process group; SIGKILL after {grace:g} s")
-            self._stop_requested.set()
-            self._life_scope.cancel()
-        await self._stopped.wait()
-
-    async def wait_stopped(self) -> None:
-        """Returns once this shard has been stopped."""
-        await self._stopped.wait()
-
-    async def _stop_engine(self) -> None:
-        """Terminates the engine's group (if running), deletes the state, records STOPPED."""
-        process, message = self._process, "stopped on request"
-        # An engine that already exited had its group killed then; its pid may be reused since.
-        if process is not None:
-            try:
-                if process.poll() is False:
-                    code = await terminate(process, self._stop_grace)
-                    message = f"stopped on request (engine {describe_exit(code)})"
-            except trio.TooSlowError:
-                message = f"stop requested, but engine pid {process.identity.pid} survived SIGKILL (stuck in the kernel?)"
-                logger.error("shard %s: %s", self.spec.id, message)
-            finally:
-                process.close()
-        await trio.to_thread.run_sync(shard_state.remove, self._sup.state_dir, self.spec.id)
-        self.publish(ShardState.STOPPED, message, pid=0)
-
-    async def _lifecycle(self) -> None:
-        """Starts/adopts, watches and restarts the engine; returns only once FAILED."""
-        if self.record.failed:
-            return
-        if self.engine is None:
-            message = (
-                f"engine {self.spec.engine!r} is not known to this node; "
-                "install it or stop the shard"
-            )
-            self.publish(ShardState.FAILED, message, pid=0)
-            return
-        process, self._adopted = self._adopted, None
-        failures = 0
-        while True:
-            outcome, ready, uptime = "", False, 0.0
-            if process is None:
-                try:
-                    self.engine.check_args(self.spec)
-                except EngineRefused as exc:
-                    await self._give_up(str(exc), ())
-                    return
-                try:
-                    process = await self._spawn()
-                except OSError as exc:
-                    outcome = f"the engine could not be started: {exc}"
-                except FetchError as exc:
-                    outcome = f"fetching failed: {exc}"
-            if process is not None:
-                outcome, ready, uptime = await self._supervise(process)
-                process = None
-                if self._fatal is not None:  # e.g. given GPUs, the engine found none: retrying cannot help
-                    self.status = attrs.evolve(self.status, compute=self.record.compute)
-                    await self._give_up(self._fatal, self.tail.run_output(LAST_OUTPUT_LINES))
-                    return
-            if ready and uptime >= self._policy.backoff_reset_after:
-                failures = 0
-            failures += 1
-            self.record.restarts += 1
-            self.record.identity = None
-            last_output = self.tail.run_output(LAST_OUTPUT_LINES)
-            if failures >= self._policy.max_failures:
-                await self._give_up(
-                    f"the engine failed {failures} times in a row; giving up. Last failure: {outcome}. "
-                    "Check the engine's last output and the model's profile, then stop and start the shard",
-                    last_output,
-                )
-                return
-            await self._save()
-            delay = self._policy.backoff(failures)
-            self.publish(
-                ShardState.RESTARTING,
-                f"{outcome}; restarting in {delay:g} s (failure {failures} of {self._policy.max_failures})",
-                pid=0,
-                last_output=last_output,
-            )
-            await trio.sleep(delay)
-
-    async def _give_up(self, message: str, last_output: tuple[str, ...]) -> None:
-        """Records FAILED (persisted, so a restarted agent reports it too)."""
-        self.record.failed, self.record.message, self.record.last_output = True, message, last_output
-        self.record.identity = None
-        await self._save()
-        self.publish(ShardState.FAILED, message, pid=0, last_output=last_output)
-
-    async def _local_weights(self) -> ShardSpec:
-        """Returns the spec with ``source`` and each adapter's ``source`` a local path,
-        fetching remote weights and adapters first.
-
-        Progress is published as STARTING ("fetching weights: 1.2/4.0 GB", "fetching adapter
-        NAME: 3/8 MB"). Raises :class:`FetchError`; cancellation leaves only resumable
-        ``.partial`` files.
-        """
-
-        def progress(message: str) -> None:
-            self.publish(ShardState.STARTING, message, pid=0)
-
-        spec = self.spec
-        if is_remote(spec.source):
-            local = await fetch_weights(spec.source, self._sup.fetch_settings, progress)
-            spec = attrs.evolve(spec, source=str(local))
-        if spec.adapters:  # the simulated engine's adapters are names only: no files to check
-            adapters = await fetch_adapters(
-                spec.adapters, self._sup.fetch_settings, progress, check_local=spec.engine not in FREE_SOURCE_ENGINES
-            )
-            spec = attrs.evolve(spec, adapters=adapters)
-        return spec
-
-    def _adopted_adapters(self) -> tuple[tuple[str, str], ...]:
-        """Returns (name, local path) of the spec's adapters as an adopted engine loaded them:
-        where a completed fetch lies (no network call), else the source as given."""
-        settings = self._sup.fetch_settings
-        return tuple(
-            (a.name, str(cached_path(a.source, settings) or a.source)) for a in self.spec.adapters
-        )
-
-    async def _spawn(self) -> EngineProcess:
-        """Starts a new engine run (log rotated if large); returns it, identity persisted.
-
-        Raises OSError if the process cannot be started.
-        """
-        assert self.engine is not None
-        self.dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.tail.path
-        try:
-            if log_path.stat().st_size > LOG_ROTATE_BYTES:
-                os.replace(log_path, log_path.with_name(log_path.name + ".1"))
-        except FileNotFoundError:
-            pass
-        self.tail.skip_to_end()
-        self.tail.mark_run_start()
-        if self.kv is not None:
-            self.kv.engine_restarted()  # a new engine holds no blocks and counts from 0
-        self.collector.reset()
-        self._fatal = None
-        spec = await self._local_weights()
-        if self.kv is not None and self.record.kv_events is not None:  # only with a subscriber bound
-            argv = self.engine.argv(spec, self._sup.host, self.port, kv_events=self.record.kv_events)  # type: ignore[call-arg]
-        else:
-            argv = self.engine.argv(spec, self._sup.host, self.port)
-        env = {**base_environment(), **self.engine.env(spec)}
-        process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
-        self._process = process  # before any checkpoint: a stop from now on must find it
-        self.record.identity = process.identity
-        await self._save()
-        self.publish(
-            ShardState.STARTING,
-            f"engine started (pid {process.identity.pid}); waiting for its health check",
-            pid=process.identity.pid,
-            last_output=(),
-            adapters=tuple((a.name, a.source) for a in spec.adapters),
-        )
-        return process
-
-    async def _supervise(self, process: EngineProcess) -> tuple[str, bool, float]:
-        """Watches one engine run until it exits (or is killed for missing its startup deadline).
-
-        Returns (what happened in words, whether it became ready, seconds it ran).
-        Cancellation (stop or agent exit) leaves the process alone.
-        """
-        self._process = process
-        self._ready_seen = False
-        started = trio.current_time()
-        killed_because: list[str] = []
-
-        async def health_then_kill() -> None:
-            reason = await self._poll_health()
-            killed_because.append(reason)
-            try:
-                await terminate(process, grace=self._policy.kill_grace)
-            except trio.TooSlowError:
-                logger.error("shard %s: engine pid %d survived SIGKILL", self.spec.id, process.identity.pid)
-
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.tail.follow)
-            nursery.start_soon(health_then_kill)
-            code = await process.wait()
-            nursery.cancel_scope.cancel()
-        signal_group(process.identity.pid, signal.SIGKILL)  # whatever the engine left behind in its group
-        try:
-            self.tail.read_new(final=True)  # the engine's last words
-        except OSError as exc:
-            logger.warning("shard %s: cannot read the engine log: %s", self.spec.id, exc)
-        process.close()
-        uptime = trio.current_time() - started
-        if killed_because:
-            return f"{killed_because[0]}; killed it", False, uptime
-        return f"engine (pid {process.identity.pid}) {describe_exit(code)}", self._ready_seen, uptime
-
-    async def _poll_health(self) -> str:
-        """Polls the health endpoint; publishes READY/UNHEALTHY.
-
-        Returns (only) when the engine has not passed a check within the adapter's
-        startup timeout, with the reason in words. Runs until cancelled otherwise.
-        """
-        assert self.engine is not None
-        url = self.status.endpoint + self.engine.health_path
-        timeout = self.engine.startup_timeout
-        deadline = trio.current_time() + timeout
-        failures = 0
-        async with httpx.AsyncClient(timeout=self._policy.health_timeout, trust_env=False) as client:
-            while True:
-                ok, detail = await self._check(client, url)
-                if ok:
-                    failures = 0
-                    if not self._ready_seen:
-                        self._ready_seen = True
-                        await self._refresh_identity()
-                        fatal = await self._read_compute()
-                        if fatal is not None:
-                            self._fatal = fatal
-                            return fatal
-                    if self.status.state != ShardState.READY:
-                        self.publish(ShardState.READY, "health check passing", last_output=(), compute=self.record.compute)
-                else:
-                    failures += 1
-                    if not self._ready_seen and trio.current_time() >= deadline:
-                        return f"engine not healthy within {timeout:g} s (last check: {detail})"
-                    if (
-                        self._ready_seen
-                        and failures >= self._policy.unhealthy_after
-                        and self.status.state == ShardState.READY
-                    ):
-                        self.publish(ShardState.UNHEALTHY, f"health check failed {failures} times in a row: {detail}")
-                await trio.sleep(self._policy.health_interval)
-
-    async def _check(self, client: httpx.AsyncClient, url: str) -> tuple[bool, str]:
-        """Returns (passed, what happened) for one GET of ``url`` within the health timeout."""
-        with trio.move_on_after(self._policy.health_timeout):
-            try:
-                response = await client.get(url)
-            except httpx.HTTPError as exc:
-                return False, f"{url}: {type(exc).__name__}: {exc}".rstrip(": ")
-            if response.status_code == 200:
-                return True, "HTTP 200"
-            return False, f"{url} answered HTTP {response.status_code}"
-        return False, f"{url} did not answer within {self._policy.health_timeout:g} s"
-
-    async def _read_compute(self) -> str | None:
-        """Reads what the engine computes on (its output, else nvidia-smi, else CPU) and persists it.
-
-        Returns the reason the shard must FAIL (given GPUs, the engine says it has none),
-        in the engine's words, or None. Called once per run, when the engine is first healthy.
-        """
-        assert self.engine is not None
-        # The engine wrote its startup lines before it answered the health check, but the
-        # follower reads the log on a timer: catch up first, or READY races the parser.
-        self.tail.read_new()
-        lines = self.collector.close() or list(self.tail.lines)  # adopted runs: what the log still holds
-        parsed = engine_compute.engine_compute(self.engine, lines)
-        failure = engine_compute.engine_gpu_failure(self.engine, parsed, self.spec)
-        pid = self._process.identity.pid if self._process is not None else 0
-        if parsed is None and self.record.compute is not None:
-            compute = self.record.compute  # an adopted engine whose startup lines are gone: keep what it said
-        else:
-            compute = await trio.to_thread.run_sync(engine_compute.resolve_compute, parsed, self.spec, pid)
-        if compute != self.record.compute:
-            self.record.compute = compute
-            await self._save()
-        return failure
-
-    async def _refresh_identity(self) -> None:
-        """Re-reads the engine's identity once ready (engines may retitle themselves) and persists it."""
-        process = self._process
-        if process is None:
-            return
-        current = identity_of(process.identity.pid)
-        if current is not None and abs(current.create_time - process.identity.create_time) <= 0.01:
-            if self.record.identity != current:
-                self.record.identity = current
-                await self._save()

@@ -19,7 +19,8 @@ import trio
 from llmgw import kvhash
 from llmgw.node import shard_state
 from llmgw.node.engines.sim import SimEngine
-from llmgw.node.supervisor import RestartPolicy, Supervisor
+from llmgw.node.shard import RestartPolicy
+from llmgw.node.supervisor import Supervisor
 from llmgw.spec import KvDelta, ShardSpec, ShardState, ShardStatus
 
 WAIT = 30.0

@@ -26,7 +26,8 @@ from llmgw.node.process import (
     spawn,
     terminate,
 )
-from llmgw.node.supervisor import RestartPolicy, Supervisor, endpoint_url, free_port
+from llmgw.node.shard import RestartPolicy, endpoint_url
+from llmgw.node.supervisor import Supervisor, free_port
 from llmgw.spec import ShardSpec, ShardState
 
 WAIT = 30.0

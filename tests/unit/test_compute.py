@@ -15,7 +15,8 @@ from llmgw.node import shard_state
 from llmgw.node.engines import compute as cm
 from llmgw.node.engines.llamacpp import gpu_failure, parse_output
 from llmgw.node.shard_state import ShardRecord
-from llmgw.node.supervisor import RestartPolicy, Supervisor
+from llmgw.node.shard import RestartPolicy
+from llmgw.node.supervisor import Supervisor
 from llmgw.rpc import convert, schema
 from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec, ShardState, ShardStatus
 
