@@ -39,12 +39,14 @@ import logging
 import threading
 import types
 import warnings
-from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 import trio
 
 import capnp
 from capnp.lib import capnp as _capnp_lib
+
+from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
 
@@ -400,23 +402,6 @@ def install() -> None:
             )
         _capnp_lib.asyncio = _make_shim()
         _installed = True
-
-
-@contextlib.contextmanager
-def unwrap_single_group() -> Iterator[None]:
-    """Re-raise a lone exception out of a trio ExceptionGroup as itself.
-
-    For context managers whose ``yield`` sits inside a nursery: an error of the
-    caller's block should reach the caller as it was raised, not wrapped.
-    """
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-            group = group.exceptions[0]  # type: ignore[assignment]
-        if isinstance(group, BaseExceptionGroup):
-            raise
-        raise group from group.__cause__
 
 
 @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ import trio
 import capnp
 
 from llmgw.rpc import kjtrio
+from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ async def open_capnp_stream(stream: trio.abc.Stream) -> AsyncIterator[Any]:
     protocol = capnp.AsyncIoStream._connect(created.append)
     transport = StreamTransport(stream, protocol)
     protocol.connection_made(transport)
-    with kjtrio.unwrap_single_group():
+    with unwrap_single_group():
         async with trio.open_nursery() as nursery:
             await nursery.start(transport.run)
             try:
