@@ -12,6 +12,9 @@ import click
 import trio
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+#: The file `llmgw up` writes into its state directory (its RPC address and admin
+#: certificate) and `llmgw ctl` reads to find that cluster.
+UP_FILE = "up.json"
 
 
 def setup_logging(level: str) -> None:

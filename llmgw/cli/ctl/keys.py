@@ -1,7 +1,6 @@
-"""``llmgw ctl tenants|keys|usage|stop|start``: who may use the gateway, and how much.
+"""``llmgw ctl tenants|keys|usage``: who may use the gateway, and how much.
 
-Registered on the ``ctl`` group by :mod:`llmgw.cli.ctl` (imported at its end). Every
-command takes ``--json``; every change is audited by the control plane and applies to
+Every command takes ``--json``; every change is audited by the control plane and applies to
 its gateway before the command returns.
 """
 
@@ -12,10 +11,10 @@ from typing import Any
 
 import click
 
-from llmgw.cli.ctl import _target, ctl, json_option
+from llmgw.catalog.access import AccessError, validate_tenant
+from llmgw.cli.ctl.common import json_option, target_of
 from llmgw.cli.output import fail, print_json, print_table
 from llmgw.client import TenantRow
-from llmgw.control.keys import AccessError, validate_tenant
 
 
 def _when(ts: float | None) -> str:
@@ -55,7 +54,7 @@ def _print_tenants(rows: list[TenantRow]) -> None:
 # -- tenants ---------------------------------------------------------------------------------
 
 
-@ctl.group()
+@click.group()
 def tenants() -> None:
     """Tenants: the models their API keys may use and their limits."""
 
@@ -79,7 +78,7 @@ def tenants_add(ctx: click.Context, name: str, models: str | None, max_concurren
     """Add a tenant (every model and no limits unless given)."""
     row = _checked({"name": name, "models": _models_option(models), "max_concurrency": max_concurrency or 0,
                     "rpm": rpm or 0, "tpm": tpm or 0})
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     saved = target.run(lambda c: c.put_tenant(row, create=True))
     if target.json:
         return print_json(saved)
@@ -94,7 +93,7 @@ def tenants_add(ctx: click.Context, name: str, models: str | None, max_concurren
 def tenants_update(ctx: click.Context, name: str, models: str | None, max_concurrency: int | None,
                    rpm: int | None, tpm: int | None, as_json: bool) -> None:
     """Change a tenant's models or limits (options not given stay as they are)."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
 
     async def update(c: Any) -> TenantRow:
         current = {t.name: t for t in await c.tenants()}.get(name)
@@ -121,7 +120,7 @@ def tenants_update(ctx: click.Context, name: str, models: str | None, max_concur
 @click.pass_context
 def tenants_list(ctx: click.Context, as_json: bool) -> None:
     """Tenants and their limits."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     rows = target.run(lambda c: c.tenants())
     if target.json:
         return print_json(rows)
@@ -134,7 +133,7 @@ def tenants_list(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def tenants_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a tenant; its API keys are revoked."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     removed = target.run(lambda c: c.remove_tenant(name))
     if target.json:
         return print_json({"removed": removed, "name": name})
@@ -146,7 +145,7 @@ def tenants_remove(ctx: click.Context, name: str, as_json: bool) -> None:
 # -- keys ------------------------------------------------------------------------------------
 
 
-@ctl.group()
+@click.group()
 def keys() -> None:
     """API keys for the gateway (Authorization: Bearer KEY)."""
 
@@ -158,7 +157,7 @@ def keys() -> None:
 @click.pass_context
 def keys_create(ctx: click.Context, tenant: str, name: str, as_json: bool) -> None:
     """Create a key; it is printed this once and only its hash is stored."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     row, key = target.run(lambda c: c.create_key(tenant, name))
     if target.json:
         return print_json({"key": key, "id": row.id, "tenant": row.tenant, "name": row.name,
@@ -174,7 +173,7 @@ def keys_create(ctx: click.Context, tenant: str, name: str, as_json: bool) -> No
 @click.pass_context
 def keys_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
     """API keys (ids, never the keys themselves)."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     rows = target.run(lambda c: c.keys())
     if not show_all:
         rows = [k for k in rows if k.revoked_at is None]
@@ -191,50 +190,25 @@ def keys_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
 @click.pass_context
 def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
     """Revoke a key (by its id, the part after `llmgw_`); refused from now on."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     row = target.run(lambda c: c.revoke_key(key_id))
     if target.json:
         return print_json(row)
     click.echo(f"key {row.id} (tenant {row.tenant!r}) revoked")
 
 
-# -- usage, stop, start ----------------------------------------------------------------------
+# -- usage ----------------------------------------------------------------------------------
 
 
-@ctl.command()
+@click.command()
 @json_option
 @click.pass_context
 def usage(ctx: click.Context, as_json: bool) -> None:
     """Requests and tokens per tenant and model, as the engines reported them."""
-    target = _target(ctx, as_json)
+    target = target_of(ctx, as_json)
     rows = target.run(lambda c: c.usage())
     if target.json:
         return print_json(rows)
     print_table(["TENANT", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
                 [[u.tenant, u.model, u.requests, u.prompt_tokens, u.completion_tokens] for u in rows],
                 empty="no usage yet")
-
-
-def _set_serving_stopped(ctx: click.Context, as_json: bool, stopped: bool, done: str) -> None:
-    target = _target(ctx, as_json)
-    now_stopped = target.run(lambda c: c.set_serving_stopped(stopped))
-    if target.json:
-        return print_json({"serving_stopped": now_stopped})
-    click.echo(done)
-
-
-@ctl.command()
-@json_option
-@click.pass_context
-def stop(ctx: click.Context, as_json: bool) -> None:
-    """Stop serving: every POST under /v1/ answers 503 system_stopped (setting serving.stopped)."""
-    _set_serving_stopped(ctx, as_json, True,
-                         "serving stopped: the gateway answers 503 system_stopped until `llmgw ctl start`")
-
-
-@ctl.command()
-@json_option
-@click.pass_context
-def start(ctx: click.Context, as_json: bool) -> None:
-    """Resume serving after `llmgw ctl stop`."""
-    _set_serving_stopped(ctx, as_json, False, "serving resumed")

@@ -1,0 +1,102 @@
+"""``llmgw ctl status|nodes|replicas|engine-check|logs``: what the cluster is running, and how."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from llmgw.cli.ctl.common import json_option, mb, target_of
+from llmgw.cli.output import print_json, print_table
+
+
+@click.command()
+@json_option
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Cluster summary: nodes, replicas, models, what could not be placed."""
+    target = target_of(ctx, as_json)
+    st = target.run(lambda c: c.status())
+    if target.json:
+        return print_json(st)
+    click.echo(f"llmgw {st.version}  gateway {st.gateway_url}")
+    click.echo(f"nodes: {st.nodes_online} online, {st.nodes_lost} lost")
+    click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
+    for reason in st.unplaceable:
+        click.echo(f"not placed: {reason}")
+    for alarm in st.kv_alarms:
+        click.echo(f"KV routing alarm: {alarm}")
+    if st.serving_stopped:
+        click.echo("serving: STOPPED (every request is answered 503; `llmgw ctl start` resumes)")
+    if st.admission:
+        click.echo("")
+        print_table(["TENANT", "ADMITTED", "QUEUED", "SHED", "IN FLIGHT"],
+                    [[a.tenant, a.admitted, a.queued, a.shed, a.in_flight] for a in st.admission])
+
+
+@click.command()
+@json_option
+@click.pass_context
+def nodes(ctx: click.Context, as_json: bool) -> None:
+    """Nodes of the cluster with their hardware and engines."""
+    target = target_of(ctx, as_json)
+    rows = target.run(lambda c: c.nodes())
+    if target.json:
+        return print_json(rows)
+    table = []
+    for n in rows:
+        hw = n.hardware
+        gpus = f"{len(hw.gpus)}x {hw.gpus[0].name}" if hw.gpus else (hw.gpu_note or "none")
+        engines = ",".join(_engine_cell(e) for e in n.engines if e.installed or e.state) or "-"
+        table.append([n.id, n.state, n.address, hw.cpu_count, f"{mb(hw.memory_available_mb)}/{mb(hw.memory_total_mb)}",
+                      gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s"])
+    print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT"],
+                table, empty="no nodes have joined")
+
+
+@click.command()
+@json_option
+@click.option("--model", "-m", help="Only replicas of this model.")
+@click.pass_context
+def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
+    """Replicas (one engine process each) and their state."""
+    target = target_of(ctx, as_json)
+    rows, unplaceable = target.run(lambda c: c.replicas())
+    if model:
+        rows = [r for r in rows if r.model == model]
+    if target.json:
+        return print_json({"replicas": rows, "unplaceable": unplaceable})
+    print_table(["REPLICA", "MODEL", "NODE", "STATE", "ENDPOINT", "PID", "RESTARTS", "COMPUTE", "MESSAGE"],
+                [[r.id, r.model, r.node_id, r.state, r.endpoint or "-", r.pid or "-", r.restarts,
+                  r.compute_summary or "-", r.message[:60]] for r in rows], empty="no replicas")
+    for r in rows:
+        if r.last_output and r.state.split()[0] in ("failed", "restarting"):
+            click.echo(f"\n{r.id} ({r.state}): {r.message}\n  last output:")
+            for line in r.last_output[-10:]:
+                click.echo(f"    {line}")
+    for reason in unplaceable:
+        click.echo(f"not placed: {reason}")
+
+
+def _engine_cell(e: Any) -> str:
+    """An engine in `ctl nodes`: "sim", or "llamacpp (installing: downloading X (16 MB))"."""
+    return f"{e.name} ({e.state})" if e.state else e.name
+
+
+@click.command("engine-check")
+@click.argument("node")
+@click.argument("engine")
+@click.pass_context
+def engine_check(ctx: click.Context, node: str, engine: str) -> None:
+    """Run ENGINE's version and device check on NODE and print its output."""
+    click.echo(target_of(ctx).run(lambda c: c.engine_check(node, engine)).rstrip("\n"))
+
+
+@click.command()
+@click.argument("replica")
+@click.option("--lines", "-n", type=int, default=100, show_default=True)
+@click.pass_context
+def logs(ctx: click.Context, replica: str, lines: int) -> None:
+    """Last lines an engine printed."""
+    for line in target_of(ctx).run(lambda c: c.replica_logs(replica, lines)):
+        click.echo(line)

@@ -1,0 +1,81 @@
+"""What every ``llmgw ctl`` command shares: finding the cluster, running a client call, ``--json``.
+
+Where to connect: ``--server`` / ``$LLMGW_SERVER`` (host:port of a control plane's RPC
+port, several comma-separated for failover) and ``--tls-dir`` / ``$LLMGW_TLS_DIR``
+(an admin certificate: ca.pem, cert.pem, key.pem). Without either, the cluster
+of a local ``llmgw up`` is used (its ``up.json`` under :func:`default_up_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import click
+
+from llmgw.cli.common import UP_FILE, default_up_dir, run_trio
+from llmgw.cli.output import fail
+from llmgw.client import ClientError, ClusterClient, connect
+
+#: Where the ``ctl`` group leaves its options for its commands (``click.Context.meta``).
+CTL_META_KEY = "llmgw.ctl"
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+class Target:
+    """The cluster a command talks to, and whether it prints JSON."""
+
+    def __init__(self, servers: list[str], tls_dir: Path, as_json: bool) -> None:
+        self.servers = servers
+        self.tls_dir = tls_dir
+        self.json = as_json
+
+    def run(self, action: Callable[[ClusterClient], Awaitable[Any]]) -> Any:
+        """Connect, await ``action(client)`` under trio and return its result.
+
+        The connection is closed before this returns. A :class:`ClientError` (no control
+        plane reachable, a refused call) exits with its message and status 1.
+        """
+
+        async def main() -> Any:
+            async with connect(self.servers, tls_dir=self.tls_dir) as client:
+                return await action(client)
+
+        try:
+            return run_trio(main)
+        except ClientError as exc:
+            fail(str(exc))
+
+
+def resolve_target(server: str | None, tls_dir: str | None) -> tuple[list[str], Path]:
+    """Returns ``(servers, tls_dir)``: the options given, else the local ``llmgw up`` cluster's.
+
+    Exits with a message saying what to pass when neither names a cluster.
+    """
+    up_file = default_up_dir() / UP_FILE
+    up: dict[str, Any] = {}
+    if (server is None or tls_dir is None) and up_file.exists():
+        try:
+            up = json.loads(up_file.read_text())
+        except (OSError, ValueError):
+            up = {}
+    server = server or up.get("rpc")
+    tls = tls_dir or up.get("tls_dir")
+    if not server or not tls:
+        fail("which cluster? pass --server HOST:PORT and --tls-dir DIR (an admin certificate), "
+             "set LLMGW_SERVER and LLMGW_TLS_DIR, or start a local cluster with `llmgw up`")
+    return [s.strip() for s in server.split(",") if s.strip()], Path(tls)
+
+
+def target_of(ctx: click.Context, as_json: bool = False) -> Target:
+    """Returns the :class:`Target` of the ``ctl`` group's options; JSON when either ``--json`` was given."""
+    server, tls_dir, group_json = ctx.meta.get(CTL_META_KEY, (None, None, False))
+    servers, tls = resolve_target(server, tls_dir)
+    return Target(servers, tls, group_json or as_json)
+
+
+def mb(value: int) -> str:
+    """Returns megabytes for a table: "512M", or "1.5G" from a gigabyte up."""
+    return f"{value / 1024:.1f}G" if value >= 1024 else f"{value}M"

@@ -1,0 +1,144 @@
+"""``llmgw ctl models list|add|remove``: the model catalog.
+
+A model given with ``add`` is checked here, with the catalog's own validation, before
+it is sent: a malformed one fails without a round trip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import yaml
+
+from llmgw.catalog.models import CatalogError, validate_model
+from llmgw.cli.ctl.common import json_option, mb, target_of
+from llmgw.cli.output import fail, print_json, print_table
+from llmgw.spec import ModelSpec, model_to_dict
+
+
+@click.group()
+def models() -> None:
+    """The model catalog: list, add, remove."""
+
+
+@models.command("list")
+@json_option
+@click.pass_context
+def models_list(ctx: click.Context, as_json: bool) -> None:
+    """Catalog models and their profiles."""
+    target = target_of(ctx, as_json)
+    specs = target.run(lambda c: c.models())
+    if target.json:
+        return print_json([model_to_dict(m) for m in specs])
+    print_table(["MODEL", "ENGINE", "REPLICAS", "MEMORY", "CPU CORES", "GPUS", "ADAPTERS", "SOURCE"],
+                [[m.name, m.engine, m.profile.replicas, mb(m.profile.memory_mb) if m.profile.memory_mb else "-",
+                  m.profile.cpu_cores or "-", m.profile.gpus or "-", _adapters_cell(m), m.source or "-"]
+                 for m in specs],
+                empty="the catalog is empty: add a model with `llmgw ctl models add`")
+
+
+def _adapters_cell(model: ModelSpec) -> str:
+    """Returns the adapters column: "a, b" (all loaded at start), "a, b (1 loaded at a time)" or "-"."""
+    if not model.adapters:
+        return "-"
+    names = ", ".join(a.name for a in model.adapters)
+    if model.max_loaded_adapters:
+        return f"{names} ({model.max_loaded_adapters} loaded at a time)"
+    return names
+
+
+def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
+    """Returns ``--adapter NAME=SOURCE`` values as catalog data; exits with a message on a malformed one."""
+    adapters = []
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep or not name:
+            fail(f"--adapter {item!r}: expected NAME=SOURCE (a local path, http(s) URL or hf://org/repo)")
+        adapters.append({"name": name, "source": source})
+    return adapters
+
+
+@models.command("add")
+@click.argument("name", required=False)
+@click.option("--file", "-f", "file", type=click.File(), help="A model as YAML or JSON (fields as in `models list --json`).")
+@click.option("--engine", "-e", help="sim, llama.cpp, vllm or sglang.")
+@click.option("--source", default="", help="Where the weights are (a local path for now).")
+@click.option("--replicas", type=int, help="Replicas to run [1].")
+@click.option("--memory-mb", type=int, help="Memory each replica reserves on its node.")
+@click.option("--cpu-cores", type=float, help="CPU cores each replica reserves.")
+@click.option("--gpus", type=int, help="Whole GPUs per replica.")
+@click.option("--arg", "args", multiple=True, help="Engine argument (repeat for several).")
+@click.option("--env", "envs", multiple=True, help="Engine environment variable KEY=VALUE (repeat).")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=SOURCE",
+              help="A LoRA adapter: its name (requests name it as their model) and where its files are (repeat).")
+@click.option("--max-loaded-adapters", type=int,
+              help="vllm/sim: at most N adapters loaded per replica, loaded on first use [0: all at start].")
+@click.option("--replace", is_flag=True, help="Replace the model if it exists.")
+@json_option
+@click.pass_context
+def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | None, source: str,
+               replicas: int | None, memory_mb: int | None, cpu_cores: float | None, gpus: int | None,
+               args: tuple[str, ...], envs: tuple[str, ...], adapters: tuple[str, ...],
+               max_loaded_adapters: int | None, replace: bool, as_json: bool) -> None:
+    """Add a model to the catalog; the cluster places its replicas."""
+    data: dict[str, Any] = {}
+    if file is not None:
+        try:
+            loaded = yaml.safe_load(file)
+        except yaml.YAMLError as exc:
+            fail(f"{file.name}: not valid YAML/JSON: {exc}")
+        if not isinstance(loaded, dict):
+            fail(f"{file.name}: expected a mapping with name, engine, source, profile")
+        data = loaded
+    if name:
+        data["name"] = name
+    if engine:
+        data["engine"] = engine
+    if source:
+        data["source"] = source
+    profile = dict(data.get("profile") or {})
+    for key, value in (("replicas", replicas), ("memory_mb", memory_mb), ("cpu_cores", cpu_cores), ("gpus", gpus)):
+        if value is not None:
+            profile[key] = value
+    if args:
+        profile["engine_args"] = list(args)
+    if envs:
+        env = {}
+        for item in envs:
+            key, sep, value = item.partition("=")
+            if not sep:
+                fail(f"--env {item!r}: expected KEY=VALUE")
+            env[key] = value
+        profile["engine_env"] = env
+    if profile:
+        data["profile"] = profile
+    if adapters:
+        data["adapters"] = list(data.get("adapters") or []) + _adapter_options(adapters)
+    if max_loaded_adapters is not None:
+        data["max_loaded_adapters"] = max_loaded_adapters
+    try:
+        spec = validate_model(data)
+    except CatalogError as exc:
+        fail(str(exc))
+    target = target_of(ctx, as_json)
+    saved = target.run(lambda c: c.add_model(spec, replace=replace))
+    if target.json:
+        return print_json(model_to_dict(saved))
+    click.echo(f"model {saved.name!r} {'saved' if replace else 'added'}: {saved.profile.replicas} replica(s) "
+               f"on {saved.engine}; watch them with `llmgw ctl replicas -m {saved.name}`")
+
+
+@models.command("remove")
+@click.argument("name")
+@json_option
+@click.pass_context
+def models_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Remove a model from the catalog; its replicas are stopped."""
+    target = target_of(ctx, as_json)
+    removed = target.run(lambda c: c.remove_model(name))
+    if target.json:
+        return print_json({"removed": removed, "name": name})
+    if not removed:
+        fail(f"no model {name!r} in the catalog (see `llmgw ctl models list`)")
+    click.echo(f"model {name!r} removed; its replicas are being stopped")

@@ -1,0 +1,34 @@
+"""``llmgw ctl stop|start``: stop and resume serving (the setting ``serving.stopped``)."""
+
+from __future__ import annotations
+
+import click
+
+from llmgw.cli.ctl.common import json_option, target_of
+from llmgw.cli.output import print_json
+
+
+def _set_serving_stopped(ctx: click.Context, as_json: bool, stopped: bool, done: str) -> None:
+    """Set ``serving.stopped`` to ``stopped``; print ``done``, or the new value as JSON."""
+    target = target_of(ctx, as_json)
+    now_stopped = target.run(lambda c: c.set_serving_stopped(stopped))
+    if target.json:
+        return print_json({"serving_stopped": now_stopped})
+    click.echo(done)
+
+
+@click.command()
+@json_option
+@click.pass_context
+def stop(ctx: click.Context, as_json: bool) -> None:
+    """Stop serving: every POST under /v1/ answers 503 system_stopped (setting serving.stopped)."""
+    _set_serving_stopped(ctx, as_json, True,
+                         "serving stopped: the gateway answers 503 system_stopped until `llmgw ctl start`")
+
+
+@click.command()
+@json_option
+@click.pass_context
+def start(ctx: click.Context, as_json: bool) -> None:
+    """Resume serving after `llmgw ctl stop`."""
+    _set_serving_stopped(ctx, as_json, False, "serving resumed")
