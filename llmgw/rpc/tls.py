@@ -49,6 +49,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# The file names and the name rule are plain values that llmgw.config shares.
+from llmgw.credentials import CA_CERT_FILE, CA_KEY_FILE, CERT_FILE, KEY_FILE, check_name
 from llmgw.files import atomic_write
 
 __all__ = [
@@ -89,14 +91,6 @@ CLOCK_SKEW_ALLOWANCE = datetime.timedelta(minutes=5)
 #: have it (they always do with llmgw on both ends).
 MINIMUM_TLS_VERSION = ssl.TLSVersion.TLSv1_2
 
-#: File names in a CA directory (written by :meth:`ClusterCA.create`).
-CA_CERT_FILE = "ca.pem"
-CA_KEY_FILE = "ca-key.pem"
-#: File names in a credentials directory (written by :func:`write_credentials`); the CA
-#: certificate there has the same name as in the CA directory, but no key.
-CERT_FILE = "cert.pem"
-KEY_FILE = "key.pem"
-
 #: Private keys are readable by their owner only; directories holding them likewise.
 _KEY_MODE = 0o600
 _CERT_MODE = 0o644
@@ -105,10 +99,6 @@ _DIR_MODE = 0o700
 #: URI scheme of the identity SAN: ``llmgw://<role>/<name>``.
 IDENTITY_URI_SCHEME = "llmgw"
 
-#: Names (node ids, admin names, control plane names) go into certificate subjects and
-#: URIs, and are shown in logs: keep them to hostname-like characters, plus ``@`` so an
-#: admin can be ``alice@example.org``.
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 _DNS_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
@@ -167,19 +157,6 @@ def _role(role: Role | str) -> Role:
     except ValueError:
         known = ", ".join(r.value for r in Role)
         raise ValueError(f"unknown role {role!r}: expected one of {known}") from None
-
-
-def check_name(name: str) -> str:
-    """Return ``name`` if it can name a certificate holder (node id, admin, control plane).
-
-    Raises :class:`ValueError` saying which characters are allowed otherwise.
-    """
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"invalid name {name!r}: use 1-128 letters, digits, '.', '_', '-' or '@', "
-            "starting with a letter or digit"
-        )
-    return name
 
 
 def _identity_uri(role: Role, name: str) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw import config
-from llmgw.router import upstream
+from llmgw.config import GatewayConfig
+from llmgw.router.http import upstream
 from llmgw.router.metrics import CHUNK_GAP_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, GatewayMetrics
 
 
@@ -103,10 +103,11 @@ def test_buckets_span_milliseconds_to_minutes() -> None:
         assert list(buckets) == sorted(buckets)
         assert buckets[0] <= 0.005
         assert buckets[-1] >= 10
-    assert LATENCY_BUCKETS[-1] >= upstream.FIRST_BYTE_TIMEOUT_S
+    assert LATENCY_BUCKETS[-1] >= upstream.UpstreamTimeouts().first_byte
 
 
 def test_config_deadline_defaults_match_the_gateway() -> None:
-    assert config.DEFAULT_UPSTREAM_CONNECT_TIMEOUT == upstream.CONNECT_TIMEOUT_S
-    assert config.DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT == upstream.FIRST_BYTE_TIMEOUT_S
-    assert config.DEFAULT_UPSTREAM_CHUNK_TIMEOUT == upstream.CHUNK_TIMEOUT_S
+    config, timeouts = GatewayConfig(), upstream.UpstreamTimeouts()
+    assert config.connect_timeout == timeouts.connect
+    assert config.first_byte_timeout == timeouts.first_byte
+    assert config.chunk_timeout == timeouts.chunk

@@ -1,0 +1,159 @@
+"""``agent.yaml``: the agent on one node.
+
+:func:`load_agent_config` reads the file, lays overrides over it, checks every key and
+returns a frozen :class:`AgentConfig`.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from llmgw.credentials import CA_CERT_FILE, CERT_FILE, KEY_FILE
+
+from . import defaults
+from .values import (
+    ENGINE_NAME, ENGINE_NAME_RULE, Address, frozen_mapping, parse_address, parse_duration, parse_host, parse_log_level,
+    parse_node_id, parse_url_or_empty, positive, show,
+)
+from .yaml_reader import MISSING, Reader, open_config
+
+__all__ = ["AgentConfig", "AgentTLS", "load_agent_config"]
+
+#: The control plane on this machine (``llmgw up``, a single-machine install).
+_CONTROL_PLANE = Address(defaults.DEFAULT_LISTEN_HOST, defaults.DEFAULT_RPC_PORT)
+
+
+@attrs.frozen
+class AgentTLS:
+    """The agent's mutual-TLS files: cluster CA certificate, its certificate, its key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def in_dir(cls, directory: Path) -> AgentTLS:
+        """The files :func:`llmgw.rpc.tls.write_credentials` writes into ``directory``."""
+        return cls(directory / CA_CERT_FILE, directory / CERT_FILE, directory / KEY_FILE)
+
+
+def _default_agent_tls(config: AgentConfig) -> AgentTLS:
+    return AgentTLS.in_dir(config.state_dir / "tls")
+
+
+@attrs.frozen
+class AgentConfig:
+    """``agent.yaml``: the agent on one node."""
+
+    node_id: str = attrs.field(factory=socket.gethostname)
+    control_planes: tuple[Address, ...] = (_CONTROL_PLANE,)
+    state_dir: Path = defaults.DEFAULT_AGENT_STATE_DIR
+    tls: AgentTLS = attrs.field(default=attrs.Factory(_default_agent_tls, takes_self=True))
+    engine_host: str | None = None  # None: the address on the route to the control plane
+    heartbeat_interval: float = defaults.DEFAULT_HEARTBEAT_INTERVAL
+    reconnect_backoff_max: float = defaults.DEFAULT_RECONNECT_BACKOFF_MAX
+    log_level: str = defaults.DEFAULT_LOG_LEVEL
+    weights_dir: Path = attrs.field(default=attrs.Factory(lambda c: c.state_dir / "weights", takes_self=True))
+    install_dir: Path = attrs.field(default=attrs.Factory(lambda c: c.state_dir / "engines", takes_self=True))
+    cache_dir: Path = attrs.field(default=attrs.Factory(lambda c: c.state_dir / "cache", takes_self=True))
+    engine_urls: Mapping[str, str] = attrs.field(factory=dict, converter=frozen_mapping)
+    pypi_index: str = ""
+    hf_endpoint: str = defaults.DEFAULT_HF_ENDPOINT
+    llamacpp_threads: int | None = None  # llamacpp.threads: None = half this node's CPUs
+
+
+def load_agent_config(
+    path: Path | str | None = None, overrides: Mapping[str, Any] | None = None
+) -> AgentConfig:
+    """Read ``agent.yaml`` at ``path`` (``None``: no file, all defaults), apply
+    ``overrides`` over it (as for :func:`~llmgw.config.load_server_config`), and return the
+    validated :class:`AgentConfig`. The TLS files default to ``<state_dir>/tls/``.
+
+    Raises :class:`ConfigError` naming the file, key path and reason, including when the
+    default node id (the host name) cannot name a certificate.
+    """
+    reader, top = open_config(path, overrides, "agent.yaml")
+    state_dir = top.get_path("state_dir", defaults.DEFAULT_AGENT_STATE_DIR)
+    node_id = top.get("node_id", parse_node_id, MISSING)
+    if node_id is MISSING:
+        hostname = socket.gethostname()
+        try:
+            node_id = parse_node_id(hostname)
+        except ValueError as exc:
+            raise reader.error("node_id", f"the host name cannot be the default: {exc}; "
+                                          "set node_id") from None
+    control_planes = top.get_list("control_planes", parse_address, (_CONTROL_PLANE,))
+    if not control_planes:
+        raise reader.error("control_planes", 'at least one "host:port" is needed')
+    config = AgentConfig(
+        node_id=node_id,
+        control_planes=control_planes,
+        state_dir=state_dir,
+        tls=_read_agent_tls(reader, top.raw("tls"), state_dir),
+        engine_host=top.get("engine_host", parse_host, None),
+        heartbeat_interval=top.get("heartbeat_interval", positive(parse_duration),
+                                   defaults.DEFAULT_HEARTBEAT_INTERVAL),
+        reconnect_backoff_max=top.get("reconnect_backoff_max", positive(parse_duration),
+                                      defaults.DEFAULT_RECONNECT_BACKOFF_MAX),
+        log_level=top.get("log_level", parse_log_level, defaults.DEFAULT_LOG_LEVEL),
+        weights_dir=top.get_path("weights_dir", state_dir / "weights"),
+        install_dir=top.get_path("install_dir", state_dir / "engines"),
+        cache_dir=top.get_path("cache_dir", state_dir / "cache"),
+        engine_urls=_read_engine_urls(reader, top.raw("engine_urls")),
+        pypi_index=top.get("pypi_index", parse_url_or_empty, ""),
+        hf_endpoint=(top.get("hf_endpoint", parse_url_or_empty, defaults.DEFAULT_HF_ENDPOINT)
+                     or defaults.DEFAULT_HF_ENDPOINT),
+        llamacpp_threads=_read_llamacpp_threads(reader, top.raw("llamacpp")),
+    )
+    top.finish()
+    return config
+
+
+def _read_llamacpp_threads(reader: Reader, raw: Any) -> int | None:
+    """``llamacpp.threads``: threads of this node's CPU llama.cpp replicas (a profile's cpu_cores wins)."""
+    if raw is MISSING:
+        return None
+    section = reader.section(raw, "llamacpp")
+    value = section.raw("threads") if "threads" in section.data else None
+    for key in section.data:
+        if key != "threads":
+            raise reader.error(f"llamacpp.{key}", "unknown key (known keys: threads)")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise reader.error("llamacpp.threads", f"expected a whole number >= 1, got {show(value)}")
+    return value
+
+
+def _read_engine_urls(reader: Reader, raw: Any) -> dict[str, str]:
+    """``engine_urls``: engine name -> download URL template (a mirror for air-gapped sites)."""
+    if raw is MISSING:
+        return {}
+    section = reader.section(raw, "engine_urls")
+    urls: dict[str, str] = {}
+    for name in list(section.data):
+        if not ENGINE_NAME.fullmatch(name):
+            raise reader.error(f"engine_urls.{name}", ENGINE_NAME_RULE)
+        try:
+            urls[name] = parse_url_or_empty(section.raw(name))
+        except ValueError as exc:
+            raise reader.error(f"engine_urls.{name}", str(exc)) from None
+    return urls
+
+
+def _read_agent_tls(reader: Reader, raw: Any, state_dir: Path) -> AgentTLS:
+    default = AgentTLS.in_dir(state_dir / "tls")
+    if raw is MISSING:
+        return default
+    section = reader.section(raw, "tls")
+    result = AgentTLS(
+        ca=section.get_path("ca", default.ca),
+        cert=section.get_path("cert", default.cert),
+        key=section.get_path("key", default.key),
+    )
+    section.finish()
+    return result
