@@ -27,17 +27,14 @@ from typing import Any, Callable
 import attrs
 import trio
 
+from llmgw.config.defaults import DEFAULT_MAX_INFLIGHT_PER_REPLICA, DEFAULT_QUEUE_SIZE, DEFAULT_QUEUE_TIMEOUT
+
 from .auth import Tenant
 from .errors import GatewayError
 
-#: Requests in flight per ready replica before further ones queue. vLLM's default
-#: ``max_num_seqs`` is 256: past that the engine queues internally anyway, where the
-#: gateway can no longer route around a busy replica.
-DEFAULT_MAX_INFLIGHT_PER_REPLICA = 256
-#: Requests that may wait per model once every replica is at its limit; more are shed.
-DEFAULT_QUEUE_SIZE = 1024
-#: Seconds a request may wait in a model's queue before it is answered 503.
-DEFAULT_QUEUE_TIMEOUT_S = 30.0
+# The per-model limits (in flight per replica, queue size, queue timeout) are server.yaml's
+# ``serving:`` section; their defaults and reasons are in llmgw.config.defaults.
+
 #: Completion tokens assumed when a request does not say (``max_tokens``) how many it
 #: wants; corrected by the real count when the answer is done.
 DEFAULT_COMPLETION_ESTIMATE = 256
@@ -55,11 +52,11 @@ STOPPED_RETRY_AFTER_S = 30
 
 @attrs.frozen
 class AdmissionLimits:
-    """The per-model limits (server.yaml ``serving``; see the module constants)."""
+    """The per-model limits (server.yaml ``serving``; defaults in llmgw.config.defaults)."""
 
     max_inflight_per_replica: int = DEFAULT_MAX_INFLIGHT_PER_REPLICA
     queue_size: int = DEFAULT_QUEUE_SIZE
-    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
 
 
 @attrs.define

@@ -30,13 +30,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping
 import attrs
 import trio
 
+from llmgw.config.defaults import DEFAULT_TRACING_SAMPLE_RATIO, DEFAULT_TRACING_SERVICE_NAME
+
 if TYPE_CHECKING:  # pragma: no cover - typing only; never imported at run time when off
     from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
-
-# Service name reported when the config does not give one.
-DEFAULT_SERVICE_NAME = "llmgw-gateway"
 
 # Path of the OTLP/HTTP traces endpoint, appended when ``tracing.endpoint`` names only
 # the collector (``http://collector:4318``), as OTLP exporters conventionally do.
@@ -64,8 +63,8 @@ class TracingSettings:
     """What :func:`create_tracer` needs (``config.TracingConfig`` has the same fields)."""
 
     endpoint: str = ""
-    service_name: str = DEFAULT_SERVICE_NAME
-    sample_ratio: float = 1.0
+    service_name: str = DEFAULT_TRACING_SERVICE_NAME
+    sample_ratio: float = DEFAULT_TRACING_SAMPLE_RATIO
 
 
 def traces_url(endpoint: str) -> str:
@@ -90,7 +89,8 @@ def create_tracer(settings: Any) -> GatewayTracer | None:
     """
     if settings is None or not settings.endpoint:
         return None
-    return GatewayTracer(settings.endpoint, settings.service_name or DEFAULT_SERVICE_NAME, settings.sample_ratio)
+    service_name = settings.service_name or DEFAULT_TRACING_SERVICE_NAME
+    return GatewayTracer(settings.endpoint, service_name, settings.sample_ratio)
 
 
 class GatewayTracer:
