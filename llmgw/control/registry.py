@@ -44,17 +44,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 import attrs
 import trio
 
+from llmgw.config.defaults import DEFAULT_NODE_LOST_AFTER, DEFAULT_REPLACE_GRACE
 from llmgw.spec import EngineInfo, Hardware, ShardSpec, ShardState, ShardStatus
 
 log = logging.getLogger(__name__)
 
-# Three missed heartbeats at the agent's default 5 s interval: one lost packet or a slow
-# GC pause must not flap a node, but a dead node must not stay ONLINE for long.
-LOST_AFTER_S = 15.0
-# Moving a replica means loading its weights elsewhere (minutes for large models), while a
-# rebooting node or an agent upgrade usually comes back within a minute: wait that long
-# before replacing a LOST node's replicas.
-REPLACE_GRACE_S = 60.0
+# How long a silent node stays ONLINE and how long a LOST node's replicas wait before
+# being replaced are server.yaml settings (node_lost_after, replace_grace); their defaults
+# and reasons are in llmgw.config.defaults.
 # The watchdog checks at most this often. Heartbeats of thousands of nodes arrive at
 # spread-out times; waking for every single deadline would rescan the fleet constantly.
 # A node is therefore marked LOST at most this much later than ``lost_after``.
@@ -145,7 +142,7 @@ class Fleet:
     """
 
     nodes: Mapping[str, NodeView] = attrs.field(factory=dict)
-    replace_grace: float = REPLACE_GRACE_S
+    replace_grace: float = DEFAULT_REPLACE_GRACE
     version: int = 0
 
 
@@ -199,8 +196,8 @@ class Registry:
     def __init__(
         self,
         *,
-        lost_after: float = LOST_AFTER_S,
-        replace_grace: float = REPLACE_GRACE_S,
+        lost_after: float = DEFAULT_NODE_LOST_AFTER,
+        replace_grace: float = DEFAULT_REPLACE_GRACE,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         if lost_after <= 0 or replace_grace < 0:
