@@ -58,7 +58,8 @@ class LazyGroup(click.Group):
         for name in names:
             command = self.commands.get(name)
             if command is None:
-                summary = click.utils.make_default_short_help(self.lazy_commands[name].summary, limit)
+                # A stand-in shortens the summary exactly as click shortens a command's help.
+                summary = click.Command(name, help=self.lazy_commands[name].summary).get_short_help_str(limit)
             elif command.hidden:
                 continue
             else:
