@@ -26,6 +26,7 @@ import capnp
 import trio
 
 from llmgw import __version__
+from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.node import discovery
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
@@ -137,7 +138,7 @@ class Agent:
     context: ssl.SSLContext
     supervisor: Supervisor
     engine_host: str | None = None
-    backoff_max: float = 30.0
+    backoff_max: float = DEFAULT_RECONNECT_BACKOFF_MAX
     #: The agent heartbeats at the shorter of this and the interval the control plane asks for.
     heartbeat_interval: float | None = None
     #: Installs engines and reports them (None: only the simulator, never installing).
