@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Iterable
 
-from llmgw.rpc.tls import ClusterCA, Credentials, Role, read_credentials, write_credentials
+from llmgw.rpc.tls import CA_CERT_FILE, CERT_FILE, ClusterCA, Credentials, Role, read_credentials, write_credentials
 
 CA_DIR = "ca"
 SERVER_DIR = "server"
@@ -30,13 +30,13 @@ def ensure_cluster_pki(state_dir: Path, *, server_name: str | None = None, sans:
     Existing files are left alone (re-run safe).
     """
     ca_dir = state_dir / CA_DIR
-    created = not (ca_dir / "ca.pem").exists()
+    created = not (ca_dir / CA_CERT_FILE).exists()
     ca = ClusterCA.create(ca_dir) if created else ClusterCA.load(ca_dir)
-    if not (state_dir / SERVER_DIR / "cert.pem").exists():
+    if not (state_dir / SERVER_DIR / CERT_FILE).exists():
         names = list(dict.fromkeys([*LOCAL_SANS, *sans]))
         issued = ca.issue(Role.CONTROL, server_name or socket.gethostname(), sans=names)
         write_credentials(state_dir / SERVER_DIR, ca.cert_pem, issued)
-    if not (state_dir / ADMIN_DIR / "cert.pem").exists():
+    if not (state_dir / ADMIN_DIR / CERT_FILE).exists():
         write_credentials(state_dir / ADMIN_DIR, ca.cert_pem, ca.issue(Role.ADMIN, admin_name))
     return ca, created
 
