@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
@@ -20,6 +22,10 @@ from llmgw.config import (
     parse_address,
     parse_duration,
 )
+
+
+#: Seconds a fresh interpreter may take to import llmgw.config (generous: CI machines are slow).
+SUBPROCESS_TIMEOUT = 60
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -79,6 +85,16 @@ def test_empty_agent_file_gives_defaults(tmp_path: Path) -> None:
     assert (config.heartbeat_interval, config.reconnect_backoff_max) == (2, 30)
     assert config.log_level == "info"
     assert config == AgentConfig()
+
+
+def test_loading_config_loads_no_other_part_of_llmgw() -> None:
+    # A fresh interpreter: this one has imported the whole program long ago.
+    code = ("import sys, llmgw.config; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('llmgw.'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            timeout=SUBPROCESS_TIMEOUT).stdout.split()
+    others = [m for m in loaded if not m.startswith(("llmgw.config", "llmgw.credentials"))]
+    assert not others, f"importing llmgw.config loaded {others}"
 
 
 def test_configs_are_frozen() -> None:
