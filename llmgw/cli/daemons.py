@@ -55,10 +55,13 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
     except TLSFileError as exc:
         fail(f"{exc}\n(first run? create the cluster CA and certificates with `llmgw server init`)")
     from llmgw.control.plane import run_control_plane
+    from llmgw.router.build import build_gateway
+    from llmgw.router.settings import GatewaySettings
     from llmgw.rpc.kjtrio import capnp_runtime
 
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
+            gateway = build_gateway(GatewaySettings.of(config))
             plane = await nursery.start(
                 lambda task_status: run_control_plane(
                     store_url=config.store.url,
@@ -70,12 +73,10 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     heartbeat_interval=config.heartbeat_interval,
                     lost_after=config.node_lost_after,
                     replace_grace=config.replace_grace,
-                    gateway=config.gateway,
-                    tracing=config.tracing,
+                    gateway=gateway,
                     engines=config.engines,
                     auth=config.auth,
                     serving=config.serving,
-                    routing=config.routing,
                     task_status=task_status,
                 )
             )

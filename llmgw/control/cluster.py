@@ -2,24 +2,24 @@
 
 The TLS client certificate says who is calling: ``join`` is for the node named
 in the certificate, ``admin`` for admin certificates. A refused call raises
-``PermissionError`` with a message naming both sides.
+``PermissionError`` with a message naming both sides. The handlers act on the
+:class:`ClusterServices` the control plane's wiring gives them.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
+import attrs
 import trio
 
-from llmgw.control.admin import make_admin
-from llmgw.control.sessions import NodeSession, watch_heartbeats
+from llmgw.control.registry import Registry
+from llmgw.control.sessions import NodeSession, NodeSessions, watch_heartbeats
+from llmgw.control.store import Store
 from llmgw.rpc import convert, schema
 from llmgw.rpc.connection import serve_stream
 from llmgw.rpc.tls import Identity, Role, require_role
-
-if TYPE_CHECKING:
-    from llmgw.control.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,20 @@ log = logging.getLogger(__name__)
 STORE_WRITE_TIMEOUT = 5.0
 
 
-async def handle_connection(plane: ControlPlane, stream: trio.abc.Stream, identity: Identity) -> None:
+@attrs.frozen
+class ClusterServices:
+    """What the ``Cluster`` bootstrap acts on, for one running control plane."""
+
+    store: Store
+    registry: Registry
+    sessions: NodeSessions
+    #: Seconds between a node's heartbeats, told to every node that joins.
+    heartbeat_interval: float
+    #: Returns the ``Admin`` capability for an admin certificate's name.
+    make_admin: Callable[[str], Any]
+
+
+async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, identity: Identity) -> None:
     """Serve the RPC port's bootstrap on one connection until it closes.
 
     A node session started on this connection ends with it: the registry is told
@@ -37,17 +50,17 @@ async def handle_connection(plane: ControlPlane, stream: trio.abc.Stream, identi
     state: dict[str, NodeSession] = {}
     try:
         async with trio.open_nursery() as nursery:
-            bootstrap = _make_cluster(plane, identity, nursery, state)
+            bootstrap = _make_cluster(services, identity, nursery, state)
             await serve_stream(stream, bootstrap)
             nursery.cancel_scope.cancel()
     finally:
         session = state.get("session")
         if session is not None:
-            plane.sessions.detach(session)
+            services.sessions.detach(session)
 
 
 def _make_cluster(
-    plane: ControlPlane, identity: Identity, nursery: trio.Nursery, state: dict[str, NodeSession]
+    services: ClusterServices, identity: Identity, nursery: trio.Nursery, state: dict[str, NodeSession]
 ) -> Any:
     s = schema.load()
 
@@ -66,22 +79,22 @@ def _make_cluster(
             agent = registration.agent
             version = str(registration.version)
 
-            epoch = plane.registry.node_joined(node_id, address, hardware, engines, shards)
-            session = NodeSession(plane.registry, node_id, epoch, agent, nursery.cancel_scope.cancel)
+            epoch = services.registry.node_joined(node_id, address, hardware, engines, shards)
+            session = NodeSession(services.registry, node_id, epoch, agent, nursery.cancel_scope.cancel)
             state["session"] = session
-            plane.sessions.attach(session)
-            plane.node_versions[node_id] = version
-            nursery.start_soon(watch_heartbeats, session, plane.registry.lost_after)
+            services.sessions.attach(session)
+            services.sessions.agent_versions[node_id] = version
+            nursery.start_soon(watch_heartbeats, session, services.registry.lost_after)
             nursery.start_soon(_adopt_all, session, [spec.id for spec, _ in shards])
-            nursery.start_soon(_push_engines, session, dict(plane.sessions.wanted_engines))
-            nursery.start_soon(_record_seen, plane, node_id, address)
+            nursery.start_soon(_push_engines, session, dict(services.sessions.wanted_engines))
+            nursery.start_soon(_record_seen, services, node_id, address)
             log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
             _context.results.desk = session.desk()
-            _context.results.heartbeatIntervalMs = int(plane.heartbeat_interval * 1000)
+            _context.results.heartbeatIntervalMs = int(services.heartbeat_interval * 1000)
 
         async def admin(self, _context: Any, **_: Any) -> None:
             require_role(identity, Role.ADMIN)
-            _context.results.admin = make_admin(plane, identity.name)
+            _context.results.admin = services.make_admin(identity.name)
 
     return ClusterServer()
 
@@ -104,9 +117,9 @@ async def _push_engines(session: NodeSession, wanted: dict[str, str]) -> None:
         log.warning("node %s: could not send its wanted engines: %s", session.node_id, exc)
 
 
-async def _record_seen(plane: ControlPlane, node_id: str, address: str) -> None:
+async def _record_seen(services: ClusterServices, node_id: str, address: str) -> None:
     try:
         with trio.fail_after(STORE_WRITE_TIMEOUT):
-            await plane.store.record_node_seen(node_id, address)
+            await services.store.record_node_seen(node_id, address)
     except Exception as exc:  # noqa: BLE001 - the live view does not depend on this record
         log.warning("could not record node %s in the store: %s", node_id, exc)

@@ -177,6 +177,8 @@ class NodeSessions:
         #: server.yaml ``engines:`` (name -> version, "" = the agent's default): pushed to every
         #: node when it joins.
         self.wanted_engines: dict[str, str] = dict(wanted_engines or {})
+        #: Each node's agent version, as it last joined (kept after it leaves, for `ctl nodes`).
+        self.agent_versions: dict[str, str] = {}
 
     def attach(self, session: NodeSession) -> None:
         """Make ``session`` the node's current one; an older session of that node is closed."""

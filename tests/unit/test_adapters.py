@@ -28,7 +28,7 @@ from llmgw.router.auth import Tenant
 from llmgw.router.errors import GatewayError
 from llmgw.router.metrics import GatewayMetrics
 from llmgw.router.replicas import LoadTracker, ModelInfo, Replica, ReplicaTable
-from llmgw.router.workerstate import MirrorTable, encode_table
+from llmgw.router.workers.protocol import MirrorTable, encode_table
 
 BASE = "base"
 PATHS = (("a1", "/w/a1"), ("a2", "/w/a2"), ("a3", "/w/a3"))

@@ -1,11 +1,31 @@
-"""What crosses the control-plane <-> gateway-worker channel, as plain msgpack values.
+"""The control-plane <-> gateway-worker wire protocol: its messages, as plain msgpack values.
 
-Down (control plane -> worker): the routing state as one snapshot (catalog models with
-their ready replicas and ``created`` times, the active API keys with their tenants'
-limits, ``serving.stopped``), and the engines' KV-cache deltas one by one
-(:func:`encode_kv_delta`). Up (worker -> control plane): usage counts, in-flight per
-replica, admission counters, and on request the worker's Prometheus samples. Functions
-here are pure conversions; nothing does I/O.
+Each message is a dict whose ``"t"`` names its kind, sent over a
+:class:`~llmgw.router.workers.channel.Channel`. Protocol::
+
+    control -> worker   {"t": "config", ...}               first: where to listen, settings (worker_config)
+    control -> worker   {"t": "kvcopy", "replicas"}         a full KV copy follows: forget every other replica
+    control -> worker   {"t": "kv", "replica", "delta"}     one KV-cache delta (encode_kv_delta), in
+                                                            order; a full copy (header + reset deltas) comes
+                                                            before the first state, again after an overflow
+    control -> worker   {"t": "kvforget", "replica"}        the replica's KV state is gone
+    control -> worker   {"t": "state", "version", ...}      routing state (whole); first one before listening
+    worker  -> control  {"t": "applied", "version"}         after every state
+    worker  -> control  {"t": "ready", "port", "pid"}       listening (or {"t": "failed", "error"})
+    worker  -> control  {"t": "report", "id", ...}          usage drained, in-flight, admission counters,
+                                                            KV hash alarms ("kv_alarms", a list of strings);
+                                                            every REPORT_INTERVAL_S (id None) or when asked
+    control -> worker   {"t": "collect", "id", "metrics"}   asks for a report now (metrics: with samples)
+    worker  -> control  {"t": "scrape", "id"}               GET /metrics arrived: merge everyone's samples
+    control -> worker   {"t": "scraped", "id", "body"}      the merged exposition
+    control -> worker   {"t": "stop"}                       shut down gracefully (EOF does the same)
+
+Down (control plane -> worker): the worker's settings (:func:`worker_config`), the
+routing state as one snapshot (catalog models with their ready replicas and ``created``
+times, the active API keys with their tenants' limits, ``serving.stopped``), and the
+engines' KV-cache deltas one by one (:func:`encode_kv_delta`). Up (worker -> control
+plane): usage counts, in-flight per replica, admission counters, and on request the
+worker's Prometheus samples. Functions here are pure conversions; nothing does I/O.
 """
 
 from __future__ import annotations
@@ -14,17 +34,57 @@ import math
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
+import attrs
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
+from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
 from llmgw.spec import KvDelta
 
-from .admission import TenantCounters
-from .auth import KeyEntry, Tenant
-from .metrics import SHARED_FAMILIES
-from .replicas import ModelInfo, Replica, ReplicaTable
-from .usage import UsageCounts
+from ..admission import TenantCounters
+from ..auth import KeyEntry, Tenant
+from ..metrics import SHARED_FAMILIES
+from ..replicas import ModelInfo, Replica, ReplicaTable
+from ..settings import GatewaySettings
+from ..usage import UsageCounts
+from .channel import Message
+
+
+# -- settings (down, first) ----------------------------------------------------------------
+
+
+def worker_config(index: int, host: str, port: int, settings: GatewaySettings) -> Message:
+    """Return worker ``index``'s "config" message: where to listen, and ``settings`` with
+    the admission limits divided among ``settings.gateway.workers`` (each worker admits its
+    share: docs/gateway.md)."""
+    workers = settings.gateway.workers
+    serving = attrs.evolve(
+        settings.serving,
+        max_inflight_per_replica=math.ceil(settings.serving.max_inflight_per_replica / workers),
+        queue_size=math.ceil(settings.serving.queue_size / workers),
+    )
+    tracing = settings.tracing
+    return {
+        "t": "config", "index": index, "host": host, "port": port,
+        "settings": {
+            "gateway": attrs.asdict(settings.gateway), "serving": attrs.asdict(serving),
+            "auth": attrs.asdict(settings.auth), "routing": attrs.asdict(settings.routing),
+            "tracing": attrs.asdict(tracing) if tracing is not None and tracing.endpoint else None,
+        },
+    }
+
+
+def decode_settings(config: Message) -> GatewaySettings:
+    """Return the :class:`GatewaySettings` of a :func:`worker_config` message (limits
+    already this worker's share). Raises KeyError or TypeError for a malformed one."""
+    sections = config["settings"]
+    tracing = sections.get("tracing")
+    return GatewaySettings(
+        gateway=GatewayConfig(**sections["gateway"]), serving=ServingConfig(**sections["serving"]),
+        auth=AuthConfig(**sections["auth"]), routing=RoutingConfig(**sections["routing"]),
+        tracing=TracingConfig(**tracing) if tracing else None,
+    )
 
 
 # -- routing state (down) ----------------------------------------------------------------

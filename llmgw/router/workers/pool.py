@@ -1,26 +1,27 @@
 """Gateway worker processes: N gateways on one HTTP port, fed by the control plane.
 
-With ``gateway.workers: N`` above 1 the control plane does not serve HTTP itself; it
-starts N worker processes (``python -m llmgw.router.worker``), each a complete gateway
+With ``gateway.workers: N`` above 1, :func:`~llmgw.router.build.build_gateway` returns a
+:class:`GatewayPool`: the control plane does not serve HTTP itself; the pool starts N
+worker processes (``python -m llmgw.router.workers.worker``), each a complete gateway
 listening on the same port with SO_REUSEPORT (the kernel spreads connections over
-them). The control plane keeps the *master* :class:`~llmgw.router.app.Gateway`: its
-replica table (fed by ``ControlPlane.feed_gateway``), keys and ``serving.stopped``
-(fed by :class:`~llmgw.control.keys.AccessSync`), usage meter and admission counters.
-:class:`GatewayPool` mirrors that state into every worker and brings the workers'
-usage, in-flight counts, admission counters, KV hash alarms and metrics back.
-docs/gateway.md has the design and its trade-offs.
+them). The pool keeps the *master* :class:`~llmgw.router.app.Gateway` (never served):
+its replica table, keys and ``serving.stopped`` (fed through the
+:class:`~llmgw.router.interface.GatewayInterface` methods), usage meter and admission
+counters. It mirrors that state into every worker and brings the workers' usage,
+in-flight counts, admission counters, KV hash alarms and metrics back. The messages are
+in :mod:`llmgw.router.workers.protocol`; docs/gateway.md has the design and its
+trade-offs.
 
-KV-cache deltas (:meth:`GatewayPool.kv_update`, :meth:`GatewayPool.kv_forget`, called by
-the control plane right after the master's own ``kv_update``/``kv_forget``) reach every
-worker in order: each worker slot has a queue and a feed task. A worker's feed first
-sends a full copy of the master's KV index (taken synchronously, so it holds exactly the
-deltas queued before it and none after), then the queued deltas. A queue that outgrows
-:data:`KV_QUEUE_MAX` (the worker is not reading) is dropped and replaced by a fresh full
-copy.
+KV-cache deltas (:meth:`GatewayPool.kv_update`, :meth:`GatewayPool.kv_forget`) are applied
+to the master, then reach every worker in order: each worker slot has a queue and a feed
+task. A worker's feed first sends a full copy of the master's KV index (taken
+synchronously, so it holds exactly the deltas queued before it and none after), then the
+queued deltas. A queue that outgrows :data:`KV_QUEUE_MAX` (the worker is not reading) is
+dropped and replaced by a fresh full copy.
 
 Nursery tree::
 
-    GatewayPool.run
+    GatewayPool.serve
     ├── pusher (state changed -> one snapshot to every worker)
     ├── reporter wake-ups (scrapes: merge every worker's samples)
     ├── per worker slot: supervise (start, wait for "ready", read reports, restart with backoff)
@@ -32,7 +33,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
 import os
 import socket
 import subprocess
@@ -42,22 +42,21 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import attrs
 import trio
 
-from llmgw.config import RoutingConfig, TracingConfig
-from llmgw.control.keys import DEFAULT_USAGE_FLUSH_S, STORE_CALL_TIMEOUT_S, AccessSync
-from llmgw.control.store import Store
-from llmgw.control.store.base import UsageRecord
-from llmgw.rpc.kjtrio import unwrap_single_group
-from llmgw.router.admission import Admission, AdmissionLimits, TenantCounters
-from llmgw.router.app import Gateway
-from llmgw.router.auth import AuthTable, KeyEntry
-from llmgw.router.channel import Channel, ChannelClosed, Message
-from llmgw.router.replicas import ModelInfo, Replica, ReplicaTable
-from llmgw.router.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
-from llmgw.router.upstream import UpstreamTimeouts
-from llmgw.router.workerstate import (
-    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_table, merge_metrics,
-)
 from llmgw.spec import KvDelta, split_delta
+from llmgw.trioutil import unwrap_single_group
+
+from ..admission import Admission, AdmissionLimits, TenantCounters
+from ..app import Gateway
+from ..auth import AuthTable, KeyEntry
+from ..http.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
+from ..interface import AccessState, GatewayStatus, UsageCounts
+from ..local import GatewayState, policy_alarms
+from ..replicas import ModelInfo, Replica, ReplicaTable
+from ..settings import GatewaySettings
+from .channel import Channel, ChannelClosed, Message
+from .protocol import (
+    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_table, merge_metrics, worker_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,23 +85,11 @@ COLLECT_TIMEOUT_S = 3.0
 #: index's size, which is bounded) is cheaper than an ever-growing backlog.
 KV_QUEUE_MAX = 10_000
 
-WORKER_MODULE = "llmgw.router.worker"
+WORKER_MODULE = "llmgw.router.workers.worker"
 
 
 class WorkerStartError(OSError):
     """A gateway worker could not start (the message says why, e.g. the port is taken)."""
-
-
-@attrs.frozen
-class WorkerSettings:
-    """What every worker is configured with (server.yaml ``gateway``/``serving``/``auth``/``tracing``)."""
-
-    timeouts: UpstreamTimeouts = UpstreamTimeouts()
-    auth_enabled: bool = True
-    limits: AdmissionLimits = AdmissionLimits()
-    max_request_bytes: int = 16 * 1024 * 1024
-    tracing: TracingConfig | None = None
-    routing: RoutingConfig = RoutingConfig()
 
 
 class ObservedTable(ReplicaTable):
@@ -200,21 +187,24 @@ class _Slot:
         self.kv_scope = trio.CancelScope()
 
 
-class GatewayPool:
-    """N gateway worker processes on ``host``:``port`` mirroring ``master``'s state.
+class GatewayPool(GatewayState):
+    """N gateway worker processes on one port mirroring ``master``'s state (``gateway.workers`` > 1).
 
-    ``master`` is the control plane's gateway object (never served): its ``table`` must
-    be an :class:`ObservedTable` (or call :meth:`state_changed` after changing it), its
-    ``auth``/``stopped`` are pushed after :meth:`state_changed` (AccessSync's reload
-    calls it, see :class:`PooledAccessSync`), worker usage is added to its ``usage``
-    meter, and its ``admission`` should be a :class:`PooledAdmission`.
+    ``master`` is a gateway that is never served (:func:`~llmgw.router.build.build_gateway`
+    makes it): its ``table`` must be an :class:`ObservedTable` and its ``auth`` an
+    :class:`ObservedAuthTable` (or call :meth:`state_changed` after changing them), worker
+    usage is added to its ``usage`` meter, and its ``admission`` should be a
+    :class:`PooledAdmission`. Every worker is configured with ``settings``, its admission
+    limits and each tenant's limits divided among the workers.
     """
 
-    def __init__(self, master: Gateway, host: str, workers: int, settings: WorkerSettings) -> None:
+    def __init__(self, master: Gateway, settings: GatewaySettings) -> None:
+        workers = settings.gateway.workers
         if workers < 2:
             raise ValueError("a gateway pool needs at least 2 workers (1 is the in-process gateway)")
+        super().__init__(master)
         self.master = master
-        self.host = host
+        self.host = ""
         self.workers = workers
         self.settings = settings
         self.port = 0
@@ -232,6 +222,27 @@ class GatewayPool:
         for observed in (master.table, master.auth):
             if isinstance(observed, (ObservedTable, ObservedAuthTable)):
                 observed.on_change = self.state_changed
+
+    # -- the gateway interface, beyond the master's own state (GatewayState) ------------
+
+    async def apply_access(self, access: AccessState) -> None:
+        """Apply ``access`` to the master, then wait (bounded by :data:`SYNC_TIMEOUT_S`)
+        until every worker has applied it."""
+        stopped = self.master.stopped
+        await super().apply_access(access)  # changed keys are seen through ObservedAuthTable
+        if self.master.stopped != stopped:  # a plain attribute: say so here
+            self.state_changed()
+        await self.synced()
+
+    async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
+        """Collect every worker's counts first (:meth:`collect`), then return the master's."""
+        await self.collect()
+        return await super().pending_usage()
+
+    def status(self) -> GatewayStatus:
+        """The master's status; KV alarms are the workers' as last reported."""
+        alarms = policy_alarms(self.master) | set(self.kv_alarms())
+        return attrs.evolve(super().status(), kv_alarms=tuple(sorted(alarms)))
 
     # -- state down ---------------------------------------------------------------------
 
@@ -291,17 +302,16 @@ class GatewayPool:
     # -- KV-cache deltas down -----------------------------------------------------------
 
     def kv_update(self, replica_id: str, delta: KvDelta) -> None:
-        """Queue ``delta`` of ``replica_id`` for every worker, behind the ones before it.
-
-        Call it right after ``master.kv_update(replica_id, delta)``, with no await in
-        between: a full copy taken later must already contain it. Synchronous; never
-        raises.
-        """
+        """Apply ``delta`` of ``replica_id`` to the master, then queue it for every worker,
+        behind the ones before it (no await in between: a full copy taken later already
+        contains it). Synchronous; never raises."""
+        super().kv_update(replica_id, delta)
         self._kv_queue({"t": "kv", "replica": replica_id, "delta": encode_kv_delta(delta)})
 
     def kv_forget(self, replica_id: str) -> None:
-        """Queue "forget ``replica_id``'s KV state" for every worker (call it right after
-        ``master.kv_forget(replica_id)``, as :meth:`kv_update`). Synchronous; never raises."""
+        """Forget ``replica_id``'s KV state in the master, then queue the same for every
+        worker (as :meth:`kv_update`). Synchronous; never raises."""
+        super().kv_forget(replica_id)
         self._kv_queue({"t": "kvforget", "replica": replica_id})
 
     def _kv_queue(self, message: Message) -> None:
@@ -459,22 +469,6 @@ class GatewayPool:
 
     # -- processes ----------------------------------------------------------------------
 
-    def _config(self, index: int) -> Message:
-        s = self.settings
-        limits = s.limits
-        return {
-            "t": "config", "index": index, "host": self.host, "port": self.port,
-            "timeouts": {"connect": s.timeouts.connect, "first_byte": s.timeouts.first_byte,
-                         "chunk": s.timeouts.chunk},
-            "auth_enabled": s.auth_enabled,
-            # Each worker admits its share: see docs/gateway.md.
-            "admission": [math.ceil(limits.max_inflight_per_replica / self.workers),
-                          math.ceil(limits.queue_size / self.workers), limits.queue_timeout],
-            "max_request_bytes": s.max_request_bytes,
-            "tracing": attrs.asdict(s.tracing) if s.tracing is not None and s.tracing.endpoint else None,
-            "routing": attrs.asdict(s.routing),
-        }
-
     async def _spawn(self, index: int) -> _Slot:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -499,7 +493,7 @@ class GatewayPool:
         """
         slot = await self._spawn(index)
         try:
-            await slot.channel.send(self._config(index))
+            await slot.channel.send(worker_config(index, self.host, self.port, self.settings))
             await self._start_kv_feed(slot)
             await self._sync(slot)
             with trio.fail_after(START_TIMEOUT_S):
@@ -597,13 +591,15 @@ class GatewayPool:
             await trio.sleep(backoff)
             backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
 
-    async def run(self, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the workers on ``port`` (0: a free one) until cancelled.
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the workers on ``host``:``port`` (0: a free one) until cancelled.
 
         Reports the bound port once every worker is listening. Raises
-        :class:`WorkerStartError` if one cannot start. Cancellation stops every worker
-        gracefully (their last usage reaches the master's meter) before returning.
+        :class:`WorkerStartError` (an ``OSError``) if one cannot start. Cancellation stops
+        every worker gracefully (their last usage reaches the master's meter, hence
+        :meth:`drain_usage`) before returning.
         """
+        self.host = host
         self.port = port
         with unwrap_single_group():
             await self._run(port, task_status)
@@ -626,38 +622,3 @@ def _copy_messages(copies: Sequence[tuple[str, KvDelta]]) -> Iterator[Message]:
     for replica_id, delta in copies:
         for part in split_delta(delta):
             yield {"t": "kv", "replica": replica_id, "delta": encode_kv_delta(part)}
-
-
-class PooledAccessSync(AccessSync):
-    """:class:`AccessSync` for a pool: a reload is pushed to every worker before it returns,
-    and usage totals include what the workers counted up to the moment of the call."""
-
-    def __init__(self, store: Store, gateway: Gateway, pool: GatewayPool, *,
-                 usage_flush_interval: float = DEFAULT_USAGE_FLUSH_S) -> None:
-        super().__init__(store, gateway, usage_flush_interval=usage_flush_interval)
-        self.pool = pool
-
-    async def reload(self) -> None:
-        """Reload from the store (as :meth:`AccessSync.reload`), then wait (bounded by
-        :data:`SYNC_TIMEOUT_S`) until every worker has applied it."""
-        stopped = self.gateway.stopped
-        await super().reload()  # changed keys reach the pool through ObservedAuthTable
-        if self.gateway.stopped != stopped:  # a plain attribute: say so here
-            self.pool.state_changed()
-        await self.pool.synced()
-
-    async def usage_totals(self) -> list[UsageRecord]:
-        """Collect every worker's counts first, then return :meth:`AccessSync.usage_totals`."""
-        await self.pool.collect()
-        return await super().usage_totals()
-
-    async def run_pool(self, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the pool (:meth:`GatewayPool.run`); once it has stopped, store the workers' last usage."""
-        try:
-            await self.pool.run(port, task_status=task_status)
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(STORE_CALL_TIMEOUT_S):
-                try:
-                    await self.flush_usage()
-                except Exception as exc:  # noqa: BLE001 - shutting down; say what was lost
-                    log.warning("could not store the gateway workers' last usage counts: %s", exc)

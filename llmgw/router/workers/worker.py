@@ -1,26 +1,11 @@
-"""A gateway worker process: ``python -m llmgw.router.worker FD``.
+"""A gateway worker process: ``python -m llmgw.router.workers.worker FD``.
 
-Started by the control plane (:mod:`llmgw.control.gateway_pool`) when ``gateway.workers``
-is above 1; ``FD`` is its end of a Unix socketpair (:mod:`llmgw.router.channel`). The
-worker serves the same gateway app as the single-process server on the shared HTTP port
-(SO_REUSEPORT: the kernel spreads connections over the workers). Protocol::
-
-    control -> worker   {"t": "config", ...}               first: where to listen, deadlines, limits, routing
-    control -> worker   {"t": "kvcopy", "replicas"}         a full KV copy follows: forget every other replica
-    control -> worker   {"t": "kv", "replica", "delta"}     one KV-cache delta (workerstate.encode_kv_delta), in
-                                                            order; a full copy (header + reset deltas) comes
-                                                            before the first state, again after an overflow
-    control -> worker   {"t": "kvforget", "replica"}        the replica's KV state is gone
-    control -> worker   {"t": "state", "version", ...}      routing state (whole); first one before listening
-    worker  -> control  {"t": "applied", "version"}         after every state
-    worker  -> control  {"t": "ready", "port", "pid"}       listening (or {"t": "failed", "error"})
-    worker  -> control  {"t": "report", "id", ...}          usage drained, in-flight, admission counters,
-                                                            KV hash alarms ("kv_alarms", a list of strings);
-                                                            every REPORT_INTERVAL_S (id None) or when asked
-    control -> worker   {"t": "collect", "id", "metrics"}   asks for a report now (metrics: with samples)
-    worker  -> control  {"t": "scrape", "id"}               GET /metrics arrived: merge everyone's samples
-    control -> worker   {"t": "scraped", "id", "body"}      the merged exposition
-    control -> worker   {"t": "stop"}                       shut down gracefully (EOF does the same)
+Started by the :class:`~llmgw.router.workers.pool.GatewayPool` when ``gateway.workers``
+is above 1; ``FD`` is its end of a Unix socketpair
+(:mod:`llmgw.router.workers.channel`). The worker serves the same gateway as the
+single-process server (:func:`~llmgw.router.build.assemble_gateway`) on the shared HTTP
+port (SO_REUSEPORT: the kernel spreads connections over the workers). The messages are
+in :mod:`llmgw.router.workers.protocol`.
 
 The worker never listens before its first state, so it never answers with an empty
 table (nor routes without the KV index's full copy, sent before that state). When the
@@ -40,18 +25,13 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from llmgw.config import RoutingConfig
-
-from .admission import Admission, AdmissionLimits
-from .app import Gateway, create_app, gateway_of
-from .auth import AuthTable
+from ..app import Gateway
+from ..build import assemble_gateway
+from ..http.serve import serve_gateway
+from ..local import policy_alarms
 from .channel import Channel, ChannelClosed, Message
-from .kvrouting import make_policy
-from .replicas import LoadTracker
-from .serve import serve_gateway
-from .upstream import UpstreamTimeouts
-from .workerstate import (
-    MirrorTable, decode_keys, decode_kv_delta, encode_admission, encode_metrics, encode_usage,
+from .protocol import (
+    MirrorTable, decode_keys, decode_kv_delta, decode_settings, encode_admission, encode_metrics, encode_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -108,22 +88,10 @@ class Worker:
         self.host = str(config["host"])
         self.port = int(config["port"])
         self.table = MirrorTable()
-        limits = config["admission"]
-        load = LoadTracker()
-        app = create_app(
-            self.table,
-            load=load,
-            # Routes like the single-process gateway: the KV index is the control plane's
-            # (fed over the channel), load and routed-but-unconfirmed blocks are this worker's.
-            policy=make_policy(RoutingConfig(**(config.get("routing") or {})), load),
-            timeouts=UpstreamTimeouts(**config["timeouts"]),
-            tracer=_tracer(config.get("tracing")),
-            auth=AuthTable(enabled=bool(config["auth_enabled"])),
-            admission=Admission(AdmissionLimits(int(limits[0]), int(limits[1]), float(limits[2]))),
-            max_request_bytes=int(config["max_request_bytes"]),
-        )
-        self.gateway: Gateway = gateway_of(app)
-        self.front = WorkerFront(app, self.index, self.scrape)
+        # Routes like the single-process gateway: the KV index is the control plane's
+        # (fed over the channel), load and routed-but-unconfirmed blocks are this worker's.
+        self.gateway: Gateway = assemble_gateway(decode_settings(config), table=self.table)
+        self.front = WorkerFront(self.gateway.app, self.index, self.scrape)
         self._scrape_ids = itertools.count()
         self._scrapes: dict[int, tuple[trio.Event, list[bytes]]] = {}
 
@@ -156,10 +124,9 @@ class Worker:
         ``metrics`` every sample); drains the usage meter (the counts now belong to the
         control plane)."""
         g = self.gateway
-        alarms = getattr(g.policy, "alarms", None)
         return {
             "t": "report", "id": request_id,
-            "kv_alarms": list(alarms()) if alarms is not None else [],
+            "kv_alarms": sorted(policy_alarms(g)),
             "usage": encode_usage(g.usage.drain()),
             "load": g.load.snapshot(),
             "admission": encode_admission(g.admission.snapshot()),
@@ -209,15 +176,6 @@ class Worker:
         while True:
             await trio.sleep(REPORT_INTERVAL_S)
             await self.channel.send(self.report())
-
-
-def _tracer(tracing: Any) -> Any:
-    if not tracing:
-        return None
-    from llmgw.config import TracingConfig
-    from .tracing import create_tracer
-
-    return create_tracer(TracingConfig(**tracing))
 
 
 async def _main(fd: int) -> None:

@@ -1,4 +1,5 @@
-"""What crosses the gateway-worker channel: KV deltas, and merged metrics (llmgw/router/workerstate.py)."""
+"""What crosses the gateway-worker channel: settings, KV deltas, and merged metrics
+(llmgw/router/workers/protocol.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.config import GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.metrics import GatewayMetrics
-from llmgw.router.workerstate import (
-    SHARED_FAMILIES, decode_kv_delta, encode_kv_delta, encode_metrics, merge_metrics,
+from llmgw.router.settings import GatewaySettings
+from llmgw.router.workers.protocol import (
+    SHARED_FAMILIES, decode_kv_delta, decode_settings, encode_kv_delta, encode_metrics, merge_metrics,
+    worker_config,
 )
 from llmgw.spec import KvDelta
 
@@ -18,6 +22,22 @@ from llmgw.spec import KvDelta
 def through_channel(value: object) -> object:
     """Return ``value`` as the other end of a channel sees it (msgpack both ways)."""
     return msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False, strict_map_key=False)
+
+
+@pytest.mark.parametrize("tracing", [None, TracingConfig(), TracingConfig(endpoint="http://collector:4318")])
+def test_a_worker_gets_the_settings_with_its_share_of_the_admission_limits(tracing: TracingConfig | None) -> None:
+    settings = GatewaySettings(
+        gateway=GatewayConfig(connect_timeout=1.5, workers=3),
+        serving=ServingConfig(max_request_bytes=1000, max_inflight_per_replica=10, queue_size=7, queue_timeout=2.0),
+        routing=RoutingConfig(policy="round-robin"), tracing=tracing,
+    )
+    config = through_channel(worker_config(2, "127.0.0.1", 8080, settings))
+    assert isinstance(config, dict)
+    assert (config["t"], config["index"], config["host"], config["port"]) == ("config", 2, "127.0.0.1", 8080)
+    got = decode_settings(config)
+    share = ServingConfig(max_request_bytes=1000, max_inflight_per_replica=4, queue_size=3, queue_timeout=2.0)
+    assert got == GatewaySettings(gateway=settings.gateway, serving=share, routing=settings.routing,
+                                  tracing=tracing if tracing is not None and tracing.endpoint else None)
 
 
 @pytest.mark.parametrize("delta", [

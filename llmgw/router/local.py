@@ -1,0 +1,75 @@
+"""A gateway in this process, driven through :class:`~llmgw.router.interface.GatewayInterface`.
+
+:class:`GatewayState` applies what the control plane sends to one
+:class:`~llmgw.router.app.Gateway` object and reads usage and status back from it.
+:class:`LocalGateway` also serves that gateway's app over HTTP. The worker pool
+(:class:`~llmgw.router.workers.pool.GatewayPool`) keeps its master state in a
+:class:`GatewayState` too, and serves through its worker processes instead.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import trio
+
+from llmgw.spec import KvDelta
+
+from .app import Gateway
+from .http.serve import serve_gateway
+from .interface import (
+    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageCounts, UsageCountsByKey,
+)
+
+
+def policy_alarms(gateway: Gateway) -> set[str]:
+    """Return the KV hash-agreement alarms of ``gateway``'s routing policy (none without a
+    KV-aware policy)."""
+    alarms = getattr(gateway.policy, "alarms", None)
+    return set(alarms()) if alarms is not None else set()
+
+
+class GatewayState(GatewayInterface):
+    """The interface applied to ``gateway``'s table, KV index, keys, ``stopped`` and meters
+    (everything but :meth:`serve`, left to subclasses)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
+        self.gateway.table.replace_all({model: replicas.get(model, ()) for model in models}, models)
+
+    def kv_update(self, replica_id: str, delta: KvDelta) -> None:
+        self.gateway.kv_update(replica_id, delta)
+
+    def kv_forget(self, replica_id: str) -> None:
+        self.gateway.kv_forget(replica_id)
+
+    async def apply_access(self, access: AccessState) -> None:
+        self.gateway.auth.replace(access.keys)
+        self.gateway.stopped = access.stopped
+
+    def drain_usage(self) -> dict[tuple[str, str], UsageCounts]:
+        return self.gateway.usage.drain()
+
+    def restore_usage(self, drained: UsageCountsByKey) -> None:
+        self.gateway.usage.restore(drained)
+
+    async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
+        return self.gateway.usage.pending()
+
+    def status(self) -> GatewayStatus:
+        return GatewayStatus(
+            stopped=self.gateway.stopped,
+            admission=self.gateway.admission.snapshot(),
+            kv_alarms=tuple(sorted(policy_alarms(self.gateway))),
+        )
+
+
+class LocalGateway(GatewayState):
+    """One gateway serving in this process (``gateway.workers: 1``)."""
+
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the gateway's app (:func:`~llmgw.router.http.serve.serve_gateway`): reports
+        the bound port, raises ``OSError`` if it cannot bind, shuts down gracefully when cancelled."""
+        await serve_gateway(self.gateway.app, host, port, task_status=task_status)

@@ -1,0 +1,31 @@
+"""What a gateway is configured with: the ``server.yaml`` sections it reads, in one value.
+
+Kept apart from :mod:`llmgw.router.build` (which imports the whole gateway) so that the
+worker wire protocol can carry it without import cycles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
+
+
+@attrs.frozen
+class GatewaySettings:
+    """``server.yaml``'s ``gateway``, ``serving``, ``auth``, ``routing`` and ``tracing``
+    sections (``tracing`` None: off)."""
+
+    gateway: GatewayConfig = GatewayConfig()
+    serving: ServingConfig = ServingConfig()
+    auth: AuthConfig = AuthConfig()
+    routing: RoutingConfig = RoutingConfig()
+    tracing: TracingConfig | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> GatewaySettings:
+        """Return the gateway's sections of ``config`` (a :class:`llmgw.config.ServerConfig`)."""
+        return cls(gateway=config.gateway, serving=config.serving, auth=config.auth, routing=config.routing,
+                   tracing=config.tracing)
