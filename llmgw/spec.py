@@ -256,3 +256,25 @@ class ModelSpec:
     profile: Profile = Profile()
     adapters: tuple[Adapter, ...] = ()  # LoRA adapters; their names share the model namespace
     max_loaded_adapters: int = 0  # 0: every adapter loaded at start; N: at most N per replica, on demand
+
+
+def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    """Returns ``spec`` as plain JSON-friendly data: the catalog's YAML/JSON form (``ctl models
+    list --json``, catalog export); the RPC form renames its keys. :func:`llmgw.catalog.validate_model`
+    of it gives ``spec`` back."""
+    profile = spec.profile
+    return {
+        "name": spec.name,
+        "engine": spec.engine,
+        "source": spec.source,
+        "profile": {
+            "replicas": profile.replicas,
+            "memory_mb": profile.memory_mb,
+            "cpu_cores": profile.cpu_cores,
+            "gpus": profile.gpus,
+            "engine_args": list(profile.engine_args),
+            "engine_env": dict(profile.engine_env),
+        },
+        "adapters": adapters_to_dicts(spec.adapters),
+        "max_loaded_adapters": spec.max_loaded_adapters,
+    }

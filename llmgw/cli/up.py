@@ -24,7 +24,7 @@ import trio
 from llmgw.cli.common import default_up_dir, run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
-from llmgw.control.catalog import CatalogError, validate_model
+from llmgw.catalog import CatalogError, validate_model
 from llmgw.config import AuthConfig, GatewayConfig
 from llmgw.control.plane import ControlPlane, run_control_plane
 from llmgw.node.agent import Agent

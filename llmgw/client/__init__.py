@@ -26,6 +26,7 @@ import attrs
 import capnp
 import trio
 
+from llmgw.catalog import validate_model
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.kjtrio import capnp_runtime, runtime_active
@@ -321,6 +322,4 @@ async def connect(
 
 def model_from_mapping(data: Mapping[str, Any]) -> ModelSpec:
     """Validate user input (CLI flags, YAML) into a ModelSpec, as the control plane will."""
-    from llmgw.control.catalog import validate_model
-
     return validate_model(data)

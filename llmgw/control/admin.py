@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from llmgw import __version__
-from llmgw.control.catalog import model_to_dict, validate_model
+from llmgw.catalog import model_to_dict, validate_model
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
 from llmgw.control.registry import NodeState
 from llmgw.rpc import convert, schema

@@ -1,6 +1,7 @@
 """Tenants, API keys and serving switches: from the store into the gateway, and usage back.
 
-* :func:`validate_tenant` checks operator input (``llmgw ctl tenants ...``).
+* :func:`tenant_record` is the stored form of a tenant :func:`llmgw.catalog.validate_tenant`
+  accepted.
 * :func:`new_api_key` makes a key; the store keeps only the SHA-256 of its secret.
 * :class:`AccessSync` keeps the gateway's in-memory view fresh: the active keys with their
   tenants (:class:`~llmgw.router.auth.AuthTable`) and the cluster setting
@@ -13,15 +14,15 @@
 from __future__ import annotations
 
 import logging
-import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import trio
 
+from llmgw.catalog.access import TenantSpec, check_key_name, generate_key
 from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
 from llmgw.router.app import Gateway
-from llmgw.router.auth import KeyEntry, Tenant, generate_key
+from llmgw.router.auth import KeyEntry, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -35,45 +36,16 @@ DEFAULT_USAGE_FLUSH_S = 10.0
 #: Bound on one reload or flush: the store's own statement timeouts are shorter.
 STORE_CALL_TIMEOUT_S = 30.0
 
-_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-_KEY_NAME_MAX = 200
-#: The largest limit a tenant may have (a UInt32 on the wire).
-_LIMIT_MAX = 2**32 - 1
-
-
-class AccessError(ValueError):
-    """Operator input for a tenant or key is invalid; the message names the field."""
-
-
-def validate_tenant(data: Mapping[str, Any]) -> TenantRecord:
-    """Return a :class:`TenantRecord` from ``name``, ``models`` (list or None: all),
-    ``max_concurrency``, ``rpm``, ``tpm``; raise :class:`AccessError` naming the bad field."""
-    name = data.get("name")
-    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
-        raise AccessError(
-            f"name: {name!r} is not a tenant name (letters, digits, '.', '_', '-'; up to 63, "
-            "starting with a letter or digit)"
-        )
-    models = data.get("models")
-    if models is not None:
-        if isinstance(models, str) or not isinstance(models, (list, tuple)):
-            raise AccessError("models: expected a list of model names, or nothing for every model")
-        if not all(isinstance(m, str) and m for m in models):
-            raise AccessError("models: every model name must be a non-empty string")
-        models = tuple(sorted(set(models)))
-    limits = {}
-    for field in ("max_concurrency", "rpm", "tpm"):
-        value = data.get(field, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _LIMIT_MAX:
-            raise AccessError(f"{field}: expected a whole number >= 0 (0: unlimited), got {value!r}")
-        limits[field] = value
-    return TenantRecord(name=name, models=models, **limits)
+def tenant_record(spec: TenantSpec) -> TenantRecord:
+    """Returns the store's record of a validated tenant (timestamps are the store's to set)."""
+    return TenantRecord(spec.name, spec.models, spec.max_concurrency, spec.rpm, spec.tpm)
 
 
 def new_api_key(tenant: str, name: str) -> tuple[ApiKeyRecord, str]:
-    """Return a new key's record (to store) and the key itself (to show once, never stored)."""
-    if len(name) > _KEY_NAME_MAX:
-        raise AccessError(f"name: at most {_KEY_NAME_MAX} characters")
+    """Return a new key's record (to store) and the key itself (to show once, never stored).
+
+    Raises :class:`llmgw.catalog.AccessError` if ``name`` is too long."""
+    check_key_name(name)
     made = generate_key()
     return ApiKeyRecord(made.key_id, tenant, name, made.secret_hash), made.key
 

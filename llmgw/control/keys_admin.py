@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from llmgw.control.keys import SERVING_STOPPED, new_api_key, validate_tenant
+from llmgw.catalog import validate_tenant
+from llmgw.control.keys import SERVING_STOPPED, new_api_key, tenant_record
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class AccessAdminMixin:
         _context.results.tenants = [tenant_dict(t) for t in tenants]
 
     async def putTenant(self, tenant: Any, create: bool, _context: Any, **_: Any) -> None:
-        record = validate_tenant(tenant_input(tenant))
+        record = tenant_record(validate_tenant(tenant_input(tenant)))
         create = bool(create)
         store = self._access_plane.store
         saved = await store.put_tenant(record, create_only=create)

@@ -37,10 +37,11 @@ import httpx
 import trio
 import zmq
 
+from llmgw.catalog.sources import is_remote
 from llmgw.node import shard_state
 from llmgw.node.engines import Engine, EngineRefused, base_environment
 from llmgw.node.engines import compute as engine_compute
-from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights, is_remote
+from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights
 from llmgw.node.kvevents import KvSubscriber
 from llmgw.node.process import (
     EngineProcess,

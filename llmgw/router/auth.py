@@ -4,30 +4,23 @@ The control plane keeps an :class:`AuthTable` in memory and replaces its content
 whenever tenants or keys change (:meth:`AuthTable.replace`), so authenticating a
 request is a dictionary look-up and one SHA-256, never a database round trip.
 
-Keys look like ``llmgw_<id>_<secret>``: ``id`` (hex) finds the row, ``secret`` (256
-random bits, URL-safe base64) is checked against the stored SHA-256 digest with a
-constant-time comparison. A plain hash is the right tool here: the secret is random
-and long, so there is nothing for a slow password hash to protect against.
+A key's ``id`` finds the row and its ``secret`` is checked against the stored SHA-256
+digest with a constant-time comparison; the key format (and why a plain hash is the
+right tool) is :mod:`llmgw.catalog.access`, shared with the control plane that makes keys.
 
 Everything here is synchronous and does no I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
 from typing import Iterable, Mapping
 
 import attrs
 
-from .errors import GatewayError
+from llmgw.catalog.access import secret_digest, split_key
 
-#: Every key starts with this, so a leaked key is recognisable (secret scanners, logs).
-KEY_PREFIX = "llmgw"
-#: Bytes of randomness in a key's id (hex in the key) and in its secret.
-KEY_ID_BYTES = 6
-KEY_SECRET_BYTES = 32  # 256 bits
+from .errors import GatewayError
 
 #: The tenant requests are accounted to when authentication is off.
 ANONYMOUS_TENANT = "anonymous"
@@ -65,38 +58,6 @@ class KeyEntry:
     key_id: str
     secret_hash: bytes
     tenant: Tenant
-
-
-@attrs.frozen
-class NewKey:
-    """A freshly generated key: ``key`` is shown to the operator once; only ``secret_hash`` is stored."""
-
-    key_id: str
-    key: str
-    secret_hash: str  # hex
-
-
-def hash_secret(secret: str) -> str:
-    """Return the hex SHA-256 digest of a key's secret part."""
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def generate_key() -> NewKey:
-    """Return a new random key (``llmgw_<id>_<secret>``) with its id and secret hash."""
-    key_id = secrets.token_hex(KEY_ID_BYTES)
-    secret = secrets.token_urlsafe(KEY_SECRET_BYTES)
-    return NewKey(key_id, f"{KEY_PREFIX}_{key_id}_{secret}", hash_secret(secret))
-
-
-def split_key(key: str) -> tuple[str, str] | None:
-    """Return ``(id, secret)`` of a key in llmgw's format, or None if it is not one."""
-    prefix, sep, rest = key.partition("_")
-    if prefix != KEY_PREFIX or not sep:
-        return None
-    key_id, sep, secret = rest.partition("_")
-    if not sep or not key_id or not secret:
-        return None
-    return key_id, secret
 
 
 def unauthorized(message: str) -> GatewayError:
@@ -166,5 +127,4 @@ class AuthTable:
         entry = self._keys.get(parts[0])
         if entry is None:
             return None
-        digest = hashlib.sha256(parts[1].encode()).digest()
-        return entry if hmac.compare_digest(digest, entry.secret_hash) else None
+        return entry if hmac.compare_digest(secret_digest(parts[1]), entry.secret_hash) else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
-from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta, adapters_to_dicts
+from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta, adapters_to_dicts, model_to_dict
 
 
 def _kv(mapping: Mapping[str, str]) -> list[dict[str, str]]:
@@ -19,6 +19,20 @@ def _kv(mapping: Mapping[str, str]) -> list[dict[str, str]]:
 
 def _from_kv(items: Any) -> dict[str, str]:
     return {item.key: item.value for item in items}
+
+
+def _capnp_names(data: Any) -> Any:
+    """Returns ``data`` with every mapping key in capnp's spelling (``memory_mb`` -> ``memoryMb``)."""
+    if isinstance(data, dict):
+        return {_camel(key): _capnp_names(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_capnp_names(item) for item in data]
+    return data
+
+
+def _camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(part.title() for part in rest)
 
 
 def hardware_dict(hw: Hardware) -> dict[str, Any]:
@@ -209,22 +223,11 @@ def shard_status_from(r: Any) -> ShardStatus:
 
 
 def model_dict(m: ModelSpec) -> dict[str, Any]:
-    p = m.profile
-    return {
-        "name": m.name,
-        "engine": m.engine,
-        "source": m.source,
-        "profile": {
-            "replicas": p.replicas,
-            "memoryMb": p.memory_mb,
-            "cpuCores": p.cpu_cores,
-            "gpus": p.gpus,
-            "engineArgs": list(p.engine_args),
-            "engineEnv": _kv(p.engine_env),
-        },
-        "adapters": adapters_to_dicts(m.adapters),
-        "maxLoadedAdapters": m.max_loaded_adapters,
-    }
+    """Returns ``m`` as a capnp ``Model``: :func:`llmgw.spec.model_to_dict` in capnp's spelling,
+    the engine environment as key/value pairs."""
+    data = model_to_dict(m)
+    data["profile"]["engine_env"] = _kv(m.profile.engine_env)
+    return _capnp_names(data)
 
 
 def model_from(r: Any) -> ModelSpec:

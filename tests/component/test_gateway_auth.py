@@ -14,10 +14,11 @@ import openai
 import pytest
 import trio
 
+from llmgw.catalog import generate_key
 from llmgw.router import LoadTracker, Replica, ReplicaTable, create_app, gateway_of, serve_gateway
 from llmgw.router.admission import Admission, AdmissionLimits
 from llmgw.router.app import Gateway
-from llmgw.router.auth import AuthTable, KeyEntry, Tenant, generate_key
+from llmgw.router.auth import AuthTable, KeyEntry, Tenant
 from llmgw.router.usage import Usage, UsageMeter
 from tests.component.upstream_fixture import FakeUpstream, ReceivedRequest, expected_stream_text
 

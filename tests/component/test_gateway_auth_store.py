@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import trio
 
-from llmgw.control.keys import SERVING_STOPPED, AccessError, AccessSync, new_api_key, validate_tenant
+from llmgw.catalog import AccessError, validate_tenant
+from llmgw.control.keys import SERVING_STOPPED, AccessSync, new_api_key
 from llmgw.control.store import ConflictError, open_store
 from llmgw.control.store.base import NotFoundError, TenantRecord, UsageRecord
 from llmgw.router import ReplicaTable

@@ -35,8 +35,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw.catalog import generate_key
 from llmgw.router import Replica, ReplicaTable, create_app, serve_gateway
-from llmgw.router.auth import AuthTable, KeyEntry, Tenant, generate_key
+from llmgw.router.auth import AuthTable, KeyEntry, Tenant
 from llmgw.sim import SimConfig, serve
 
 MODEL = "fuzz-model"

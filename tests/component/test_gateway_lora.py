@@ -17,11 +17,12 @@ import attrs
 import httpx
 import trio
 
+from llmgw.catalog import generate_key
 from llmgw.router import (
     LeastOutstanding, LoadTracker, Replica, ReplicaTable, RequestInfo, create_app, gateway_of, serve_gateway,
 )
 from llmgw.router.app import Gateway
-from llmgw.router.auth import AuthTable, KeyEntry, Tenant, generate_key
+from llmgw.router.auth import AuthTable, KeyEntry, Tenant
 from llmgw.router.replicas import ModelInfo
 from llmgw.sim import SimConfig, serve
 from llmgw.sim.engine import Engine

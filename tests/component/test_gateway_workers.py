@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from llmgw import kvhash
+from llmgw.catalog import generate_key
 from llmgw.config import RoutingConfig
 from llmgw.control import gateway_pool
 from llmgw.control.admin import _kv_alarms
@@ -28,7 +29,7 @@ from llmgw.control.gateway_pool import (
 )
 from llmgw.router.admission import AdmissionLimits
 from llmgw.router.app import Gateway, create_app, gateway_of
-from llmgw.router.auth import KeyEntry, Tenant, generate_key
+from llmgw.router.auth import KeyEntry, Tenant
 from llmgw.router.channel import Message
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.kvrouting import ALARM_TEXT

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.control.catalog import CatalogError, check_engine_args, model_to_dict, namespace_conflict, validate_model
+from llmgw.catalog import CatalogError, check_engine_args, model_to_dict, namespace_conflict, validate_model
 from llmgw.spec import Adapter, ModelSpec, Profile
 
 

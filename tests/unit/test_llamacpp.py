@@ -57,7 +57,7 @@ def test_gpu_shard_offloads_all_layers_and_sees_only_its_gpus() -> None:
 
 
 def test_the_retired_lora_hook_is_refused_with_what_replaced_it() -> None:
-    from llmgw.node.engines.safety import UnsafeSetting, check
+    from llmgw.catalog.engine_options import UnsafeSetting, check
 
     with pytest.raises(UnsafeSetting, match="--adapter NAME=SOURCE"):
         check("llama.cpp", ["--llmgw-lora=/a/x.gguf"], {})

@@ -1,12 +1,12 @@
-"""The engine argument/environment policy (llmgw/node/engines/safety.py), family by family."""
+"""The engine argument/environment policy (llmgw/catalog/engine_options.py), family by family."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmgw.control.catalog import CatalogError, check_engine_args
+from llmgw.catalog import CatalogError, check_engine_args
 from llmgw.node.engines import EngineRefused, check_refused
-from llmgw.node.engines.safety import UnsafeSetting, check, llmgw_options, option_name, violations
+from llmgw.catalog.engine_options import UnsafeSetting, check, llmgw_options, option_name, violations
 from llmgw.spec import ShardSpec
 
 

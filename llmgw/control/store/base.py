@@ -162,7 +162,7 @@ class Store(abc.ABC):
 
         With ``create_only`` an existing entry of the same name raises :class:`ConflictError`;
         without it the entry is replaced (its ``created_at`` is kept). The spec is expected
-        to have passed :func:`llmgw.control.catalog.validate_model` already.
+        to have passed :func:`llmgw.catalog.validate_model` already.
         """
 
     @abc.abstractmethod

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 import attrs
 import trio
 
-from llmgw.control.catalog import namespace_conflict
+from llmgw.catalog import namespace_conflict
 from llmgw.control.store.base import (
     ApiKeyRecord,
     AuditEntry,

@@ -19,6 +19,7 @@ import fnmatch
 import os
 from typing import Mapping, Protocol, runtime_checkable
 
+from llmgw.catalog import engine_options
 from llmgw.spec import EngineInfo, ShardSpec
 
 __all__ = [
@@ -108,13 +109,11 @@ def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
 def check_refused(spec: ShardSpec) -> None:
     """Raises :class:`EngineRefused` if ``spec`` uses a refused argument or env variable.
 
-    The policy is :mod:`llmgw.node.engines.safety` (the catalog applies the same one).
+    The policy is :mod:`llmgw.catalog.engine_options` (the catalog applies the same one).
     The message names the shard and every offending argument and variable, so an
     operator can fix the model's profile in one go. Returns None when everything is allowed.
     """
-    from llmgw.node.engines import safety
-
-    found = safety.violations(spec.engine, spec.args, spec.env)
+    found = engine_options.violations(spec.engine, spec.args, spec.env)
     if found:
         problems = "; ".join(str(v) for v in found)
         raise EngineRefused(

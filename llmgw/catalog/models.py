@@ -1,9 +1,11 @@
-"""Catalog validation: user input (YAML, JSON, CLI flags) -> ModelSpec, with precise errors.
+"""Model validation: user input (YAML, JSON, CLI flags) -> ModelSpec, with precise errors.
 
 :func:`validate_model` is the only way a model enters the catalog; every error names the
 field path and the reason (``profile.replicas: must be an integer >= 0, got -1``).
-:func:`model_to_dict` is its inverse. :func:`check_engine_args` is the hook for engine
-argument/environment policy; the node calls it again before it starts an engine.
+:func:`llmgw.spec.model_to_dict` is its inverse. :func:`check_engine_args` applies the
+engine argument/environment policy (:mod:`llmgw.catalog.engine_options`), which the node
+applies again before it starts an engine. :func:`namespace_conflict` is the rule a write
+checks against the rest of the catalog. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-from llmgw.node.fetch import FetchError, is_remote, parse_source
-from llmgw.spec import ADAPTER_ENGINES, FREE_SOURCE_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile, adapters_to_dicts
+from llmgw.catalog.engine_options import violations
+from llmgw.catalog.sources import SourceError, is_remote, parse_source
+from llmgw.spec import ADAPTER_ENGINES, FREE_SOURCE_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile
+
+__all__ = [
+    "KNOWN_ENGINES",
+    "NAME_PATTERN",
+    "CatalogError",
+    "check_engine_args",
+    "namespace_conflict",
+    "validate_model",
+]
 
 #: Engines a model may name; each has an adapter in llmgw/node/engines.
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
@@ -26,9 +38,6 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOP_KEYS = ("name", "engine", "source", "profile", "adapters", "max_loaded_adapters")
 _ADAPTER_KEYS = ("name", "source")
 _PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env")
-
-#: The argument/environment policy lives with the engines (the node applies it again
-#: before start): llmgw/node/engines/safety.py.
 
 
 class CatalogError(ValueError):
@@ -102,13 +111,6 @@ def _env(value: Any, path: str) -> dict[str, str]:
     return dict(value)
 
 
-def _option_name(arg: str) -> str | None:
-    """Return the normalised option name of ``arg`` (``--a_b=1`` -> ``--a-b``), or None."""
-    if not arg.startswith("--"):
-        return None
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
 def check_engine_args(
     engine: str, args: Sequence[str], env: Mapping[str, str], *, path: str = "profile"
 ) -> None:
@@ -118,11 +120,9 @@ def check_engine_args(
     CatalogError naming the first offending argument (``{path}.engine_args[i]``) or
     variable (``{path}.engine_env.NAME``) and why. The policy (an allowlist of tuning
     variables; options that read, write or load, or that the agent sets, refused) is
-    :mod:`llmgw.node.engines.safety`, which the node applies again before start.
+    :mod:`llmgw.catalog.engine_options`, which the node applies again before start.
     """
-    from llmgw.node.engines import safety
-
-    found = safety.violations(engine, args, env)
+    found = violations(engine, args, env)
     if found:
         raise CatalogError(f"{path}.{found[0].where}", found[0].reason)
 
@@ -155,7 +155,7 @@ def _check_source(source: str, path: str, engine: str, what: str) -> None:
     if is_remote(source):
         try:
             parse_source(source)
-        except FetchError as exc:
+        except SourceError as exc:
             raise CatalogError(path, str(exc)) from None
     elif not source.startswith("/"):
         raise CatalogError(
@@ -280,23 +280,3 @@ def validate_model(data: Mapping[str, Any]) -> ModelSpec:
         adapters=adapters,
         max_loaded_adapters=_max_loaded(engine, data, adapters),
     )
-
-
-def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
-    """Return ``spec`` as plain JSON-friendly data; ``validate_model`` of it gives ``spec`` back."""
-    profile = spec.profile
-    return {
-        "name": spec.name,
-        "engine": spec.engine,
-        "source": spec.source,
-        "profile": {
-            "replicas": profile.replicas,
-            "memory_mb": profile.memory_mb,
-            "cpu_cores": profile.cpu_cores,
-            "gpus": profile.gpus,
-            "engine_args": list(profile.engine_args),
-            "engine_env": dict(profile.engine_env),
-        },
-        "adapters": adapters_to_dicts(spec.adapters),
-        "max_loaded_adapters": spec.max_loaded_adapters,
-    }

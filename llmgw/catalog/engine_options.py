@@ -1,8 +1,10 @@
 """What a model's profile may pass to an engine: the argument and environment policy.
 
-One policy, applied twice: by catalog validation (a model that breaks it never enters
-the catalog) and by the node right before it starts an engine (the node is the one that
-runs the process, and a catalog written by an older llmgw may hold anything).
+One policy, applied twice: by catalog validation (:func:`llmgw.catalog.validate_model`: a
+model that breaks it never enters the catalog) and by the node right before it starts an
+engine (:func:`llmgw.node.engines.check_refused`: the node is the one that runs the
+process, and a catalog written by an older llmgw may hold anything). Plain data and pure
+functions, so both sides read the same table without importing each other.
 
 Environment: for real engines an **allowlist** of tuning families (:data:`ENV_FAMILIES`:
 OpenMP, BLAS, CUDA and NCCL tuning, the engine's own ``VLLM_*``/``SGLANG_*``/``GGML_*``
