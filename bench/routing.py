@@ -51,11 +51,11 @@ import trio
 
 from llmgw import kvhash
 from llmgw.node.kvevents import KvSubscriber
+from llmgw.router.http.upstream import UpstreamClient
 from llmgw.router.kvindex import KvIndex
-from llmgw.router.kvrouting import KvAwarePolicy, RoundRobin, RoutingObserver
+from llmgw.router.kvrouting import KvAwarePolicy, RoundRobin
 from llmgw.router.prefixtree import path_hashes, prompt_text
-from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
-from llmgw.router.upstream import UpstreamClient
+from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver
 from llmgw.sim.launch import DEFAULT_START_TIMEOUT_S, SimProcess, free_tcp_port, start_sim
 from llmgw.spec import KvDelta
 

@@ -20,8 +20,8 @@ from .replicas import (
     RequestInfo,
     RoutingPolicy,
 )
-from .serve import serve_gateway
-from .upstream import UpstreamClient, UpstreamTimeouts
+from .http.serve import serve_gateway
+from .http.upstream import UpstreamClient, UpstreamTimeouts
 
 __all__ = [
     "CatalogModel",

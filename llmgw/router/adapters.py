@@ -50,7 +50,7 @@ from llmgw.spec import LORA_FIELD_ENGINES, ON_DEMAND_ADAPTER_ENGINES
 from . import errors
 from .auth import Tenant, model_not_allowed
 from .replicas import LoadTracker, Replica, ReplicaTable
-from .upstream import UpstreamClient, UpstreamConnectError, describe_error
+from .http.upstream import UpstreamClient, UpstreamConnectError, describe_error
 
 if TYPE_CHECKING:
     from .metrics import GatewayMetrics

@@ -23,27 +23,29 @@ import contextlib
 import contextvars
 import json
 import logging
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 import httpx
 import trio
-from quart import Response, g, request
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import errors, h1fastlane, hypercorn_fast, hypercorn_fix
+from llmgw.config.defaults import DEFAULT_MAX_REQUEST_BYTES
+from llmgw.spec import KvDelta
+
+from . import errors
+from .adapters import NO_HOLD, Adapters, Target, UpstreamAdmin
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
-from .fastpath import FastForward, ForwardCall, ForwardResult, request_id_from
-from .h1fastlane import FAST_LANE_KEY
-from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, RoutingPolicy
+from .http.extensions import FAST_LANE_KEY, REQUEST_ID_KEY
+from .http.forward import FastForward, ForwardCall, ForwardResult
+from .http.upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
+from .http.upstream_pool import H1Response
 from .kvindex import KvIndex
-from llmgw.spec import KvDelta
-from .h1pool import H1Response
-from .upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
+from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, RoutingPolicy
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
-from .adapters import NO_HOLD, Adapters, UpstreamAdmin
 
 # -- observability (metrics, tracing, deadlines: llmgw/router/{metrics,tracing,instrument}.py)
 from .instrument import TRACE_KEY, Instrumentation
@@ -52,21 +54,10 @@ from .tracing import GatewayTracer
 
 log = logging.getLogger(__name__)
 
-# Hypercorn 0.18 can crash the whole server on a close race (see hypercorn_fix.py).
-hypercorn_fix.install()
-# Hypercorn's per-response idle-timer churn and split head/body writes (see hypercorn_fast.py).
-hypercorn_fast.install()
-# Simple, complete HTTP/1.1 requests skip h11 and Hypercorn's per-request stream (see h1fastlane.py).
-h1fastlane.install()
-
 # Attempts per request: the chosen replica plus one other if the first refused the
 # connection. More would add latency for little gain: the control plane takes a dead
 # replica out of the table within a heartbeat.
 MAX_ATTEMPTS = 2
-
-# Largest request body accepted (413 above it). Long-context prompts are well under
-# 1 MB of JSON; 16 MiB leaves room for big embedding batches.
-MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 # Seconds allowed to receive the request body from the client.
 BODY_TIMEOUT_S = 60.0
@@ -96,11 +87,11 @@ class _RequestCleanup:
     iterating the body, or a failure while sending headers.
 
     It also shields the last ``http.response.body`` message from cancellation (except on
-    the fast lane, which needs no shield: :data:`~llmgw.router.h1fastlane.FAST_LANE_KEY`). Hypercorn
-    finishes the exchange inside that ``send`` (closes a ``Connection: close`` /
+    the fast lane, which needs no shield: :data:`~llmgw.router.http.extensions.FAST_LANE_KEY`).
+    Hypercorn finishes the exchange inside that ``send`` (closes a ``Connection: close`` /
     HTTP/1.0 connection, or re-arms the keep-alive idle timer), and that same ``send``
     delivers ``http.disconnect`` to the app's receiver, which (in Quart-Trio and in
-    :class:`~llmgw.router.fastpath.FastForward`) cancels the request at once; unshielded,
+    :class:`~llmgw.router.http.forward.FastForward`) cancels the request at once; unshielded,
     the cancellation lands in Hypercorn's close and the connection stays open forever.
     """
 
@@ -120,7 +111,7 @@ class _RequestCleanup:
             else:
                 await send(message)
 
-        # The fast lane finishes its exchange by itself, cancelled or not (h1fastlane.py).
+        # The fast lane finishes its exchange by itself, cancelled or not (http/h1lane.py).
         extensions = scope.get("extensions")
         lane = extensions is not None and FAST_LANE_KEY in extensions
         async with contextlib.AsyncExitStack() as stack:
@@ -157,7 +148,7 @@ class Gateway:
         auth: AuthTable | None = None,
         admission: Admission | None = None,
         usage: UsageMeter | None = None,
-        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         metrics: GatewayMetrics | None = None,
         tracer: GatewayTracer | None = None,
     ) -> None:
@@ -174,8 +165,8 @@ class Gateway:
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
         # KV-cache blocks per replica, fed by the control plane (kv_update/kv_forget); a
         # KV-aware policy (llmgw/router/kvrouting.py) brings its own index and reads it.
-        policy_index = getattr(self.policy, "index", None)
-        self.kv_index: KvIndex = policy_index if isinstance(policy_index, KvIndex) else KvIndex()
+        policy_index = self.policy.index
+        self.kv_index: KvIndex = policy_index if policy_index is not None else KvIndex()
         self.timeouts = timeouts
         self.upstream: UpstreamClient | None = None
         # Observability: metrics served on /metrics (in-flight read from ``load``); the
@@ -188,9 +179,7 @@ class Gateway:
         # LoRA adapters: names resolved to models, loads on demand (llmgw/router/adapters.py).
         self.adapters = Adapters(table, self.load, UpstreamAdmin(self.upstream_client), metrics=self.metrics)
         self.metrics.bind_kv(self.kv_index)
-        attach = getattr(self.policy, "attach_observer", None)  # routing decisions, hash alarms -> metrics
-        if attach is not None:
-            attach(self.metrics)
+        self.policy.attach_observer(self.metrics)  # routing decisions, hash alarms -> metrics
         if self.admission.metrics is None:
             self.admission.metrics = self.metrics
         self.tracer = tracer
@@ -206,14 +195,15 @@ class Gateway:
         # read deadline between chunks instead of a total response timeout.
         app.config["RESPONSE_TIMEOUT"] = None
         app.extensions["llmgw.gateway"] = self
-        # POSTs on the forwarded paths skip Quart (llmgw/router/fastpath.py: same forward()).
-        app.asgi_app = FastForward(app.asgi_app, self, FORWARDED_PATHS, BODY_TIMEOUT_S)  # type: ignore[method-assign]
+        # POSTs on the forwarded paths skip Quart (llmgw/router/http/forward.py runs forward());
+        # every request gets its id there.
+        forward = FastForward(app.asgi_app, self.forward, app.config, FORWARDED_PATHS, BODY_TIMEOUT_S)
+        app.asgi_app = forward  # type: ignore[method-assign]
         app.asgi_app = _RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
         app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]
 
         app.before_serving(self._start)
         app.after_serving(self._stop)
-        app.before_request(self._assign_request_id)
         app.after_request(self._tag_response)
         app.register_error_handler(GatewayError, self._on_gateway_error)
         app.register_error_handler(HTTPException, self._on_http_exception)
@@ -224,46 +214,40 @@ class Gateway:
         app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])
         for path in FORWARDED_PATHS:
-            app.add_url_rule(path, path, self._forward, methods=["POST"])
+            # Only so that other methods get Quart's 405: FastForward serves every POST here.
+            app.add_url_rule(path, path, _served_by_fast_forward, methods=["POST"])
         return app
 
     async def _start(self) -> None:
         self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)
-        bind = getattr(self.policy, "bind_upstream", None)  # a KV-aware policy tokenizes through it
-        if bind is not None:
-            bind(self.upstream)
+        self.policy.bind_upstream(self.upstream)  # a KV-aware policy tokenizes through it
 
     async def _stop(self) -> None:
         upstream, self.upstream = self.upstream, None
-        bind = getattr(self.policy, "bind_upstream", None)
-        if bind is not None:
-            bind(None)
+        self.policy.bind_upstream(None)
         if upstream is not None:
             await upstream.aclose()
         if self.tracer is not None:
             await self.tracer.aclose()
 
-    async def _assign_request_id(self) -> None:
-        g.request_id = request_id_from(request.headers.get("x-request-id"))
-
     async def _tag_response(self, response: Response) -> Response:
-        request_id = getattr(g, "request_id", None)
+        request_id = _request_id()
         if request_id and "x-request-id" not in response.headers:
             response.headers["x-request-id"] = request_id
         return response
 
     async def _on_gateway_error(self, error: GatewayError) -> Response:
-        return errors.error_response(error, getattr(g, "request_id", None))
+        return errors.error_response(error, _request_id())
 
     async def _on_http_exception(self, error: HTTPException) -> Response:
         status = error.code or 500
         message = error.description or error.name
         if status == 404:
             message = f"No such endpoint: {request.method} {request.path}. The gateway serves /v1/*."
-        return errors.error_response(errors.http_error(status, message), getattr(g, "request_id", None))
+        return errors.error_response(errors.http_error(status, message), _request_id())
 
     async def _on_unexpected(self, error: Exception) -> Response:
-        request_id = getattr(g, "request_id", None)
+        request_id = _request_id()
         log.error("gateway request %s failed", request_id, exc_info=error)
         return errors.error_response(errors.internal_error(request_id), request_id)
 
@@ -304,47 +288,41 @@ class Gateway:
         until :meth:`kv_forget`).
         """
         self.kv_index.apply(replica_id, delta)
-        applied = getattr(self.policy, "kv_applied", None)
-        if applied is not None:
-            applied(replica_id, delta)
+        self.policy.kv_applied(replica_id, delta)
 
     def kv_forget(self, replica_id: str) -> None:
         """Drop everything known about ``replica_id``'s KV cache (its shard stopped or its
         session ended); routing falls back to approximate for it until a new full copy."""
         self.kv_index.forget(replica_id)
-        forgotten = getattr(self.policy, "kv_forgotten", None)
-        if forgotten is not None:
-            forgotten(replica_id)
+        self.policy.kv_forgotten(replica_id)
 
     # -- forwarding -----------------------------------------------------------------------
 
-    async def _forward(self) -> Response:
-        """The Quart view of the forwarded paths; returns :meth:`forward`'s answer as a Response.
-
-        Served POSTs normally never get here: :class:`~llmgw.router.fastpath.FastForward`
-        runs :meth:`forward` without Quart. This view serves callers that bypass the ASGI
-        middlewares (Quart's test client).
-        """
-
-        async def read_body() -> bytes:
-            body = await request.get_data(cache=False)
-            assert isinstance(body, bytes)
-            return body
-
-        call = ForwardCall(request.path, request.query_string, request.headers, g.request_id,
-                           request.content_length, request.max_content_length, request.scope, read_body)
-        status, headers, content = await self.forward(call)
-        return Response(content, status=status, headers=headers)
-
     async def forward(self, call: ForwardCall) -> ForwardResult:
-        """Route the request to a replica and return (status, headers, body) (see the module docstring).
+        """Serve one forwarded request; return (status, headers, body) (see the module docstring).
 
         The body is bytes, or for an event stream an async iterator of chunks that
         releases the replica's lease when it ends or is closed (the caller must close it).
 
-        Order: key (401), ``serving.stopped`` (503), size (413), body (400), the tenant's
-        models (403), catalog (404), ready replicas (503), admission (429/503), route.
-        Raises GatewayError for anything the client should see as an error.
+        The request passes the stages in order, each a method below: :meth:`_resolve`
+        (key 401, ``serving.stopped`` 503, size 413, body 400, the tenant's models 403,
+        catalog 404, ready replicas 503), :meth:`_admit` (429/503), :meth:`_route` (a
+        replica chosen and the request sent to it, once more elsewhere if it refused),
+        :meth:`_relay`; the accounting (:meth:`_Request.account`) runs when the answer's
+        body is done. Raises GatewayError for anything the client should see as an error.
+        """
+        forwarded = await self._resolve(call)
+        candidates = await self._admit(forwarded)
+        response = await self._route(forwarded, candidates)
+        return await self._relay(forwarded, response)
+
+    async def _resolve(self, call: ForwardCall) -> _Request:
+        """Return ``call`` resolved, once: its tenant, body, model or LoRA adapter, and the
+        ready replicas that serve it (at least one).
+
+        Raises GatewayError: 401 (key), 503 (``serving.stopped``), 413 (size), 400 (body),
+        403 (the tenant's models), 404 (not in the catalog), 503 (no ready replica; the
+        gateway shutting down).
         """
         tenant = self.auth.authenticate(call.headers.get("authorization"))
         labels = call.scope.setdefault("extensions", {}).setdefault("llmgw", {})
@@ -371,21 +349,50 @@ class Gateway:
         upstream = self.upstream
         if upstream is None:
             raise GatewayError(503, "The gateway is shutting down.", "service_unavailable")
-
-        stack = _request_stack()
         trace = call.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
+        return _Request(call, tenant, info, target, body, labels, trace, _request_stack(), upstream,
+                        len(candidates), self.usage, self.admission)
+
+    async def _admit(self, forwarded: _Request) -> Sequence[Replica]:
+        """Wait for the tenant's turn (:class:`~llmgw.router.admission.Admission`); return the
+        ready replicas serving the request now (the table may have changed while it waited).
+
+        The admission ticket goes on the request; it is released when the request ends,
+        or earlier by :meth:`_Request.account`. A stream is sent asking for its usage.
+        Raises GatewayError 429/503 (admission refused), 503 (no ready replica left).
+        """
+        info = forwarded.info
+        trace = forwarded.trace
         with trace.span("admission") if trace is not None else _NO_SPAN:
             ticket = await self.admission.admit(
-                tenant, info.model, len(candidates), lambda: estimate_tokens(info.body)
+                forwarded.tenant, info.model, forwarded.ready, lambda: estimate_tokens(info.body)
             )
-        stack.callback(ticket.release)
-        candidates = self.adapters.serving(target, self.table.replicas(target.model) or ())  # it may have changed while queued
+        forwarded.stack.callback(ticket.release)
+        target = forwarded.target
+        candidates = self.adapters.serving(target, self.table.replicas(target.model) or ())
         if not candidates:
             raise errors.no_ready_replica(info.model)
         strip_usage = False
         if info.stream:
-            body, strip_usage = _ask_for_usage(info.body, body)
-        accounting = _Accounting(self.usage, self.admission, ticket, tenant, info.model, strip_usage)
+            forwarded.body, strip_usage = _ask_for_usage(info.body, forwarded.body)
+        forwarded.admitted(ticket, strip_usage)
+        return candidates
+
+    async def _route(self, forwarded: _Request, candidates: Sequence[Replica]) -> H1Response:
+        """Choose a replica among ``candidates``, send the request; return the response (its head read).
+
+        The chosen replica's lease is set on the request (:attr:`_Request.lease`); it and
+        the response are released when the request ends at the latest. A replica that
+        refuses the connection is left out and another one chosen, and a replica that lost
+        a LoRA adapter the gateway loaded gets it loaded again, within
+        :data:`MAX_ATTEMPTS` in all. Raises GatewayError 504 (the replica timed out), 502
+        (it failed, or no replica could be reached).
+        """
+        call = forwarded.call
+        info = forwarded.info
+        target = forwarded.target
+        stack = forwarded.stack
+        trace = forwarded.trace
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             remaining = [r for r in candidates if r.id not in tried]
@@ -393,15 +400,11 @@ class Gateway:
                 break
             if tried:
                 self.metrics.retry(info.model)
-            remaining = self.adapters.prefer(target, remaining)  # LoRA: warm, unsaturated replicas first
-            with trace.span("schedule") if trace is not None else _NO_SPAN:
-                replica = self.policy.choose(remaining, info)
-                if not isinstance(replica, Replica):  # a KV-aware policy is async (it may tokenize)
-                    replica = await replica
+            replica = await self._choose(forwarded, remaining)
             lease = self.load.acquire(replica.id)
             stack.callback(lease.release)
             # LoRA: llama.cpp's per-request lora field; the adapter loaded on the replica if needed.
-            send_body = self.adapters.body_for(replica, target, body, tenant)
+            send_body = self.adapters.body_for(replica, target, forwarded.body, forwarded.tenant)
             adapter_hold = await self.adapters.acquire(replica, target, call.request_id)
             if adapter_hold is not NO_HOLD:
                 stack.callback(adapter_hold.release)
@@ -410,7 +413,7 @@ class Gateway:
                 span, trace_headers = trace.start_upstream(replica.id)
                 stack.callback(trace.end, span)
             try:
-                response = await upstream.open(
+                response = await forwarded.upstream.open(
                     replica,
                     "POST",
                     call.path,
@@ -439,63 +442,106 @@ class Gateway:
                 adapter_hold.release()
                 await close_quietly(response)
                 continue
-            labels["replica"] = replica.id
-            return await self._relay(response, lease, info, accounting, call.request_id)
+            forwarded.labels["replica"] = replica.id
+            forwarded.lease = lease
+            return response
         raise errors.replicas_unreachable(info.model, len(tried))
 
-    async def _relay(
-        self, upstream: H1Response, lease: Lease, info: RequestInfo, accounting: _Accounting, request_id: str
-    ) -> ForwardResult:
-        """Return (status, headers, body) for ``upstream``; releases ``lease`` when the body is done."""
+    async def _choose(self, forwarded: _Request, remaining: Sequence[Replica]) -> Replica:
+        """Return the replica the policy picks among ``remaining`` (LoRA: warm, unsaturated ones first)."""
+        remaining = self.adapters.prefer(forwarded.target, remaining)
+        trace = forwarded.trace
+        with trace.span("schedule") if trace is not None else _NO_SPAN:
+            replica = self.policy.choose(remaining, forwarded.info)
+            if not isinstance(replica, Replica):  # a KV-aware policy is async (it may tokenize)
+                replica = await replica
+        return replica
+
+    async def _relay(self, forwarded: _Request, upstream: H1Response) -> ForwardResult:
+        """Return (status, headers, body) for the replica's answer ``upstream``.
+
+        A whole body is read under the upstream deadlines, then the lease is released, the
+        response closed and the request accounted; an event stream is returned as an
+        iterator that does all three when it ends (:func:`_relay_stream`). Raises
+        GatewayError 504/502 if a whole body cannot be read.
+        """
+        lease = forwarded.lease
+        assert lease is not None
+        request_id = forwarded.call.request_id
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"content-type": content_type, "x-request-id": request_id}
         if content_type.split(";")[0].strip().lower() == _EVENT_STREAM:
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
             chunks = self.upstream_client().iter_body(upstream, lease.replica_id)  # under deadlines
-            return upstream.status_code, headers, _relay_stream(upstream, lease, info.model, request_id, accounting, chunks)
+            return upstream.status_code, headers, _relay_stream(upstream, forwarded, chunks)
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
-            raise errors.upstream_timeout(info.model, describe_error(error)) from error
+            raise errors.upstream_timeout(forwarded.info.model, describe_error(error)) from error
         except httpx.HTTPError as error:
-            raise errors.upstream_failed(info.model, describe_error(error)) from error
+            raise errors.upstream_failed(forwarded.info.model, describe_error(error)) from error
         finally:
             lease.release()
             await close_quietly(upstream)
-        accounting.done(usage_from_body(content) if upstream.status_code == 200 else None)
+        forwarded.account(usage_from_body(content) if upstream.status_code == 200 else None)
         return upstream.status_code, headers, content
 
 
-class _Accounting:
-    """Ends one admitted request's accounting: usage to the meter (and metrics), the
-    token budget settled, the admission slot freed. :meth:`done` runs once."""
+class _Request:
+    """One forwarded request as it passes the stages of :meth:`Gateway.forward`.
 
-    __slots__ = ("meter", "admission", "ticket", "tenant", "model", "stream")
+    :meth:`Gateway._resolve` makes it (tenant, parsed body, LoRA target: resolved once
+    and read by every later stage), :meth:`Gateway._admit` adds the admission ticket
+    and the stream's usage watch (:meth:`admitted`), :meth:`Gateway._route` the chosen
+    replica's lease. ``stack`` is the request's exit stack (see ``_RequestCleanup``).
+    :meth:`account` ends the request's accounting into ``meter`` and ``admission``.
+    """
+
+    __slots__ = ("call", "tenant", "info", "target", "body", "labels", "trace", "stack", "upstream", "ready",
+                 "lease", "meter", "admission", "ticket", "stream")
 
     def __init__(
-        self, meter: UsageMeter, admission: Admission, ticket: Ticket, tenant: Tenant, model: str,
-        strip_usage: bool,
+        self, call: ForwardCall, tenant: Tenant, info: RequestInfo, target: Target, body: bytes,
+        labels: dict[str, str], trace: Any, stack: contextlib.AsyncExitStack, upstream: UpstreamClient,
+        ready: int, meter: UsageMeter, admission: Admission,
     ) -> None:
+        self.call = call
+        self.tenant = tenant
+        self.info = info
+        self.target = target
+        self.body = body  # as sent upstream (a stream's asks for usage)
+        self.labels = labels
+        self.trace = trace
+        self.stack = stack
+        self.upstream = upstream
+        self.ready = ready  # ready replicas when resolved (admission's queue-length hint)
         self.meter = meter
         self.admission = admission
+        self.lease: Lease | None = None
+        self.ticket: Ticket | None = None
+        self.stream: StreamUsage | None = None
+
+    def admitted(self, ticket: Ticket, strip_usage: bool) -> None:
+        """Record the admission ``ticket`` (settled by :meth:`account`) and start the usage
+        watch of a streamed answer (``strip_usage``: the client did not ask for the usage chunk)."""
         self.ticket = ticket
-        self.tenant = tenant
-        self.model = model
         self.stream = StreamUsage(strip=strip_usage)
 
-    def done(self, usage: Usage | None) -> None:
-        ticket: Ticket | None = self.ticket
+    def account(self, usage: Usage | None) -> None:
+        """End the request's accounting: usage to the meter (and metrics), the token budget
+        settled, the admission slot freed. Runs once; later calls do nothing."""
+        ticket = self.ticket
         self.ticket = None
         if ticket is None:
             return
         ticket.release()
-        self.meter.record(self.tenant.name, self.model, usage)
+        self.meter.record(self.tenant.name, self.info.model, usage)
         if usage is not None:
             ticket.settle(usage.total)
             metrics = self.admission.metrics
             if metrics is not None:
-                metrics.usage(self.tenant.name, self.model, usage.prompt_tokens, usage.completion_tokens)
+                metrics.usage(self.tenant.name, self.info.model, usage.prompt_tokens, usage.completion_tokens)
 
 
 def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]:
@@ -511,18 +557,18 @@ def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]
     return json.dumps(changed).encode(), True
 
 
-async def _relay_stream(
-    upstream: H1Response, lease: Lease, model: str, request_id: str, accounting: _Accounting,
-    body: AsyncIterator[bytes],
-) -> AsyncIterator[bytes]:
-    """Yield the upstream body's bytes as they arrive; release ``lease`` and close at the end.
+async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Yield the upstream body's bytes as they arrive; at the end release the request's
+    lease, close ``upstream`` and account the request.
 
     If the replica breaks the stream (closes it early, goes silent past the read
     deadline) the client gets one final SSE event ``data: {"error": {...}}`` (which
     OpenAI clients raise as an error) instead of a silently truncated answer.
     Cancellation (client gone) closes the upstream connection and propagates.
     """
-    watch = accounting.stream
+    watch = forwarded.stream
+    assert watch is not None  # set when admitted, before any answer
+    model = forwarded.info.model
     try:
         try:
             async with contextlib.aclosing(body) as chunks:  # type: ignore[type-var]
@@ -542,11 +588,13 @@ async def _relay_stream(
         rest = watch.flush()
         if rest:
             yield rest
-        log.warning("request %s: stream from replica broke: %s", request_id, failure.message)
+        log.warning("request %s: stream from replica broke: %s", forwarded.call.request_id, failure.message)
         yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
     finally:
-        lease.release()
-        accounting.done(watch.usage)
+        lease = forwarded.lease
+        if lease is not None:
+            lease.release()
+        forwarded.account(watch.usage)
         await close_quietly(upstream)
 
 
@@ -572,6 +620,21 @@ def _parse_request(path: str, body: bytes) -> RequestInfo:
     return RequestInfo(path=path, model=model, stream=parsed.get("stream") is True, body=parsed)
 
 
+def _request_id() -> str | None:
+    """Return the current Quart request's id, given by :class:`~llmgw.router.http.forward.FastForward`."""
+    extensions = request.scope.get("extensions")
+    return extensions.get(REQUEST_ID_KEY) if extensions is not None else None
+
+
+async def _served_by_fast_forward() -> Response:
+    """The Quart view of the forwarded paths, there only for Quart's 405 on other methods.
+
+    :class:`~llmgw.router.http.forward.FastForward` serves every POST on these paths
+    before Quart sees it; reaching this view is a bug (answered 500).
+    """
+    raise RuntimeError("a forwarded POST reached Quart: the FastForward middleware is missing")
+
+
 def _json(value: object, status: int = 200) -> Response:
     return Response(json.dumps(value), status=status, content_type="application/json")
 
@@ -594,7 +657,7 @@ def create_app(
     auth: AuthTable | None = None,
     admission: Admission | None = None,
     usage: UsageMeter | None = None,
-    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics: GatewayMetrics | None = None,
     tracer: GatewayTracer | None = None,
 ) -> QuartTrio:

@@ -40,20 +40,19 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import attrs
 
-from llmgw.config import (
-    DEFAULT_AGREEMENT_WINDOW, DEFAULT_MISMATCH_ALARM_AFTER, DEFAULT_UNCONFIRMED_TTL, ROUTING_POLICIES, RoutingConfig,
-)
+from llmgw.config import ROUTING_POLICIES, RoutingConfig
+from llmgw.config.defaults import DEFAULT_AGREEMENT_WINDOW, DEFAULT_MISMATCH_ALARM_AFTER, DEFAULT_UNCONFIRMED_TTL
 from llmgw.spec import KvDelta
 
 from .kvindex import KvIndex
 from .prefixtree import PrefixTree, path_hashes, prompt_text
-from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
+from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver, RoutingPolicy
 from .tokens import TokenHasher, cache_salt
 
 log = logging.getLogger(__name__)
 
 # The tunables operators may set (load gate, unconfirmed TTL, agreement window, alarm
-# threshold) are RoutingConfig's, with their defaults and reasons in llmgw/config.py.
+# threshold) are RoutingConfig's, with their defaults and reasons in llmgw/config/defaults.py.
 
 #: Consecutive routed requests after which the replica still had reported no block at
 #: all: its events are missing; it is routed approximately until it reports again.
@@ -80,19 +79,6 @@ class Decision:
     kind: str
     matched: int
     total: int
-
-
-class RoutingObserver:
-    """Receives routing events (the gateway's metrics implement it); the default ignores them."""
-
-    def decision(self, model: str, kind: str, matched: int, total: int) -> None:
-        """One request routed among several candidates."""
-
-    def mismatch(self, model: str, replica_id: str) -> None:
-        """One routed request whose blocks the replica never reported."""
-
-    def alarm(self, model: str, replica_id: str, raised: bool) -> None:
-        """The hash-agreement alarm of ``replica_id`` was raised or cleared."""
 
 
 # -- hash agreement ----------------------------------------------------------------------
@@ -273,13 +259,15 @@ class Unconfirmed:
 # -- the policy --------------------------------------------------------------------------
 
 
-class KvAwarePolicy:
+class KvAwarePolicy(RoutingPolicy):
     """Routes by KV-cache hits and load (see the module docstring).
 
     ``index`` is the KV index the gateway feeds (:meth:`~llmgw.router.app.Gateway.kv_update`);
     ``hasher`` turns requests into block hashes (bound to the gateway's upstream client
     when it starts). :meth:`attach_observer` sends decisions, mismatches and alarms to the metrics.
     """
+
+    index: KvIndex  # always one of its own (or the one given)
 
     def __init__(
         self,
@@ -429,7 +417,7 @@ class KvAwarePolicy:
             self.unconfirmed.add(replica.id, hashes)
 
 
-class RoundRobin:
+class RoundRobin(RoutingPolicy):
     """Picks candidates in turn, per model (a baseline for benchmarks and a config choice)."""
 
     def __init__(self) -> None:
@@ -443,7 +431,7 @@ class RoundRobin:
         return candidates[turn % len(candidates)]
 
 
-def make_policy(settings: RoutingConfig, load: LoadTracker) -> Any:
+def make_policy(settings: RoutingConfig, load: LoadTracker) -> RoutingPolicy:
     """Return the routing policy ``settings.policy`` names, on ``load``.
 
     Raises ValueError for an unknown policy name (config validation refuses it first).

@@ -223,7 +223,7 @@ class GatewayMetrics:
         :class:`~llmgw.router.kvindex.KvIndex`) at scrape time."""
         self._kv_index = index
 
-    # -- routing (a llmgw.router.kvrouting.RoutingObserver) ------------------------------
+    # -- routing (a llmgw.router.replicas.RoutingObserver) --------------------------------
 
     def decision(self, model: str, kind: str, matched: int, total: int) -> None:
         """Count one routing decision of ``kind`` with ``matched`` of ``total`` prompt blocks held."""

@@ -7,9 +7,11 @@
 * :class:`LoadTracker` counts requests in flight per replica. The gateway takes a
   :class:`Lease` for every request it sends to a replica and releases it when the
   response is finished, failed or cancelled (streams count until their last byte).
-* :class:`RoutingPolicy` is the one-method interface that picks a replica;
-  :class:`LeastOutstanding` is the first policy. KV-aware policies implement the same
-  ``choose`` and receive the parsed request in :class:`RequestInfo`.
+* :class:`RoutingPolicy` is the base of every policy: ``choose`` picks a replica, and
+  optional hooks (KV updates, the upstream client, an observer, alarms) do nothing
+  unless a policy overrides them. :class:`LeastOutstanding` is the first policy;
+  KV-aware policies subclass the same base and receive the parsed request in
+  :class:`RequestInfo`.
 
 Everything here is synchronous and runs on the trio thread; nothing does I/O.
 """
@@ -18,10 +20,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import attrs
 import trio
+
+from llmgw.spec import KvDelta
+
+from .kvindex import KvIndex
 
 
 @attrs.frozen
@@ -255,19 +261,59 @@ class RequestInfo:
     adapter: str | None = None
 
 
-class RoutingPolicy(Protocol):
-    """Picks the replica for one request.
+class RoutingObserver:
+    """Receives routing events (the gateway's metrics implement it); the default ignores them."""
 
-    ``choose`` returns the replica, or an awaitable of it (a KV-aware policy may ask a
-    replica to tokenize first: llmgw/router/kvrouting.py); the gateway awaits it then.
+    def decision(self, model: str, kind: str, matched: int, total: int) -> None:
+        """One request routed among several candidates."""
+
+    def mismatch(self, model: str, replica_id: str) -> None:
+        """One routed request whose blocks the replica never reported."""
+
+    def alarm(self, model: str, replica_id: str, raised: bool) -> None:
+        """The hash-agreement alarm of ``replica_id`` was raised or cleared."""
+
+
+class RoutingPolicy:
+    """Picks the replica for one request; the base of every routing policy.
+
+    :meth:`choose` is the one method a policy must implement. The other hooks are how
+    the gateway tells a policy about its surroundings; each does nothing here, so a
+    policy overrides only those it needs (the KV-aware policy, llmgw/router/kvrouting.py,
+    overrides them all). All are synchronous and called on the trio thread.
+
+    ``index`` is the KV index a policy brings to be fed by the gateway (None: the
+    gateway keeps its own).
     """
 
+    index: KvIndex | None = None
+
     def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | Awaitable[Replica]:
-        """Return one of ``candidates`` (never empty) for ``request``, or an awaitable of it."""
-        ...
+        """Return one of ``candidates`` (never empty) for ``request``, or an awaitable of it.
+
+        An awaitable lets a policy ask a replica first (a KV-aware policy may tokenize:
+        llmgw/router/kvrouting.py); the gateway awaits it then.
+        """
+        raise NotImplementedError
+
+    def attach_observer(self, observer: RoutingObserver) -> None:
+        """Send routing decisions, mismatches and alarms to ``observer`` (the gateway's metrics)."""
+
+    def bind_upstream(self, client: Any) -> None:
+        """Use the gateway's upstream client for calls to engines (None: the gateway stopped)."""
+
+    def kv_applied(self, replica_id: str, delta: KvDelta) -> None:
+        """A KV-cache delta from ``replica_id`` was applied to the gateway's KV index."""
+
+    def kv_forgotten(self, replica_id: str) -> None:
+        """Everything known about ``replica_id``'s KV cache is gone (shard stopped, session ended)."""
+
+    def alarms(self) -> list[str]:
+        """Return the policy's standing alarms in words (for ``ctl status``); none here."""
+        return []
 
 
-class LeastOutstanding:
+class LeastOutstanding(RoutingPolicy):
     """Picks the replica with the fewest requests in flight; ties go round-robin per model.
 
     Round-robin on ties matters when the fleet is idle: sequential requests would

@@ -30,10 +30,10 @@ from typing import Any, Mapping
 import trio
 
 from llmgw import kvhash
-from llmgw.config import DEFAULT_TOKENIZE_TIMEOUT
+from llmgw.config.defaults import DEFAULT_TOKENIZE_TIMEOUT
 
 from .replicas import Replica, RequestInfo
-from .upstream import UpstreamClient
+from .http.upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 

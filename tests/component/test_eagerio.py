@@ -1,4 +1,4 @@
-"""llmgw.router.eagerio on real socket pairs: same results and errors as trio's stream methods,
+"""llmgw.router.http.eagerio on real socket pairs: same results and errors as trio's stream methods,
 no schedule point when the kernel can answer at once, and waiting when it cannot."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.router import eagerio
+from llmgw.router.http import eagerio
 
 DEADLINE_S = 10
 

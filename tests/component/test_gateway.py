@@ -19,6 +19,7 @@ from llmgw.router import (
     Replica,
     ReplicaTable,
     RequestInfo,
+    RoutingPolicy,
     create_app,
     gateway_of,
     serve_gateway,
@@ -44,7 +45,7 @@ class Env:
             await self.load.wait_until(lambda load: load.total() == 0)
 
 
-class RecordingPolicy:
+class RecordingPolicy(RoutingPolicy):
     """Least-outstanding, remembering which replica it picked and among which candidates."""
 
     def __init__(self, load: LoadTracker) -> None:
@@ -274,7 +275,7 @@ async def test_all_replicas_refusing_is_503(refused_endpoint: str) -> None:
 
 
 async def test_routing_errors_and_bugs_are_openai_json() -> None:
-    class BrokenPolicy:
+    class BrokenPolicy(RoutingPolicy):
         def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
             raise RuntimeError("policy bug")
 

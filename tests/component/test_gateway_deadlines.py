@@ -20,7 +20,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.router import Replica, ReplicaTable, create_app, gateway_of, serve_gateway
-from llmgw.router.upstream import UpstreamDeadline, UpstreamTimeouts
+from llmgw.router.http.upstream import UpstreamDeadline, UpstreamTimeouts
 
 MODEL = "tiny-chat"
 DEADLINE_S = 10  # bound on every wait in the test itself

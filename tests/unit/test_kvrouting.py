@@ -8,10 +8,10 @@ import pytest
 
 from llmgw.config import RoutingConfig
 from llmgw.router.kvrouting import (
-    ALARM_TEXT, APPROXIMATE, MISS, PRECISE, HashAgreement, KvAwarePolicy, RoundRobin, RoutingObserver, make_policy,
+    ALARM_TEXT, APPROXIMATE, MISS, PRECISE, HashAgreement, KvAwarePolicy, RoundRobin, make_policy,
 )
 from llmgw.router.kvindex import KvIndex
-from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo
+from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver
 from llmgw.spec import KvDelta
 
 A = Replica("a", "m", "http://127.0.0.1:1", engine="vllm")

@@ -1,11 +1,11 @@
-"""Request ids (llmgw.router.fastpath): kept when acceptable, otherwise fresh and unique, also across a fork."""
+"""Request ids (llmgw.router.http.request_id): kept when acceptable, otherwise fresh and unique, also across a fork."""
 
 from __future__ import annotations
 
 import os
 import re
 
-from llmgw.router.fastpath import new_request_id, request_id_from
+from llmgw.router.http.request_id import new_request_id, request_id_from
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 

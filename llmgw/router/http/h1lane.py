@@ -27,13 +27,14 @@ closed (as ``protocol_send`` does; the lane writes to the stream itself, without
 send lock and the shielded scope: it is the connection's only writer while an exchange
 runs, and a write cut short ends the exchange by closing), closing after the response
 when the worker is terminating, ``http.disconnect`` for a client that went away (and
-:data:`~llmgw.router.hypercorn_fast.ON_CLOSE_KEY`), a 500 for an app that fails before
+:data:`~llmgw.router.http.extensions.ON_CLOSE_KEY`), a 500 for an app that fails before
 responding, and closing the connection when it fails mid-response. The lane stays
 closed when Hypercorn's access log or ``server_names`` are configured (the gateway
 sets neither).
 
 :func:`install` makes Hypercorn's trio server use :class:`FastLaneProtocol` for HTTP/1.1
-connections (idempotent); importing :mod:`llmgw.router.app` installs it.
+connections (idempotent); :func:`llmgw.router.http.hypercorn_patch.apply` calls it when
+the gateway starts serving.
 """
 
 from __future__ import annotations
@@ -51,20 +52,9 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 
 from . import eagerio
-from .hypercorn_fast import ON_CLOSE_KEY
+from .extensions import FAST_LANE_KEY, ON_CLOSE_KEY, WHOLE_BODY_KEY
 
 log = logging.getLogger(__name__)
-
-#: Key in ``scope["extensions"]`` of a request served by the lane: its whole body (bytes),
-#: which ``receive()`` would also give as its first message. An app may take it from
-#: here instead (the gateway's fast path does: no receive call and no body timer).
-WHOLE_BODY_KEY = "llmgw.whole_body"
-
-#: Key in ``scope["extensions"]`` (value True) of a request served by the lane, which
-#: finishes its exchange (recycles or closes the connection) even if the app is
-#: cancelled during its last send: the app need not shield that send, as it must for
-#: Hypercorn's own HTTP/1.1 protocol (see ``_RequestCleanup`` in llmgw/router/app.py).
-FAST_LANE_KEY = "llmgw.fast_lane"
 
 # A request line the lane takes: a method whose request has a body or none (not HEAD,
 # whose response has none; not CONNECT or TRACE), an origin-form target of visible

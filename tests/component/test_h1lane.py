@@ -1,4 +1,4 @@
-"""The fast lane (llmgw.router.h1fastlane) on real sockets under serve_gateway.
+"""The fast lane (llmgw.router.http.h1lane) on real sockets under serve_gateway.
 
 Each test counts the requests the lane served, so a lane that silently stopped taking
 requests fails here, and checks the bytes on the wire: the framing h11 would have
@@ -17,11 +17,10 @@ import pytest
 import trio
 from hypercorn.config import Config
 
-import llmgw.router.app  # noqa: F401  (installs the Hypercorn patches, as the gateway does)
-from llmgw.router.h1fastlane import FAST_LANE_KEY, FastLaneProtocol
-from llmgw.router.hypercorn_fast import ON_CLOSE_KEY
-from llmgw.router.serve import serve_gateway
-from tests.component.test_hypercorn_fast import _eof, _read_response, serve_lifespan
+from llmgw.router.http.extensions import FAST_LANE_KEY, ON_CLOSE_KEY
+from llmgw.router.http.h1lane import FastLaneProtocol
+from llmgw.router.http.serve import serve_gateway
+from tests.component.test_hypercorn_patch import _eof, _read_response, serve_lifespan
 
 DEADLINE_S = 20
 

@@ -1,4 +1,4 @@
-"""The gateway's lean HTTP/1.1 client (llmgw.router.h1pool) against raw servers on real sockets."""
+"""The gateway's lean HTTP/1.1 client (llmgw.router.http.upstream_pool) against raw servers on real sockets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from llmgw.router.h1pool import H1Pool
+from llmgw.router.http.upstream_pool import H1Pool
 
 DEADLINE_S = 10
 

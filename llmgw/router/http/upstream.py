@@ -25,31 +25,20 @@ import attrs
 import httpx
 import trio
 
-from .h1pool import H1Pool, H1Response
-from .replicas import Replica
+from llmgw.config.defaults import (
+    DEFAULT_UPSTREAM_CHUNK_TIMEOUT, DEFAULT_UPSTREAM_CONNECT_TIMEOUT, DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT,
+)
+
+from ..replicas import Replica
+from .upstream_pool import H1Pool, H1Response
 
 if TYPE_CHECKING:
-    from .metrics import GatewayMetrics
+    from ..metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-# Seconds to establish a TCP connection to a replica. Replicas sit on the same network
-# as the gateway: a healthy one accepts in milliseconds, so waiting longer only delays
-# the retry on another replica.
-CONNECT_TIMEOUT_S = 5.0
-
-# Seconds from sending a request to the response head, and again from the head to the
-# first body chunk. A non-streaming completion sends nothing until it is finished, which
-# on a slow CPU replica with a long max_tokens can take minutes; a stream's first chunk
-# waits for queueing and prefill of a long prompt. 600 s covers both; past it the
-# replica is stuck, and the client gets a 504 instead of waiting forever.
-FIRST_BYTE_TIMEOUT_S = 600.0
-
-# Seconds allowed between two body chunks once the first has arrived. A decoding step
-# takes milliseconds to a second; a preempted request recomputing a long prompt on a
-# saturated replica can pause for tens of seconds. Longer than 60 s means a stalled
-# engine: the stream ends with an error event rather than hanging the client.
-CHUNK_TIMEOUT_S = 60.0
+# The connect, first-byte and chunk deadlines are server.yaml's ``gateway:`` section; their
+# defaults and reasons are in llmgw.config.defaults.
 
 # Seconds to write the request body (prompts are at most a few MB over a LAN).
 WRITE_TIMEOUT_S = 30.0
@@ -95,9 +84,9 @@ class UpstreamTimeouts:
     chunk; ``chunk`` bounds each later gap between body chunks.
     """
 
-    connect: float = CONNECT_TIMEOUT_S
-    first_byte: float = FIRST_BYTE_TIMEOUT_S
-    chunk: float = CHUNK_TIMEOUT_S
+    connect: float = DEFAULT_UPSTREAM_CONNECT_TIMEOUT
+    first_byte: float = DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT
+    chunk: float = DEFAULT_UPSTREAM_CHUNK_TIMEOUT
     write: float = WRITE_TIMEOUT_S
     pool: float = POOL_TIMEOUT_S
 
@@ -144,7 +133,7 @@ class UpstreamConnectError(Exception):
 class UpstreamClient:
     """Sends requests to replicas over keep-alive connections pooled per replica.
 
-    The transport is :class:`~llmgw.router.h1pool.H1Pool` (a lean HTTP/1.1 client: one
+    The transport is :class:`~llmgw.router.http.upstream_pool.H1Pool` (a lean HTTP/1.1 client: one
     write per request, no per-request header models); its errors are ``httpx`` types.
 
     Create it inside a trio run (the app does so when serving starts) and close it with

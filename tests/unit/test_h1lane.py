@@ -1,4 +1,4 @@
-"""Which requests the fast lane takes (llmgw.router.h1fastlane.parse_simple_request), and how it reads them."""
+"""Which requests the fast lane takes (llmgw.router.http.h1lane.parse_simple_request), and how it reads them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.router.h1fastlane import parse_simple_request
+from llmgw.router.http.h1lane import parse_simple_request
 
 MAX_HEAD = 16 * 1024
 

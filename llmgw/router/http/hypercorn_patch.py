@@ -1,8 +1,23 @@
-"""Two per-request costs of Hypercorn 0.18's trio HTTP/1.1 server, removed without changing a byte on the wire.
+"""Hypercorn 0.18's trio server as the gateway runs it: one fix and three per-request costs removed.
 
-Profiled on the gateway (py-spy, non-streaming requests on keep-alive connections), about a
-sixth of the gateway's CPU per request went to two pieces of Hypercorn bookkeeping:
+:func:`apply` is the one call that changes Hypercorn, made by
+:func:`~llmgw.router.http.serve.serve_gateway` before it serves (in the single process
+and in every gateway worker); importing any llmgw module patches nothing. It is
+idempotent, and it refuses to run (:class:`HypercornUnchecked`) on a Hypercorn release
+series other than :data:`CHECKED_HYPERCORN`, because every patch below replaces or wraps
+private parts of it. What it does, without changing a byte on the wire:
 
+* **A close race that can stop the whole gateway.** ``TCPServer`` writes responses
+  under its ``send_lock`` but closes the connection (``send_eof`` in ``_close``)
+  without it. When the app finishes a response (so its task closes a ``Connection:
+  close`` connection) at the moment the reading task meets a protocol error (a client
+  that half-closed or sent junk after its request) and writes Hypercorn's own error
+  response, the write hits trio's conflict detector and raises
+  ``trio.BusyResourceError`` out of the connection handler, which cancels
+  ``serve_listeners`` and with it every connection (found by
+  tests/component/test_gateway_fuzz.py). ``TCPServer.protocol_send`` is wrapped so that
+  such a write is dropped (the connection is being closed anyway) and the connection is
+  treated as closed.
 * **The keep-alive idle timer.** ``TCPServer`` arms it with ``TrioSingleTask.restart``
   after every response (a lock, a cancelled task, a fresh task started with
   ``nursery.start``) and disarms it with ``stop`` when the next request arrives (the lock
@@ -13,7 +28,9 @@ sixth of the gateway's CPU per request went to two pieces of Hypercorn bookkeepi
   Hypercorn's: an idle connection is closed ``keep_alive_timeout`` seconds after its
   last response; when the worker is terminating, an idle connection is closed at once
   and a busy one as soon as it becomes idle. Without ``read_timeout`` (the gateway sets
-  none) the read loop also skips a ``fail_after(inf)`` per receive.
+  none) the read loop also skips a ``fail_after(inf)`` per receive. Profiled on the
+  gateway (py-spy, non-streaming requests on keep-alive connections), this and the
+  next item were about a sixth of the gateway's CPU per request.
 * **Two writes per response.** ``H11Protocol`` writes the response head, then the body,
   then (for a ``content-length`` body) an empty end-of-message, each through the
   connection's send lock, a shielded cancel scope and a ``send`` syscall. For a response
@@ -23,19 +40,20 @@ sixth of the gateway's CPU per request went to two pieces of Hypercorn bookkeepi
   body, and skips the empty write. Responses without ``content-length`` (event streams,
   chunked) are written exactly as before, head first, so a stream's head is never held
   back waiting for the first token.
+* **h11 for simple requests.** Hypercorn's HTTP/1.1 connections use the lane of
+  :mod:`llmgw.router.http.h1lane` (see there).
 
 It also lets the app learn that a request's stream closed without a task of its own
-waiting for ``http.disconnect`` (:data:`ON_CLOSE_KEY`; the gateway's fast path uses it
-to cancel the request, and with it the upstream request, when the client goes away).
-
-:func:`install` patches Hypercorn's classes (idempotent); importing
-:mod:`llmgw.router.app` installs it, as it installs :mod:`llmgw.router.hypercorn_fix`.
-It checks that Hypercorn's TCP server still has the attributes the timer relies on and
-leaves the timer as it is (logging why) if not.
+waiting for ``http.disconnect``
+(:data:`~llmgw.router.http.extensions.ON_CLOSE_KEY`; the gateway's forward uses it to
+cancel the request, and with it the upstream request, when the client goes away).
+:func:`apply` checks that Hypercorn's TCP server still has the attributes the timer
+relies on and leaves the timer as it is (logging why) if not.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import math
 from itertools import chain
@@ -49,20 +67,59 @@ from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio import tcp_server
 
-from . import eagerio
+from . import eagerio, h1lane
+from .extensions import ON_CLOSE_KEY
 
 log = logging.getLogger(__name__)
 
 _MARK = "_llmgw_fast_installed"
+_CLOSE_RACE_MARK = "_llmgw_close_race_fixed"
 
 # Attribute on an H11Protocol holding a response head not yet written (None: none held).
 _HELD = "_llmgw_held_head"
 
-#: Key in an ASGI request's ``scope["extensions"]`` where the app may put a callable
-#: (no arguments, synchronous, must not raise) that Hypercorn calls when the request's
-#: stream closes: the client went away, or the exchange ended. It saves the app a task
-#: per request that would otherwise wait for ``http.disconnect`` (which is still sent).
-ON_CLOSE_KEY = "llmgw.on_close"
+#: The Hypercorn release series the patches were checked against (pyproject.toml holds
+#: ``hypercorn>=0.18,<0.19`` for the same reason). A new series must be read against
+#: every patched method before it is added here.
+CHECKED_HYPERCORN = "0.18"
+
+
+class HypercornUnchecked(RuntimeError):
+    """The installed Hypercorn is not of the series the gateway's patches were checked against."""
+
+
+def check_version(installed: str) -> None:
+    """Return if Hypercorn ``installed`` (a version string) is of :data:`CHECKED_HYPERCORN`'s series.
+
+    Raises :class:`HypercornUnchecked`, naming both versions and the fix, otherwise.
+    """
+    if installed == CHECKED_HYPERCORN or installed.startswith(CHECKED_HYPERCORN + "."):
+        return
+    raise HypercornUnchecked(
+        f"hypercorn {installed} is installed, but the gateway's patches to it "
+        f"(llmgw.router.http.hypercorn_patch) were checked against hypercorn {CHECKED_HYPERCORN}.x only; "
+        f"install that series (pip install 'hypercorn=={CHECKED_HYPERCORN}.*') or check the patches "
+        "against the new release and run tests/component/test_hypercorn_patch.py"
+    )
+
+
+def apply() -> None:
+    """Check Hypercorn's version and patch it as the module docstring says; returns nothing.
+
+    Idempotent: later calls return at once. Raises :class:`HypercornUnchecked` (patching
+    nothing) on an unchecked Hypercorn release.
+    """
+    global _applied
+    if _applied:
+        return
+    check_version(importlib.metadata.version("hypercorn"))
+    _fix_close_race()
+    _patch_timer_and_writes()
+    h1lane.install()
+    _applied = True
+
+
+_applied = False
 
 class IdleTimer:
     """Drop-in for ``TrioSingleTask`` as ``TCPServer.idle_task``: one task per connection.
@@ -159,7 +216,7 @@ class IdleTimer:
 async def _read_until_closed(server: Any) -> None:
     """``TCPServer._read_data`` for a server without ``read_timeout`` (the gateway's case):
     the same loop, minus a ``fail_after(inf)`` context manager around every receive, and
-    reading with :func:`llmgw.router.eagerio.receive_some` (no schedule point when the
+    reading with :func:`llmgw.router.http.eagerio.receive_some` (no schedule point when the
     bytes are there).
 
     Hands every received chunk to the protocol; on EOF, or when the stream is closed or
@@ -196,8 +253,30 @@ def _h11_bytes(protocol: Any, event: Any) -> bytes | None:
         return None
 
 
-def install() -> None:
-    """Patch Hypercorn's trio TCP server and HTTP/1.1 protocol as the module docstring says (idempotent)."""
+def _fix_close_race() -> None:
+    """Wrap ``TCPServer.protocol_send`` to drop a write that races a close (idempotent)."""
+    server_class = tcp_server.TCPServer
+    if getattr(server_class.protocol_send, _CLOSE_RACE_MARK, False):
+        return
+    original = server_class.protocol_send
+
+    async def protocol_send(self: Any, event: Any) -> None:
+        try:
+            await original(self, event)
+        except trio.BusyResourceError:
+            if not isinstance(event, RawData):
+                raise
+            # Another task is closing this connection (send_eof): drop the write and
+            # let the protocol see the close, as Hypercorn does for a broken stream.
+            await self.protocol.handle(Closed())
+
+    setattr(protocol_send, _CLOSE_RACE_MARK, True)
+    server_class.protocol_send = protocol_send  # type: ignore[method-assign]
+
+
+def _patch_timer_and_writes() -> None:
+    """Install :class:`IdleTimer`, the lean read loop, one write per response and the
+    on-close hook (idempotent)."""
     H11Protocol = hypercorn_h11.H11Protocol
     if getattr(H11Protocol, _MARK, False):
         return
@@ -205,7 +284,7 @@ def install() -> None:
     if not all(hasattr(tcp_server, name) for name in ("TrioSingleTask", "MAX_RECV")) or not all(
         hasattr(server_class, name) for name in ("_initiate_server_close", "_close", "_read_data")
     ):
-        log.warning("hypercorn changed: keep-alive timer left as it is (llmgw.router.hypercorn_fast)")
+        log.warning("hypercorn changed: keep-alive timer left as it is (llmgw.router.http.hypercorn_patch)")
     else:
         tcp_server.TrioSingleTask = IdleTimer  # type: ignore[attr-defined,misc]
         original_close = tcp_server.TCPServer._close

@@ -7,40 +7,30 @@ in front of the Quart app, inside the gateway's ASGI middlewares (metrics, reque
 cleanup), and handles ``POST`` on the forwarded paths itself; everything else (other
 methods, other paths, ``/metrics``, ``/v1/models``) goes to Quart unchanged.
 
-Both paths run the same forwarding code, :meth:`llmgw.router.app.Gateway.forward`, with
-the request described by a :class:`ForwardCall`, so auth, admission, routing, retries,
-usage accounting and the error shapes cannot drift apart. What this module adds is only
-what Quart did around the view: the request id, reading the body under a size limit and
-a deadline, cancelling the request when the client disconnects, and turning the result
-or a :class:`~llmgw.router.errors.GatewayError` into ASGI messages.
+The request itself is handled by :meth:`llmgw.router.app.Gateway.forward` (auth,
+admission, routing, retries, usage accounting, the error shapes), given the request as
+a :class:`ForwardCall`. What this module adds is only what Quart would do around a
+view: the request id (for every HTTP request, also those Quart serves), reading the body
+under a size limit and a deadline, cancelling the request when the client disconnects,
+and turning the result or a :class:`~llmgw.router.errors.GatewayError` into ASGI
+messages.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import os
-import re
-import secrets
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import trio
 
-from . import errors
-from .admission import request_too_large
-from .errors import GatewayError
-from .h1fastlane import WHOLE_BODY_KEY
-from .hypercorn_fast import ON_CLOSE_KEY
-
-if TYPE_CHECKING:
-    from .app import Gateway
+from .. import errors
+from ..admission import request_too_large
+from ..errors import GatewayError
+from .extensions import ON_CLOSE_KEY, REQUEST_ID_KEY, WHOLE_BODY_KEY
+from .request_id import request_id_from
 
 log = logging.getLogger(__name__)
-
-# A client-supplied x-request-id is kept if it looks like an id (it ends up in logs and
-# upstream headers), otherwise a fresh one is generated. Same rule as the Quart path.
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 #: What :meth:`Gateway.forward` returns: status, response headers, and the body (whole, or
 #: an async iterator of chunks to relay as they come, which the caller must close).
@@ -71,47 +61,35 @@ class ForwardCall:
         self.read_body = read_body
 
 
-def request_id_from(given: str | None) -> str:
-    """Return ``given`` if it is an acceptable request id, else a fresh one (:func:`new_request_id`)."""
-    return given if given and REQUEST_ID_RE.fullmatch(given) else new_request_id()
-
-
-def _new_id_prefix() -> None:
-    global _id_prefix
-    _id_prefix = secrets.token_hex(8)
-
-
-_id_prefix = ""
-_new_id_prefix()
-os.register_at_fork(after_in_child=_new_id_prefix)  # a forked gateway worker must not repeat its parent's ids
-_id_counter = itertools.count(1)
-
-
-def new_request_id() -> str:
-    """Return a fresh request id: 32 hex digits, as ``uuid4().hex`` gives.
-
-    A random 64-bit prefix per process and a 64-bit counter: unique without a
-    ``getrandom`` syscall per request, which ``uuid4`` makes (about 2% of the gateway's
-    CPU per request). Request ids name requests in logs and traces; they are not secrets.
-    """
-    return f"{_id_prefix}{next(_id_counter):016x}"
-
-
 class _ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
 class FastForward:
-    """ASGI middleware serving ``POST`` on ``paths`` with :meth:`Gateway.forward`; the rest goes to ``inner``."""
+    """ASGI middleware serving ``POST`` on ``paths`` with ``forward``; the rest goes to ``inner``.
 
-    def __init__(self, inner: Any, gateway: Gateway, paths: tuple[str, ...], body_timeout: float) -> None:
+    ``forward`` is :meth:`llmgw.router.app.Gateway.forward`; ``config`` the Quart app's
+    config, whose ``MAX_CONTENT_LENGTH`` is read per request as Quart reads it (it may be
+    changed live). Every HTTP request gets its id here, once: a forwarded POST carries
+    it in its :class:`ForwardCall`, any other request in ``scope["extensions"]`` under
+    :data:`~llmgw.router.http.extensions.REQUEST_ID_KEY`, where the app's Quart hooks
+    read it.
+    """
+
+    def __init__(self, inner: Any, forward: Callable[[ForwardCall], Awaitable[ForwardResult]],
+                 config: Mapping[str, Any], paths: tuple[str, ...], body_timeout: float) -> None:
         self._inner = inner
-        self._gateway = gateway
+        self._forward = forward
+        self._config = config
         self._paths = frozenset(paths)
         self._body_timeout = body_timeout
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self._paths:
+        if scope["type"] != "http":
+            await self._inner(scope, receive, send)
+            return
+        if scope["method"] != "POST" or scope["path"] not in self._paths:
+            scope.setdefault("extensions", {})[REQUEST_ID_KEY] = request_id_from(_header(scope, b"x-request-id"))
             await self._inner(scope, receive, send)
             return
         headers: dict[str, str] = {}
@@ -123,10 +101,10 @@ class FastForward:
         except ValueError:
             content_length = None
         # The app's MAX_CONTENT_LENGTH, read per request as Quart does (it may be changed live).
-        limit: int | None = self._gateway.app.config["MAX_CONTENT_LENGTH"]
+        limit: int | None = self._config["MAX_CONTENT_LENGTH"]
         body_timeout = self._body_timeout
-        # Hypercorn (as patched by hypercorn_fast, which importing llmgw.router.app installs)
-        # and the fast lane call on_close when the request's stream closes: cancelling this
+        # Hypercorn (as patched by hypercorn_patch, which serve_gateway applies) and the
+        # fast lane call on_close when the request's stream closes: cancelling this
         # scope then does what a task waiting for http.disconnect would, without a task
         # and a nursery per request.
         with trio.CancelScope() as request_scope:
@@ -174,7 +152,7 @@ class FastForward:
     async def _respond(self, call: ForwardCall, send: Any) -> None:
         """Run the forward and send its result (or its error) as ASGI messages."""
         try:
-            status, headers, content = await self._gateway.forward(call)
+            status, headers, content = await self._forward(call)
         except GatewayError as error:
             await _send_error(send, error, call.request_id)
             return
@@ -201,6 +179,14 @@ class FastForward:
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
+
+
+def _header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    """Return the first value of header ``name`` (lower-case) in ``scope``, or None."""
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

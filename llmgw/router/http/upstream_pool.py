@@ -193,6 +193,19 @@ class _Conn:
             except Exception:  # closing a broken socket: nothing to do about it
                 pass
 
+    def close_now(self) -> None:
+        """Close the socket at once, without a task or a checkpoint (never raises).
+
+        What ``SocketStream.aclose`` does minus its final checkpoint: trio is told the
+        descriptor is closing (waiters on it get ``ClosedResourceError``), then it is
+        closed. For the pool's synchronous paths (an idle connection past its expiry or
+        over the pool's limit), which must not start a task outside any nursery.
+        """
+        try:
+            self.stream.socket.close()
+        except OSError:  # closing a broken socket: nothing to do about it
+            pass
+
 
 async def _dechunk(conn: _Conn) -> AsyncIterator[bytes]:
     """Yield the payload of a chunked body from ``conn``, one piece per receive, up to the last chunk.
@@ -307,7 +320,7 @@ class H1Pool:
         """Return a connection whose response was read to the end to its replica's pool."""
         idle = self._idle.setdefault(conn.key, [])
         if self._closed or len(idle) >= self._max_idle:
-            trio.lowlevel.spawn_system_task(conn.aclose)
+            conn.close_now()
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
@@ -321,7 +334,7 @@ class H1Pool:
             conn = idle.pop()  # most recently used first: least likely to be expired
             if now - conn.idle_since < self._expiry:
                 return conn
-            trio.lowlevel.spawn_system_task(conn.aclose)
+            conn.close_now()
         return None
 
     async def _connect(self, host: str, port: int) -> _Conn:

@@ -1,4 +1,4 @@
-"""Hypercorn as patched by llmgw.router.hypercorn_fast, served by serve_gateway on real sockets.
+"""Hypercorn as patched by llmgw.router.http.hypercorn_patch, served by serve_gateway on real sockets.
 
 Checks what the patch must not change: keep-alive connections serve many requests and
 close once idle past the keep-alive timeout (never while a request is in progress),
@@ -8,15 +8,16 @@ well-formed, and a streamed response's head is not held back until its first chu
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from functools import partial
 from typing import Any
 
 import pytest
 import trio
 
-import llmgw.router.app  # noqa: F401  (installs the Hypercorn patches, as the gateway does)
-from llmgw.router import hypercorn_fast, serve
-from llmgw.router.serve import serve_gateway
+from llmgw.router.http import hypercorn_patch, serve
+from llmgw.router.http.serve import serve_gateway
 
 DEADLINE_S = 20
 SHORT_KEEP_ALIVE_S = 0.3
@@ -94,12 +95,51 @@ def _request(path: str) -> bytes:
     return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" % path.encode()
 
 
-def test_patches_are_installed() -> None:
+def test_apply_installs_every_patch_and_is_idempotent() -> None:
+    from hypercorn import protocol
     from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio import tcp_server
 
-    assert getattr(H11Protocol, hypercorn_fast._MARK)
-    assert tcp_server.TrioSingleTask is hypercorn_fast.IdleTimer
+    from llmgw.router.http.h1lane import FastLaneProtocol
+
+    hypercorn_patch.apply()
+    send, stream_send = tcp_server.TCPServer.protocol_send, H11Protocol.stream_send
+    hypercorn_patch.apply()
+    assert getattr(H11Protocol, hypercorn_patch._MARK)
+    assert tcp_server.TrioSingleTask is hypercorn_patch.IdleTimer
+    assert getattr(tcp_server.TCPServer.protocol_send, hypercorn_patch._CLOSE_RACE_MARK)
+    assert protocol.H11Protocol is FastLaneProtocol
+    assert (tcp_server.TCPServer.protocol_send, H11Protocol.stream_send) == (send, stream_send)  # not wrapped twice
+
+
+def test_an_unchecked_hypercorn_release_is_refused_with_both_versions_named() -> None:
+    for checked in ("0.18", "0.18.0", "0.18.7"):
+        hypercorn_patch.check_version(checked)
+    for unchecked in ("0.19.0", "0.17.3", "0.180.1", "1.0"):
+        with pytest.raises(hypercorn_patch.HypercornUnchecked) as caught:
+            hypercorn_patch.check_version(unchecked)
+        message = str(caught.value)
+        assert f"hypercorn {unchecked} is installed" in message
+        assert f"hypercorn {hypercorn_patch.CHECKED_HYPERCORN}.x" in message
+        assert "pip install" in message
+
+
+def test_importing_the_gateway_patches_nothing() -> None:
+    # A fresh interpreter: in this one, other tests have served (and so patched) already.
+    check = (
+        "import llmgw.router, llmgw.router.app, llmgw.router.kvrouting\n"
+        "from hypercorn import protocol\n"
+        "from hypercorn.protocol.h11 import H11Protocol\n"
+        "from hypercorn.protocol.http_stream import HTTPStream\n"
+        "from hypercorn.trio import tcp_server\n"
+        "assert protocol.H11Protocol is H11Protocol, protocol.H11Protocol\n"
+        "assert tcp_server.TrioSingleTask.__module__.startswith('hypercorn.'), tcp_server.TrioSingleTask\n"
+        "for method in (tcp_server.TCPServer.protocol_send, tcp_server.TCPServer._close,\n"
+        "               tcp_server.TCPServer._read_data, H11Protocol.stream_send, HTTPStream.handle):\n"
+        "    assert method.__module__.startswith('hypercorn.'), method\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stderr
 
 
 async def test_keep_alive_serves_many_then_closes_when_idle_but_not_while_busy(

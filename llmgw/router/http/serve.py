@@ -4,7 +4,8 @@ The gateway binds its listening socket itself and hands it to Hypercorn
 (``hypercorn.trio.run.worker_serve(..., sockets=...)``, the entry point Hypercorn's own
 trio worker uses). That way a bind failure is a plain ``OSError`` raised before anything
 starts, the bound port is read from the socket (port 0 works), and the socket has
-exactly one owner, which closes it on the way out.
+exactly one owner, which closes it on the way out. Hypercorn is patched for the gateway
+(:func:`~llmgw.router.http.hypercorn_patch.apply`) when serving starts, not before.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
+
+from . import hypercorn_patch
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +127,12 @@ async def serve_gateway(
     ``graceful_timeout +`` :data:`SHUTDOWN_SLACK_S`.
 
     Raises ``OSError`` (before ``started``) if the address cannot be bound, e.g. the
-    port is in use. ``reuse_port`` lets other processes bind the same port with
+    port is in use, and :class:`~llmgw.router.http.hypercorn_patch.HypercornUnchecked`
+    (before binding) on a Hypercorn release the gateway's patches were not checked
+    against. ``reuse_port`` lets other processes bind the same port with
     ``reuse_port`` too (one gateway per core; each has its own routing state).
     """
+    hypercorn_patch.apply()
     config = _config(graceful_timeout)
     sock = await _bind(host, port, reuse_port)
     bound_port: int = sock.getsockname()[1]
