@@ -25,8 +25,7 @@ from .interface import (
 def policy_alarms(gateway: Gateway) -> set[str]:
     """Return the KV hash-agreement alarms of ``gateway``'s routing policy (none without a
     KV-aware policy)."""
-    alarms = getattr(gateway.policy, "alarms", None)
-    return set(alarms()) if alarms is not None else set()
+    return set(gateway.policy.alarms())
 
 
 class GatewayState(GatewayInterface):
