@@ -103,7 +103,9 @@ def load_agent_config(
         weights_dir=top.get_path("weights_dir", state_dir / "weights"),
         install_dir=top.get_path("install_dir", state_dir / "engines"),
         cache_dir=top.get_path("cache_dir", state_dir / "cache"),
-        engine_urls=_read_engine_urls(reader, top.raw("engine_urls")),
+        # engine name -> download URL template (a mirror for air-gapped sites)
+        engine_urls=reader.named_values(top.raw("engine_urls"), "engine_urls", ENGINE_NAME, ENGINE_NAME_RULE,
+                                        lambda _name, value: parse_url_or_empty(value)),
         pypi_index=top.get("pypi_index", parse_url_or_empty, ""),
         hf_endpoint=(top.get("hf_endpoint", parse_url_or_empty, defaults.DEFAULT_HF_ENDPOINT)
                      or defaults.DEFAULT_HF_ENDPOINT),
@@ -127,22 +129,6 @@ def _read_llamacpp_threads(reader: Reader, raw: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise reader.error("llamacpp.threads", f"expected a whole number >= 1, got {show(value)}")
     return value
-
-
-def _read_engine_urls(reader: Reader, raw: Any) -> dict[str, str]:
-    """``engine_urls``: engine name -> download URL template (a mirror for air-gapped sites)."""
-    if raw is MISSING:
-        return {}
-    section = reader.section(raw, "engine_urls")
-    urls: dict[str, str] = {}
-    for name in list(section.data):
-        if not ENGINE_NAME.fullmatch(name):
-            raise reader.error(f"engine_urls.{name}", ENGINE_NAME_RULE)
-        try:
-            urls[name] = parse_url_or_empty(section.raw(name))
-        except ValueError as exc:
-            raise reader.error(f"engine_urls.{name}", str(exc)) from None
-    return urls
 
 
 def _read_agent_tls(reader: Reader, raw: Any, state_dir: Path) -> AgentTLS:

@@ -110,7 +110,7 @@ def load_server_config(
         node_lost_after=top.get("node_lost_after", positive(parse_duration),
                                 defaults.DEFAULT_NODE_LOST_AFTER),
         replace_grace=top.get("replace_grace", parse_duration, defaults.DEFAULT_REPLACE_GRACE),
-        engines=_read_engines(reader, top.raw("engines")),
+        engines=reader.named_values(top.raw("engines"), "engines", ENGINE_NAME, ENGINE_NAME_RULE, _parse_version),
         log_level=top.get("log_level", parse_log_level, defaults.DEFAULT_LOG_LEVEL),
         gateway=read_gateway(reader, top.raw("gateway")),
         tracing=read_tracing(reader, top.raw("tracing")),
@@ -160,23 +160,13 @@ def _read_store(reader: Reader, raw: Any, state_dir: Path) -> StoreConfig:
     return StoreConfig.sqlite(file_path)
 
 
-def _read_engines(reader: Reader, raw: Any) -> dict[str, str]:
-    if raw is MISSING:
-        return {}
-    section = reader.section(raw, "engines")
-    engines: dict[str, str] = {}
-    for name in list(section.data):
-        if not ENGINE_NAME.fullmatch(name):
-            raise reader.error(f"engines.{name}", ENGINE_NAME_RULE)
-        value = section.raw(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            raise reader.error(
-                f"engines.{name}",
-                f"expected a version string, got the number {value} (YAML reads an unquoted "
-                f'version as a number, 0.10 as 0.1): quote it, e.g. {name}: "0.10.2"',
-            )
-        try:
-            engines[name] = parse_str(value)
-        except ValueError as exc:
-            raise reader.error(f"engines.{name}", f"version: {exc}") from None
-    return engines
+def _parse_version(name: str, value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise ValueError(
+            f"expected a version string, got the number {value} (YAML reads an unquoted "
+            f'version as a number, 0.10 as 0.1): quote it, e.g. {name}: "0.10.2"'
+        )
+    try:
+        return parse_str(value)
+    except ValueError as exc:
+        raise ValueError(f"version: {exc}") from None

@@ -77,6 +77,27 @@ class Reader:
                 raise self.error(path, f"keys must be strings, got {show(key)}")
         return Section(self, data, path)
 
+    def named_values(self, raw: Any, path: str, name: re.Pattern[str], name_rule: str,
+                     parse: Callable[[str, Any], T]) -> dict[str, T]:
+        """The mapping at ``path`` whose keys are names (``engines:``, ``engine_urls:``).
+
+        Every key must match ``name`` (else the error says ``name_rule``); ``parse(key,
+        value)`` checks each value, raising ValueError with the reason. :data:`MISSING`
+        gives an empty dict.
+        """
+        if raw is MISSING:
+            return {}
+        section = self.section(raw, path)
+        values: dict[str, T] = {}
+        for key in list(section.data):
+            if not name.fullmatch(key):
+                raise self.error(f"{path}.{key}", name_rule)
+            try:
+                values[key] = parse(key, section.raw(key))
+            except ValueError as exc:
+                raise self.error(f"{path}.{key}", str(exc)) from None
+        return values
+
     def path_value(self, value: Any, path: str) -> Path:
         """A path; relative ones are resolved against the config file's directory, or the
         current directory for overrides and when there is no file."""

@@ -285,6 +285,9 @@ def test_server_errors(tmp_path: Path, text: str, message: str) -> None:
         ("tls:\n  cert: 5\n", "tls.cert: expected a non-empty string, got 5"),
         ("engine_host: 'a b'\n", 'engine_host: "a b" is neither an IP address nor a host name'),
         ("reconnect_backoff_max: 0s\n", 'reconnect_backoff_max: must be more than 0 seconds, got "0s"'),
+        ("engine_urls:\n  Vllm: https://mirror/x\n",
+         "engine_urls.Vllm: engine names are lower-case letters, digits, '.', '_' and '-'"),
+        ("engine_urls:\n  vllm: ftp://mirror/x\n", 'engine_urls.vllm: expected an http(s) URL, got "ftp://mirror/x"'),
         ("servers: [a:1]\n",
          "unknown key 'servers' (known keys: cache_dir, control_planes, engine_host, engine_urls, "
          "heartbeat_interval, hf_endpoint, install_dir, llamacpp, log_level, node_id, pypi_index, "
