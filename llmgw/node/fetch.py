@@ -1,12 +1,7 @@
 """Fetching a model's weights onto this node: a local path, an http(s) URL or a Hugging Face repository.
 
-A catalog model's ``source`` is one of:
-
-- a local path (``/models/x.gguf``, ``file:///models/x``): used in place, never copied;
-- an http(s) URL of one file (``https://host/x.gguf``, optionally ``#sha256=HEX`` to check it);
-- a Hugging Face repository: ``hf://org/repo`` or ``hf://org/repo@revision``, or a repository
-  page URL on the configured endpoint (``https://huggingface.co/org/repo``,
-  ``.../org/repo/tree/REV``), read as the repository id.
+A catalog model's ``source`` is a local path (used in place, never copied), an http(s) URL
+of one file or a Hugging Face repository; :mod:`llmgw.catalog.sources` parses it.
 
 :func:`fetch_weights` returns the local path the engine gets. Downloads land in the node's
 weights directory, each file first as ``NAME.partial``; a partial file is resumed with an
@@ -31,44 +26,41 @@ import re
 import shutil
 from pathlib import Path, PurePosixPath
 from typing import Callable, Sequence
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
 import trio
 
+from llmgw.catalog.sources import SourceError, WeightsSource, is_remote, parse_source
+from llmgw.config.defaults import DEFAULT_HF_ENDPOINT
+from llmgw.node.install.artifact import (
+    PARTIAL_SUFFIX,
+    ArtifactError,
+    Meter,
+    download,
+    exclusive,
+    fraction_text,
+    human_size,
+    lock_file_for,
+    new_client,
+)
 from llmgw.spec import Adapter
 
 __all__ = [
-    "DEFAULT_HF_ENDPOINT",
     "FetchError",
     "FetchSettings",
     "RemoteFile",
-    "WeightsSource",
     "cached_path",
     "fetch_adapters",
     "fetch_weights",
-    "is_remote",
-    "parse_source",
 ]
 
-DEFAULT_HF_ENDPOINT = "https://huggingface.co"
-
-#: Bytes read per chunk when hashing a partial file before resuming it: large enough that
-#: per-call overhead is negligible, small enough to keep memory flat.
-CHUNK_SIZE = 1024 * 1024
-#: At most one progress message per this many seconds (plus one at start and one at the
-#: end): a multi-GB fetch should not flood the control plane with status reports.
-PROGRESS_INTERVAL = 2.0
-#: Connecting and each read may take this long before the transfer counts as stalled;
-#: a stalled transfer fails (and resumes from its .partial on the next try).
-CONNECT_TIMEOUT = 15.0
-READ_TIMEOUT = 60.0
-#: The file list is one small JSON document.
+#: The file list is one small JSON document. (Downloads have the connect and read
+#: deadlines of :mod:`llmgw.node.install.artifact`.)
 LISTING_TIMEOUT = 60.0
 #: Marker written into a repository's directory once every file is complete.
 COMPLETE_MARKER = ".llmgw-complete"
-PARTIAL_SUFFIX = ".partial"
 
 Progress = Callable[[str], None]
 
@@ -90,16 +82,6 @@ class FetchSettings:
 
 
 @attrs.frozen
-class WeightsSource:
-    """A parsed ``source``. ``kind`` is "local", "url" or "hf"."""
-
-    kind: str
-    location: str  # the path (local), the URL without fragment (url), or "org/repo" (hf)
-    revision: str = "main"  # hf only
-    sha256: str = ""  # url only: from a "#sha256=HEX" fragment
-
-
-@attrs.frozen
 class RemoteFile:
     """One file to download: its URL, where it goes (relative), its size and sha256 when known."""
 
@@ -107,59 +89,6 @@ class RemoteFile:
     relative: str
     size: int | None = None
     sha256: str = ""
-
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
-
-
-def is_remote(source: str) -> bool:
-    """Returns True when ``source`` must be downloaded (an http(s) URL or hf:// repository)."""
-    return source.startswith(("http://", "https://", "hf://"))
-
-
-def parse_source(source: str, hf_endpoint: str = DEFAULT_HF_ENDPOINT) -> WeightsSource:
-    """Returns what ``source`` names (see the module docstring).
-
-    A URL on ``hf_endpoint``'s host (or huggingface.co) whose path is ``/org/repo`` or
-    ``/org/repo/tree/REV`` is a repository page; ``/org/repo/resolve/REV/file`` and any
-    other URL is one file. Raises :class:`FetchError` for an empty source or a malformed
-    repository id.
-    """
-    source = source.strip()
-    if not source:
-        raise FetchError("the model has no weights source; set the model's source to a path, URL or hf://org/repo")
-    if source.startswith("hf://"):
-        repo, _, rev = source[len("hf://") :].partition("@")
-        return _hf_source(source, repo.strip("/"), rev or "main")
-    if source.startswith(("http://", "https://")):
-        parts = urlsplit(source)
-        hub_hosts = {urlsplit(hf_endpoint).netloc, "huggingface.co"}
-        segments = [unquote(s) for s in parts.path.split("/") if s]
-        if parts.netloc in hub_hosts and len(segments) in (2, 4) and not parts.query:
-            if len(segments) == 2:
-                return _hf_source(source, "/".join(segments), "main")
-            if segments[2] == "tree":
-                return _hf_source(source, "/".join(segments[:2]), segments[3])
-        sha = ""
-        fragment = parts.fragment
-        if fragment.startswith("sha256="):
-            sha = fragment[len("sha256=") :]
-            if not _HEX64.match(sha):
-                raise FetchError(f"weights source {source!r}: '#sha256=' must be followed by 64 hex digits")
-        url = parts._replace(fragment="").geturl()
-        return WeightsSource("url", url, sha256=sha.lower())
-    if source.startswith("file://"):
-        return WeightsSource("local", unquote(urlsplit(source).path))
-    return WeightsSource("local", source)
-
-
-def _hf_source(source: str, repo: str, revision: str) -> WeightsSource:
-    if not _REPO_ID.match(repo) or ".." in repo:
-        raise FetchError(
-            f"weights source {source!r}: {repo!r} is not a Hugging Face repository id; write hf://org/repo[@revision]"
-        )
-    return WeightsSource("hf", repo, revision=revision)
 
 
 async def fetch_weights(
@@ -178,12 +107,17 @@ async def fetch_weights(
     "fetching weights: 1.2/4.0 GB" (``what`` names the thing fetched in them and in a
     missing path's error). ``client`` (optional) is used instead of a fresh one.
 
-    Raises :class:`FetchError` with an operator sentence on a missing local path, an HTTP
-    error, a size or sha256 mismatch (the bad partial file is deleted), too little disk
-    space, or an unreachable server. Cancellation propagates and leaves only ``.partial``
-    files, which the next fetch resumes.
+    Raises :class:`FetchError` with an operator sentence on a malformed source, a missing
+    local path, an HTTP error, a size or sha256 mismatch (the bad partial file is deleted),
+    too little disk space, or an unreachable server. Two fetches of the same weights (two
+    agents sharing the directory, or two shards) take turns under a lock file beside the
+    target; the second finds the first one's result. Cancellation propagates and leaves
+    only ``.partial`` files, which the next fetch resumes.
     """
-    parsed = parse_source(source, settings.hf_endpoint)
+    try:
+        parsed = parse_source(source, settings.hf_endpoint)
+    except SourceError as exc:
+        raise FetchError(str(exc)) from None
     if parsed.kind == "local":
         path = Path(parsed.location).expanduser()
         if not path.exists():
@@ -192,8 +126,11 @@ async def fetch_weights(
             )
         return path
 
-    def figures(done: str) -> None:
-        progress(f"fetching {what}: {done}")
+    def figures(done: int, total: int | None) -> str:
+        return f"fetching {what}: {fraction_text(done, total)}"
+
+    def waiting() -> None:
+        progress(f"fetching {what}: waiting for another fetch of it on this node to finish")
 
     owned = client is None
     if client is None:
@@ -201,13 +138,17 @@ async def fetch_weights(
     try:
         if parsed.kind == "url":
             final = _url_target(parsed, settings)
-            target, name = final.parent, final.name
             if final.exists():
                 return final
-            files = [RemoteFile(parsed.location, name, None, parsed.sha256)]
-            await _download_all(client, files, target, figures)
+            async with exclusive(lock_file_for(final), waiting):
+                if not final.exists():
+                    meter = Meter(progress, figures, learn_total=True)
+                    files = [RemoteFile(parsed.location, final.name, None, parsed.sha256)]
+                    await _download_all(client, files, final.parent, meter)
             return final
-        return await _fetch_repo(client, parsed, settings, figures)
+        return await _fetch_repo(client, parsed, settings, Meter(progress, figures), waiting)
+    except ArtifactError as exc:
+        raise FetchError(str(exc)) from exc
     finally:
         if owned:
             await client.aclose()
@@ -260,7 +201,7 @@ def cached_path(source: str, settings: FetchSettings) -> Path | None:
     """
     try:
         parsed = parse_source(source, settings.hf_endpoint)
-    except FetchError:
+    except SourceError:
         return None
     if parsed.kind == "local":
         path = Path(parsed.location).expanduser()
@@ -285,13 +226,18 @@ def _new_client(settings: FetchSettings) -> httpx.AsyncClient:
     token = settings.hf_token or os.environ.get("HF_TOKEN", "")
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    timeout = httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT)
-    return httpx.AsyncClient(headers=headers, timeout=timeout, follow_redirects=True)
+    return new_client(headers)
 
 
 async def _fetch_repo(
-    client: httpx.AsyncClient, source: WeightsSource, settings: FetchSettings, progress: Progress
+    client: httpx.AsyncClient, source: WeightsSource, settings: FetchSettings, meter: Meter, waiting: Callable[[], None]
 ) -> Path:
+    """Returns the directory of the repository's commit, downloaded unless marked complete.
+
+    Downloads under the directory's lock (``waiting`` is called once if another holds it)
+    and writes :data:`COMPLETE_MARKER` last. Raises :class:`FetchError` (listing) or
+    ArtifactError (a file's download).
+    """
     endpoint = settings.hf_endpoint.rstrip("/")
     listing_url = f"{endpoint}/api/models/{source.location}/revision/{source.revision}"
     with trio.fail_after(LISTING_TIMEOUT):
@@ -331,9 +277,13 @@ async def _fetch_repo(
         sha = str(lfs.get("sha256") or "")
         url = f"{endpoint}/{source.location}/resolve/{commit}/{relative}"
         files.append(RemoteFile(url, relative, int(size) if size is not None else None, sha.lower()))
-    await _download_all(client, files, target, progress)
-    marker = {"repo": source.location, "revision": source.revision, "commit": commit}
-    await trio.Path(target / COMPLETE_MARKER).write_text(json.dumps(marker))
+    async with exclusive(lock_file_for(target), waiting):
+        if (target / COMPLETE_MARKER).exists():
+            return target  # another fetch finished it while this one waited
+        meter.total = _total(files)
+        await _download_all(client, files, target, meter)
+        marker = {"repo": source.location, "revision": source.revision, "commit": commit}
+        await trio.Path(target / COMPLETE_MARKER).write_text(json.dumps(marker))
     return target
 
 
@@ -344,145 +294,32 @@ def _check_relative(relative: str, repo: str) -> None:
         raise FetchError(f"repository {repo} lists a file {relative!r} that would land outside its directory; refused")
 
 
-async def _download_all(client: httpx.AsyncClient, files: list[RemoteFile], target: Path, progress: Progress) -> None:
-    """Downloads every file not yet complete under ``target``, reporting overall progress."""
+def _total(files: list[RemoteFile]) -> int | None:
+    """Returns the bytes of all ``files``, or None when the size of any is unknown."""
+    sizes = [f.size for f in files]
+    return None if None in sizes else sum(f.size or 0 for f in files)
+
+
+async def _download_all(client: httpx.AsyncClient, files: list[RemoteFile], target: Path, meter: Meter) -> None:
+    """Downloads every file not yet complete under ``target``, counting into ``meter``
+    (whose ``total`` is all of ``files``, or None), with a report at start and at end.
+
+    Raises :class:`FetchError` when the disk cannot take the missing files, ArtifactError
+    when a download fails. Cancellation leaves only ``.partial`` files.
+    """
     pending = [f for f in files if not (target / f.relative).exists()]
-    known = [f.size for f in files if f.size is not None]
-    total = sum(known) if len(known) == len(files) else None
-    done = sum(f.size or 0 for f in files if f not in pending)
+    meter.done += sum(f.size or 0 for f in files if f not in pending)
     await trio.Path(target).mkdir(parents=True, exist_ok=True)
-    if total is not None:
+    if meter.total is not None:
         needed = sum(f.size or 0 for f in pending)
         free = (await trio.to_thread.run_sync(shutil.disk_usage, target)).free
         if needed > free:
             raise FetchError(
-                f"weights need {_human(needed)} but {target} has {_human(free)} free; "
+                f"weights need {human_size(needed)} but {target} has {human_size(free)} free; "
                 "free disk space or point weights_dir in agent.yaml at a larger disk"
             )
-    meter = _Meter(progress, done, total)
     meter.report(force=True)
     for remote in pending:
-        await _download_one(client, remote, target / remote.relative, meter)
+        await download(client, remote.url, target / remote.relative, meter,
+                       size=remote.size, sha256=remote.sha256, label=remote.relative)
     meter.report(force=True)
-
-
-class _Meter:
-    """Turns byte counts into throttled "A/B UNIT" figures for ``progress``."""
-
-    def __init__(self, progress: Progress, done: int, total: int | None) -> None:
-        self.progress = progress
-        self.done = done
-        self.total = total
-        self._last = -PROGRESS_INTERVAL
-
-    def add(self, n: int) -> None:
-        self.done += n
-        self.report()
-
-    def report(self, force: bool = False) -> None:
-        now = trio.current_time()
-        if not force and now - self._last < PROGRESS_INTERVAL:
-            return
-        self._last = now
-        if self.total is None:
-            self.progress(_human(self.done))
-        else:
-            self.progress(_fraction(self.done, self.total))
-
-
-_UNITS = (("GB", 1000**3), ("MB", 1000**2), ("kB", 1000), ("B", 1))
-
-
-def _human(n: int) -> str:
-    """Returns ``n`` bytes as "4.0 GB"/"16 MB"-style text."""
-    for unit, size in _UNITS:
-        if n >= size or unit == "B":
-            value = n / size
-            return f"{value:.1f} {unit}" if unit == "GB" else f"{value:.0f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def _fraction(done: int, total: int) -> str:
-    """Returns "1.2/4.0 GB": both figures in the unit that suits ``total``."""
-    for unit, size in _UNITS:
-        if total >= size or unit == "B":
-            return f"{done / size:.1f}/{total / size:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-async def _download_one(client: httpx.AsyncClient, remote: RemoteFile, final: Path, meter: _Meter) -> None:
-    """Downloads ``remote`` to ``final`` through ``final.partial``, resuming what is there.
-
-    The partial file is renamed to ``final`` only after its size and sha256 (when known)
-    match; on a mismatch it is deleted and :class:`FetchError` raised.
-    """
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    await trio.Path(final.parent).mkdir(parents=True, exist_ok=True)
-    offset = partial.stat().st_size if partial.exists() else 0
-    if remote.size is not None and offset > remote.size:
-        await trio.Path(partial).unlink()
-        offset = 0
-    hasher = hashlib.sha256()
-    if offset:
-        await trio.to_thread.run_sync(_hash_prefix, partial, hasher)
-        meter.add(offset)
-    if remote.size is None or offset < remote.size:
-        offset, hasher = await _transfer(client, remote, partial, offset, hasher, meter)
-    if remote.size is not None and offset != remote.size:
-        await trio.Path(partial).unlink()
-        raise FetchError(
-            f"{remote.relative}: received {offset} bytes but the source says {remote.size}; "
-            "the partial file was deleted, the next try starts it again"
-        )
-    if remote.sha256 and hasher.hexdigest() != remote.sha256:
-        await trio.Path(partial).unlink()
-        raise FetchError(
-            f"{remote.relative}: sha256 {hasher.hexdigest()} does not match the published {remote.sha256}; "
-            "the download was deleted (a corrupt transfer or a changed file at the source)"
-        )
-    await trio.Path(partial).rename(final)
-
-
-def _hash_prefix(path: Path, hasher: "hashlib._Hash") -> None:
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_SIZE):
-            hasher.update(chunk)
-
-
-async def _transfer(
-    client: httpx.AsyncClient,
-    remote: RemoteFile,
-    partial: Path,
-    offset: int,
-    hasher: "hashlib._Hash",
-    meter: _Meter,
-) -> tuple[int, "hashlib._Hash"]:
-    """Appends the bytes from ``offset`` on to ``partial``; returns its new length and the hasher.
-
-    The hasher is a fresh one when the server ignored the range and the file started over.
-    """
-    headers = {"Range": f"bytes={offset}-"} if offset else {}
-    try:
-        async with client.stream("GET", remote.url, headers=headers) as response:
-            if response.status_code == 416 and offset:
-                return offset, hasher  # nothing beyond what we have; the size check decides
-            if response.status_code not in (200, 206):
-                raise FetchError(f"{remote.url} answered HTTP {response.status_code}; check the model's source")
-            mode = "ab"
-            if offset and response.status_code == 200:
-                # The server ignored the range: start over rather than append a second copy.
-                meter.add(-offset)
-                offset, mode = 0, "wb"
-                hasher = hashlib.sha256()
-            async with await trio.open_file(partial, mode) as out:
-                async for chunk in response.aiter_bytes():
-                    await out.write(chunk)
-                    hasher.update(chunk)
-                    offset += len(chunk)
-                    meter.add(len(chunk))
-    except httpx.HTTPError as exc:
-        raise FetchError(
-            f"download of {remote.url} broke off at {_human(offset)} ({exc or type(exc).__name__}); "
-            "the next try resumes from there"
-        ) from exc
-    return offset, hasher

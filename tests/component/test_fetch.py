@@ -3,7 +3,8 @@
 The server lists a repository at /api/models/{repo}/revision/{rev} and serves files at
 /{repo}/resolve/{commit}/{path} with Range support. Per file it can cut the connection
 after some bytes (an interrupted transfer), stall after some bytes until released (to
-cancel mid-file), or serve different bytes than it lists (a sha256 mismatch).
+cancel mid-file), pause after some bytes until released (a slow first fetch that a second
+one waits for), or serve different bytes than it lists (a sha256 mismatch).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Hub:
     listed_sha: dict[str, str] = attrs.Factory(dict)  # overrides the published sha256
     cut_after: dict[str, int] = attrs.Factory(dict)  # path -> bytes sent before dropping (once)
     stall_after: dict[str, int] = attrs.Factory(dict)  # path -> bytes sent before waiting on release
+    pause_after: dict[str, int] = attrs.Factory(dict)  # path -> bytes sent before waiting on release, then the rest
     release: threading.Event = attrs.Factory(threading.Event)
     ranges: list[tuple[str, str]] = attrs.Factory(list)  # (path, Range header or "") per file request
     url: str = ""
@@ -81,6 +83,12 @@ def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
                 self.wfile.write(body[: hub.cut_after.pop(name)])
                 self.wfile.flush()
                 self.close_connection = True
+                return
+            if name in hub.pause_after:
+                self.wfile.write(body[: hub.pause_after[name]])
+                self.wfile.flush()
+                hub.release.wait(30)
+                self.wfile.write(body[hub.pause_after[name] :])
                 return
             if name in hub.stall_after:
                 self.wfile.write(body[: hub.stall_after[name]])
@@ -183,6 +191,34 @@ async def test_cancellation_mid_file_leaves_only_a_partial(tmp_path: Path, hub: 
     del hub.stall_after["model.safetensors"]
     path = await fetch_weights("hf://org/tiny", settings)
     assert (path / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
+
+
+async def test_concurrent_fetch_waits_for_the_first_and_reuses_its_download(tmp_path: Path, hub: Hub) -> None:
+    hub.files = {"config.json": b"{}", "model.safetensors": b"m" * 200_000}
+    hub.pause_after = {"model.safetensors": 50_000}
+    settings = _settings(tmp_path, hub)
+    second_said: list[str] = []
+    paths: list[Path] = []
+    first_holds_lock, second_waits = trio.Event(), trio.Event()
+
+    async def fetch(said: list[str], event: trio.Event) -> None:
+        def progress(message: str) -> None:
+            said.append(message)
+            event.set()  # the first one reports only once it holds the lock; the second, that it waits
+
+        paths.append(await fetch_weights("hf://org/tiny", settings, progress))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch, [], first_holds_lock)
+            await first_holds_lock.wait()
+            nursery.start_soon(fetch, second_said, second_waits)
+            await second_waits.wait()
+            hub.release.set()
+    assert paths == [_repo_dir(tmp_path)] * 2
+    assert (_repo_dir(tmp_path) / "model.safetensors").read_bytes() == hub.files["model.safetensors"]
+    assert sorted(name for name, _ in hub.ranges) == ["config.json", "model.safetensors"], "each file fetched once"
+    assert second_said == ["fetching weights: waiting for another fetch of it on this node to finish"]
 
 
 async def test_single_file_url_with_checksum(tmp_path: Path, hub: Hub) -> None:

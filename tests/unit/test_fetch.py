@@ -1,54 +1,13 @@
-"""parse_source and progress text of llmgw.node.fetch (pure functions)."""
+"""Progress text of weights fetches and installs (llmgw.node.install.artifact, pure functions)."""
 
 from __future__ import annotations
 
-import pytest
-
-from llmgw.node.fetch import FetchError, _fraction, _human, is_remote, parse_source
-
-
-def test_hf_scheme_with_and_without_revision() -> None:
-    assert parse_source("hf://org/repo").kind == "hf"
-    assert parse_source("hf://org/repo").location == "org/repo"
-    assert parse_source("hf://org/repo").revision == "main"
-    assert parse_source("hf://org/repo@v1.0").revision == "v1.0"
-
-
-def test_repository_page_urls_read_as_repository_ids() -> None:
-    page = parse_source("https://huggingface.co/Qwen/Qwen2-0.5B")
-    assert (page.kind, page.location, page.revision) == ("hf", "Qwen/Qwen2-0.5B", "main")
-    tree = parse_source("https://huggingface.co/Qwen/Qwen2-0.5B/tree/abc123")
-    assert (tree.kind, tree.location, tree.revision) == ("hf", "Qwen/Qwen2-0.5B", "abc123")
-    mirror = parse_source("http://127.0.0.1:9/org/repo", hf_endpoint="http://127.0.0.1:9")
-    assert (mirror.kind, mirror.location) == ("hf", "org/repo")
-
-
-def test_file_urls_stay_urls_and_carry_their_checksum() -> None:
-    resolved = parse_source("https://huggingface.co/org/repo/resolve/main/model.gguf")
-    assert resolved.kind == "url"
-    digest = "ab" * 32
-    plain = parse_source(f"https://example.com/m/model.gguf#sha256={digest}")
-    assert (plain.kind, plain.location, plain.sha256) == ("url", "https://example.com/m/model.gguf", digest)
-    with pytest.raises(FetchError, match="64 hex digits"):
-        parse_source("https://example.com/model.gguf#sha256=xyz")
-
-
-def test_local_paths() -> None:
-    assert parse_source("/models/x.gguf").kind == "local"
-    assert parse_source("file:///models/x%20y.gguf").location == "/models/x y.gguf"
-    assert not is_remote("/models/x.gguf")
-    assert is_remote("hf://a/b") and is_remote("https://x/y")
-
-
-def test_bad_repository_ids_are_refused_with_the_expected_form() -> None:
-    with pytest.raises(FetchError, match=r"hf://org/repo\[@revision\]"):
-        parse_source("hf://../etc")
-    with pytest.raises(FetchError, match="no weights source"):
-        parse_source("  ")
+from llmgw.node.install.artifact import fraction_text, human_size
 
 
 def test_progress_text() -> None:
-    assert _fraction(1_200_000_000, 4_000_000_000) == "1.2/4.0 GB"
-    assert _fraction(512_000, 2_000_000) == "0.5/2.0 MB"
-    assert _human(16_000_000) == "16 MB"
-    assert _human(4_000_000_000) == "4.0 GB"
+    assert fraction_text(1_200_000_000, 4_000_000_000) == "1.2/4.0 GB"
+    assert fraction_text(512_000, 2_000_000) == "0.5/2.0 MB"
+    assert fraction_text(16_000_000, None) == "16 MB"
+    assert human_size(16_000_000) == "16 MB"
+    assert human_size(4_000_000_000) == "4.0 GB"

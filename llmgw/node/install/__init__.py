@@ -7,6 +7,10 @@ device check. Engine modules implement it:
 - ``llmgw/node/install/llamacpp.py``  -> llama.cpp (release archives, or built from the sdist)
 - ``llmgw/node/install/python_env.py`` -> vLLM and SGLang (their own Python environments)
 
+Both build on ``llmgw/node/install/artifact.py`` (downloads with resume and a sha256
+check, safe unpacking, file hashes, lock files between installers), as weights fetch
+(:mod:`llmgw.node.fetch`) does.
+
 Each of those modules exposes one function the framework calls at agent start::
 
     def installers(settings: InstallSettings) -> list[Installer]
@@ -44,7 +48,9 @@ Contract every installer keeps (read this before implementing one):
     Raises :class:`InstallError` with a sentence that tells the operator what failed
     and what to do; any other exception is reported as a bug with its type. Must
     build under a scratch name and mark the result installed only once it passes its
-    checks, so a cancelled or failed install leaves nothing that probes as installed.
+    checks, so a cancelled or failed install leaves nothing that probes as installed,
+    and hold a lock file while installing (``artifact.exclusive``), so two agents on
+    one machine take turns instead of building into the same place.
     Cancellation (trio.Cancelled) may arrive at any await; let it propagate.
     Blocking work runs in ``trio.to_thread.run_sync`` or as a subprocess
     (``trio.run_process``); apt packages go through :func:`llmgw.node.install.apt.apt_install`.
