@@ -317,8 +317,8 @@ class Gateway:
         return await self._relay(forwarded, response)
 
     async def _resolve(self, call: ForwardCall) -> _Request:
-        """Return ``call`` resolved, once: its tenant, body, model or LoRA adapter, and the
-        ready replicas that serve it (at least one).
+        """Return ``call`` resolved, once: its tenant, body, model or LoRA adapter, and how
+        many ready replicas serve it (at least one).
 
         Raises GatewayError: 401 (key), 503 (``serving.stopped``), 413 (size), 400 (body),
         403 (the tenant's models), 404 (not in the catalog), 503 (no ready replica; the
@@ -346,9 +346,7 @@ class Gateway:
         candidates = self.adapters.serving(target, candidates)  # LoRA: replicas that list the adapter
         if not candidates:
             raise errors.no_ready_replica(info.model)
-        upstream = self.upstream
-        if upstream is None:
-            raise GatewayError(503, "The gateway is shutting down.", "service_unavailable")
+        upstream = self.upstream_client()  # 503 while shutting down
         trace = call.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
         return _Request(call, tenant, info, target, body, labels, trace, _request_stack(), upstream,
                         len(candidates), self.usage, self.admission)

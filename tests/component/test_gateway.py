@@ -129,6 +129,16 @@ async def test_non_streaming_passes_body_and_request_id_through() -> None:
         await env.wait_idle()
 
 
+async def test_endpoints_quart_serves_follow_the_same_request_id_rule() -> None:
+    async with gateway(replicas=1) as env:
+        for path, status in (("/healthz", 200), ("/v1/models", 200), ("/v1/nothing", 404)):
+            kept = await env.client.get(path, headers={"x-request-id": "req-7"})
+            assert (kept.status_code, kept.headers["x-request-id"]) == (status, "req-7")
+            fresh = await env.client.get(path, headers={"x-request-id": "not an id"})
+            assert fresh.status_code == status
+            assert len(fresh.headers["x-request-id"]) == 32 and fresh.headers["x-request-id"] != "not an id"
+
+
 async def test_completions_embeddings_and_upstream_status_pass_through() -> None:
     async with gateway(replicas=1) as env:
         completion = await env.client.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
