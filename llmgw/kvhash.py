@@ -32,6 +32,10 @@ DEFAULT_SEED = "vllm-none-hash"
 #: that overrides it breaks precise routing; the router's hash-agreement check says so.
 KV_HASH_SEED = "0"
 
+#: Tokens per KV block when an engine is not told otherwise: vLLM's default on GPUs, and the
+#: simulator's (the agent reads it to know the block size of a sim shard started without one).
+DEFAULT_BLOCK_SIZE = 16
+
 #: Mask applied by vLLM (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default)
 #: to turn a 32-byte digest into the uint64 it puts in KV events.
 UINT64_MASK = (1 << 64) - 1

@@ -18,7 +18,7 @@ class SimConfig:
     model: str
     host: str = "127.0.0.1"
     port: int = 8000
-    block_size: int = 16
+    block_size: int = kvhash.DEFAULT_BLOCK_SIZE
     num_blocks: int = 1024
     max_model_len: int = 8192
     max_num_seqs: int = 256
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when listening)")
     p.add_argument("--model", required=True, help="served model name")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=kvhash.DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the cache (LRU eviction past it)")
     p.add_argument("--max-model-len", type=int, default=8192, help="prompt + output tokens allowed")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once; more wait")

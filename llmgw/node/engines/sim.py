@@ -16,13 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-import attrs
-
 from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
 from llmgw.node.kvevents import KvEventsConfig
-from llmgw.sim.config import SimConfig
 from llmgw.spec import EngineInfo, ShardSpec
 
 # The simulator loads nothing, so a few seconds is plenty even on a busy node;
@@ -41,7 +38,7 @@ def sim_block_size(args: list[str] | tuple[str, ...]) -> int:
     text = option_value(args, "--block-size")
     if text is not None and text.isdigit() and int(text) > 0:
         return int(text)
-    return int(attrs.fields(SimConfig).block_size.default)
+    return kvhash.DEFAULT_BLOCK_SIZE
 
 
 def _llmgw_version() -> str:

@@ -72,7 +72,7 @@ PREFIX_CACHING_HASH_ALGO = "sha256_cbor"
 CPU_BLOCK_MULTIPLE = 32
 CPU_BLOCK_SIZE = 128
 #: vLLM's block size on GPUs when the profile does not set one.
-GPU_BLOCK_SIZE = 16
+GPU_BLOCK_SIZE = kvhash.DEFAULT_BLOCK_SIZE
 #: GiB of KV cache a CPU engine allocates when the profile does not say (unset, vLLM sizes
 #: it from the node's memory, which crowds out every other replica on the node).
 CPU_KVCACHE_SPACE_GIB = 1
