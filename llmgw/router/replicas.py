@@ -18,6 +18,7 @@ Everything here is synchronous and runs on the trio thread; nothing does I/O.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import time
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -274,10 +275,10 @@ class RoutingObserver:
         """The hash-agreement alarm of ``replica_id`` was raised or cleared."""
 
 
-class RoutingPolicy:
+class RoutingPolicy(abc.ABC):
     """Picks the replica for one request; the base of every routing policy.
 
-    :meth:`choose` is the one method a policy must implement. The other hooks are how
+    :meth:`choose` is the one method a policy must implement (abstract). The other hooks are how
     the gateway tells a policy about its surroundings; each does nothing here, so a
     policy overrides only those it needs (the KV-aware policy, llmgw/router/kvrouting.py,
     overrides them all). All are synchronous and called on the trio thread.
@@ -288,13 +289,13 @@ class RoutingPolicy:
 
     index: KvIndex | None = None
 
+    @abc.abstractmethod
     def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | Awaitable[Replica]:
         """Return one of ``candidates`` (never empty) for ``request``, or an awaitable of it.
 
         An awaitable lets a policy ask a replica first (a KV-aware policy may tokenize:
         llmgw/router/kvrouting.py); the gateway awaits it then.
         """
-        raise NotImplementedError
 
     def attach_observer(self, observer: RoutingObserver) -> None:
         """Send routing decisions, mismatches and alarms to ``observer`` (the gateway's metrics)."""

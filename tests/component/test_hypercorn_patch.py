@@ -142,6 +142,29 @@ def test_importing_the_gateway_patches_nothing() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_serving_on_an_unchecked_hypercorn_is_refused_before_anything_is_patched() -> None:
+    check = (
+        "import importlib.metadata, trio\n"
+        "real = importlib.metadata.version\n"
+        "importlib.metadata.version = lambda name: '0.19.0' if name == 'hypercorn' else real(name)\n"
+        "from hypercorn import protocol\n"
+        "from hypercorn.protocol.h11 import H11Protocol\n"
+        "from llmgw.router import ReplicaTable, create_app, serve_gateway\n"
+        "from llmgw.router.http.hypercorn_patch import HypercornUnchecked\n"
+        "try:\n"
+        "    trio.run(serve_gateway, create_app(ReplicaTable()), '127.0.0.1', 0)\n"
+        "except HypercornUnchecked as error:\n"
+        "    print(error)\n"
+        "else:\n"
+        "    raise SystemExit('served on an unchecked hypercorn')\n"
+        "assert protocol.H11Protocol is H11Protocol\n"
+        "assert not hasattr(H11Protocol, '_llmgw_fast_installed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stderr
+    assert "hypercorn 0.19.0 is installed" in done.stdout
+
+
 async def test_keep_alive_serves_many_then_closes_when_idle_but_not_while_busy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
