@@ -31,6 +31,7 @@ def _capnp_names(data: Any) -> Any:
 
 
 def _camel(name: str) -> str:
+    """Returns a snake_case ``name`` in camelCase."""
     first, *rest = name.split("_")
     return first + "".join(part.title() for part in rest)
 

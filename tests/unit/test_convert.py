@@ -1,7 +1,7 @@
 """Round trips between llmgw.spec values and the Cap'n Proto schema."""
 
 from llmgw.rpc import convert, schema
-from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import Adapter, EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
 
 s = schema.load()
 
@@ -30,3 +30,12 @@ def test_model_and_engine_roundtrip():
     assert roundtrip(s.Model, convert.model_dict(m), convert.model_from) == m
     e = EngineInfo("sim", True, "0.1.0", False, "built in")
     assert roundtrip(s.EngineInfo, convert.engine_dict(e), convert.engine_from) == e
+
+
+def test_model_with_adapters_keeps_variable_names_as_written():
+    env = {"OMP_NUM_THREADS": "4", "VLLM_CPU_KVCACHE_SPACE": "8"}
+    m = ModelSpec("m", "vllm", "hf://org/repo", Profile(1, 0, 0.0, 0, (), env), (Adapter("m-a", "/a"),), 1)
+    data = convert.model_dict(m)
+    assert data["profile"]["engineEnv"] == [{"key": k, "value": v} for k, v in sorted(env.items())]
+    assert data["maxLoadedAdapters"] == 1
+    assert roundtrip(s.Model, data, convert.model_from) == m
