@@ -118,7 +118,7 @@ class RestartPolicy:
 class ShardReporter(Protocol):
     """Where a shard's status goes (implemented by the RPC layer).
 
-    Calls may fail or hang when the session is gone; the supervisor bounds and logs them.
+    Calls may fail or hang when the session is gone; the shard bounds and logs them.
     """
 
     async def status(self, status: ShardStatus) -> None: ...
@@ -198,14 +198,17 @@ class Shard:
 
     @property
     def spec(self) -> ShardSpec:
+        """Returns the shard's spec as persisted (sources as given, not fetched paths)."""
         return self.record.spec
 
     @property
     def port(self) -> int:
+        """Returns the port the engine serves on (kept across engine restarts and agents)."""
         return self.record.port
 
     @property
     def stopping(self) -> bool:
+        """Returns True once a stop was asked for (the shard is going away)."""
         return self._stop_requested.is_set()
 
     # -- status --------------------------------------------------------------------
@@ -360,7 +363,12 @@ class Shard:
             self.publish(ShardState.STARTING, "starting the engine (none was running)")
 
     async def stop(self, grace: float) -> None:
-        """Asks the shard task to stop its engine; returns once STOPPED is recorded."""
+        """Asks the shard task to stop its engine; returns once STOPPED is recorded.
+
+        The shard task does the stopping (SIGTERM to the group, ``grace`` seconds, SIGKILL,
+        state deleted): cancelling this call only stops the waiting, not the stop. A second
+        call while one is under way waits for it (its ``grace`` is not used).
+        """
         if not self._stop_requested.is_set():
             self._stop_grace = grace
             self.publish(ShardState.STOPPING, f"SIGTERM sent to the engine's process group; SIGKILL after {grace:g} s")
@@ -369,7 +377,7 @@ class Shard:
         await self._stopped.wait()
 
     async def wait_stopped(self) -> None:
-        """Returns once this shard has been stopped."""
+        """Returns once this shard has been stopped (STOPPED recorded, forgotten by its supervisor)."""
         await self._stopped.wait()
 
     async def _stop_engine(self) -> None:
