@@ -387,9 +387,10 @@ class EnvInstaller:
     async def install(self, version: str, progress: Callable[[str], None]) -> None:
         """Builds the environment (see :func:`install_env`) in a worker thread.
 
-        Raises InstallError with the failing step's output. Cancellation is honoured
-        between steps only (pip is not interrupted half way); the scratch directory is
-        removed either way.
+        Raises InstallError with the failing step's output. Cancellation takes effect
+        once the thread returns: neither pip nor the wait for another install of the same
+        environment (its lock file) is interrupted half way; a failed install's scratch
+        directory is removed.
         """
         import trio
 
