@@ -266,3 +266,16 @@ async def test_sdist_with_wrong_sha256_is_refused(server: Served, tmp_path: Path
         await inst.build_from_sdist(root, sdist_url=f"{server.base}/{inst.SDIST_NAME}")
     assert not (root / "downloads" / inst.SDIST_NAME).exists()
     _nothing_installed(root)
+
+
+async def test_pip_download_that_hangs_is_killed_at_its_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hanging = tmp_path / "python"
+    hanging.write_text("#!/bin/sh\nexec sleep 60\n")
+    hanging.chmod(0o755)
+    monkeypatch.setattr(inst.sys, "executable", str(hanging))
+    monkeypatch.setattr(inst, "SDIST_DOWNLOAD_TIMEOUT", 0.2)
+    (tmp_path / "downloads").mkdir()
+    with trio.fail_after(20):
+        with pytest.raises(InstallError, match="took over 0 minutes; check the package index"):
+            await inst._pip_download_sdist(tmp_path / "downloads" / inst.SDIST_NAME, lambda _: None)
+    assert list((tmp_path / "downloads").iterdir()) == []

@@ -141,6 +141,9 @@ BINARY = "llama-server"
 VERIFY_TIMEOUT = 60.0
 #: cmake configure + ninja on a busy 2-core machine took up to 18 minutes; 90 is a hang.
 BUILD_TIMEOUT = 90 * 60.0
+#: ``pip download`` of the 73 MB sdist (pip's own socket timeout covers each read; this
+#: bounds a transfer that keeps trickling): half an hour means the index is unusable.
+SDIST_DOWNLOAD_TIMEOUT = 30 * 60.0
 #: Build progress ("step 120/206") at most this often (each sentence is reported upward).
 PROGRESS_EVERY = 1.0
 #: One install at a time per root: this file in the root is locked while installing.
@@ -460,13 +463,21 @@ async def _pip_download_sdist(dest: Path, progress: ProgressFn) -> None:
 
     pip, not a hard-coded URL: it honours the machine's index, mirrors and proxy
     configuration (pip.conf), as every other package install here does. Raises
-    InstallError with pip's last words if it fails.
+    InstallError with pip's last words if it fails, or if it takes over
+    :data:`SDIST_DOWNLOAD_TIMEOUT` (pip is killed then).
     """
     progress(f"downloading {SDIST_NAME} from the package index (pip download)")
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_PROJECT,
                 f"{SDIST_PROJECT}=={SDIST_VERSION}", "--dest", tmp, "--quiet"]
-        result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+        result: subprocess.CompletedProcess[bytes] | None = None
+        with trio.move_on_after(SDIST_DOWNLOAD_TIMEOUT):  # run_process kills pip when this expires
+            result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+        if result is None:
+            raise InstallError(
+                f"pip download {SDIST_PROJECT}=={SDIST_VERSION} took over {SDIST_DOWNLOAD_TIMEOUT / 60:.0f} minutes; "
+                "check the package index or its mirror"
+            )
         got = Path(tmp) / SDIST_NAME
         if result.returncode != 0 or not got.is_file():
             last = result.stderr.decode(errors="replace").strip().splitlines()[-3:]

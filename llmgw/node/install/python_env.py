@@ -86,6 +86,8 @@ EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec"})
 BUILD_PYTHON_CANDIDATES = ("python3.11",)
 #: pip can take minutes on a cold cache (3.5 GB); an hour means something is stuck.
 PIP_TIMEOUT = 3600.0
+#: Creating an empty virtual environment takes seconds; five minutes is a hang.
+VENV_TIMEOUT = 300.0
 #: Importing vllm loads torch: tens of seconds on a busy 2-core machine.
 IMPORT_TIMEOUT = 600.0
 
@@ -217,17 +219,19 @@ def make_lock(engine: PythonEngine, version: str, gpu: bool, *, build_python: st
     """Resolves ``engine`` ``version`` with pip (dry run) and writes its lock; returns the path.
 
     Runs in a throwaway venv so the resolution is for a clean environment. Raises
-    subprocess.CalledProcessError if pip cannot resolve.
+    subprocess.CalledProcessError if pip cannot resolve, subprocess.TimeoutExpired if a
+    step exceeds its deadline (:data:`VENV_TIMEOUT`, :data:`PIP_TIMEOUT`).
     """
     requirement = f"{engine.distribution(gpu)}=={version}"
     with tempfile.TemporaryDirectory(prefix="llmgw-lock-") as tmp:
         venv = Path(tmp) / "venv"
-        subprocess.run([build_python or _build_python(), "-m", "venv", str(venv)], check=True)
+        subprocess.run([build_python or _build_python(), "-m", "venv", str(venv)], check=True, timeout=VENV_TIMEOUT)
         report_path = Path(tmp) / "report.json"
         subprocess.run(
             [str(engine_python(venv)), "-m", "pip", "install", "--dry-run", "--ignore-installed",
              "--only-binary=:all:", "--quiet", "--report", str(report_path), requirement],
             check=True,
+            timeout=PIP_TIMEOUT,
         )
         report = json.loads(report_path.read_text())
     env = report.get("environment", {})
@@ -268,7 +272,7 @@ def install_steps(engine: PythonEngine, scratch: Path, lock: Path, *, build_pyth
     if index_url:
         pip += ["--index-url", index_url]
     return [
-        ("creating a Python environment", [build_python, "-m", "venv", str(scratch)], 300.0),
+        ("creating a Python environment", [build_python, "-m", "venv", str(scratch)], VENV_TIMEOUT),
         (f"installing {lock.name} (hash-pinned; several GB on a cold cache)", [*pip, "-r", str(lock)], PIP_TIMEOUT),
         (f"checking that {engine.module} imports", [python, "-c", import_check(engine)], IMPORT_TIMEOUT),
     ]
