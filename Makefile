@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.llmgw-installed
 
 .PHONY: install up test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "llmgw needs Python >= 3.11 (found %s): set PYTHON=python3.11" % sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
