@@ -107,7 +107,7 @@ DEFAULT_LOAD_GATE_SHARE = 0.25
 #: short enough that a request that failed does not attract its prefix for long.
 DEFAULT_UNCONFIRMED_TTL = 2.0
 #: Seconds allowed for one ``/tokenize`` call. A loopback call to vLLM takes a few
-#: milliseconds (bench/tokenize.py); past this the replica is busy, and routing
+#: milliseconds (bench/tokens.py); past this the replica is busy, and routing
 #: approximately now beats a precise decision later.
 DEFAULT_TOKENIZE_TIMEOUT = 0.5
 #: Seconds after a routed request within which the replica is expected to report some of

@@ -1,6 +1,6 @@
 """Where the router gets a request's tokens: the replica's ``/tokenize`` or a tokenizer in the gateway.
 
-``python -m bench.tokenize [--quick]`` serves the tiny test model (llmgw.testing.hf_model:
+``python -m bench.tokens [--quick]`` serves the tiny test model (llmgw.testing.hf_model:
 byte-level BPE, Jinja chat template) with one real vLLM (the environment ``make test``
 installs) and measures, for chat prompts of about 100 and 1,800 tokens:
 
