@@ -642,17 +642,15 @@ def serve_llmgw(port: int, urls: Sequence[str], workers: int) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             if workers > 1:
-                from llmgw.control.gateway_pool import (
-                    GatewayPool, ObservedAuthTable, ObservedTable, PooledAdmission, WorkerSettings)
-                from llmgw.router import gateway_of
-                from llmgw.router.admission import AdmissionLimits
+                from llmgw.config import AuthConfig, GatewayConfig
+                from llmgw.router.build import build_gateway
+                from llmgw.router.replicas import ModelInfo
+                from llmgw.router.settings import GatewaySettings
 
-                observed = ObservedTable()
-                observed.replace_all({MODEL: table.replicas(MODEL) or ()})
-                master = gateway_of(create_app(observed, auth=ObservedAuthTable(enabled=False),
-                                               admission=PooledAdmission(AdmissionLimits())))
-                pool = GatewayPool(master, HOST, workers, WorkerSettings(auth_enabled=False))
-                await nursery.start(pool.run, port)
+                pool = build_gateway(GatewaySettings(gateway=GatewayConfig(workers=workers),
+                                                     auth=AuthConfig(enabled=False)))
+                pool.replace_routes({MODEL: table.replicas(MODEL) or ()}, {MODEL: ModelInfo()})
+                await nursery.start(pool.serve, HOST, port)
             else:
                 await nursery.start(partial(serve_gateway, create_app(table), HOST, port))
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

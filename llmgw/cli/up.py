@@ -26,11 +26,14 @@ from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
 from llmgw.catalog import CatalogError, validate_model
 from llmgw.config import AuthConfig, GatewayConfig
+from llmgw.config.defaults import DEFAULT_GATEWAY_WORKERS, DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT, DEFAULT_SQLITE_NAME
 from llmgw.control.plane import ControlPlane, run_control_plane
+from llmgw.router.build import build_gateway
+from llmgw.router.settings import GatewaySettings
 from llmgw.node.agent import Agent
 from llmgw.node.supervisor import Supervisor
 from llmgw.rpc.kjtrio import capnp_runtime
-from llmgw.rpc.tls import client_ssl_context, read_credentials, server_ssl_context
+from llmgw.rpc.tls import CERT_FILE, client_ssl_context, read_credentials, server_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,10 @@ async def wait_for_ready(plane: ControlPlane, model: str, timeout: float) -> lis
 @click.command()
 @click.option("--state-dir", type=click.Path(path_type=Path), default=None,
               help="Where the cluster keeps its CA, database and engine state [~/.local/share/llmgw/up].")
-@click.option("--http-port", type=int, default=8080, show_default=True, help="Gateway port on 127.0.0.1 (0: any).")
-@click.option("--rpc-port", type=int, default=7070, show_default=True, help="RPC port on 127.0.0.1 (0: any).")
+@click.option("--http-port", type=int, default=DEFAULT_HTTP_PORT, show_default=True,
+              help="Gateway port on 127.0.0.1 (0: any).")
+@click.option("--rpc-port", type=int, default=DEFAULT_RPC_PORT, show_default=True,
+              help="RPC port on 127.0.0.1 (0: any).")
 @click.option("--model", "model_name", default="demo", show_default=True,
               help="Name of the demo model added on first run.")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Replicas of the demo model.")
@@ -75,7 +80,7 @@ async def wait_for_ready(plane: ControlPlane, model: str, timeout: float) -> lis
 @click.option("--auth/--no-auth", "auth", default=False, show_default=True,
               help="Require API keys. Off by default: `up` listens on 127.0.0.1 only. With --auth a "
                    "fresh key of tenant 'demo' is printed in the banner (once).")
-@click.option("--gateway-workers", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--gateway-workers", type=click.IntRange(min=1), default=DEFAULT_GATEWAY_WORKERS, show_default=True,
               help="Gateway processes on the HTTP port (1: in this process; N > 1: N worker processes, "
                    "see docs/gateway.md).")
 @click.option("--log-level", default="warning", show_default=True,
@@ -89,7 +94,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
     state_dir.mkdir(parents=True, exist_ok=True)
     node_id = socket.gethostname().split(".")[0] or "local"
     ca, created = ensure_cluster_pki(state_dir, server_name="llmgw-up")
-    if not (state_dir / "node" / "cert.pem").exists():
+    if not (state_dir / "node" / CERT_FILE).exists():
         issue_to(ca, "node", node_id, state_dir / "node")
     server_creds = read_credentials(state_dir / SERVER_DIR)
     node_creds = read_credentials(state_dir / "node")
@@ -113,18 +118,20 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
 
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
+            settings = GatewaySettings(gateway=GatewayConfig(workers=gateway_workers), auth=AuthConfig(enabled=auth))
+            gateway = build_gateway(settings)
             try:
                 plane: ControlPlane = await nursery.start(
                     lambda task_status: run_control_plane(
-                        store_url=str(state_dir / "llmgw.db"),
+                        store_url=str(state_dir / DEFAULT_SQLITE_NAME),
                         rpc_host="127.0.0.1",
                         rpc_port=rpc_port,
                         http_host="127.0.0.1",
                         http_port=http_port,
                         server_context=server_ssl_context(server_creds.ca_pem, server_creds.cert_pem,
                                                           server_creds.key_pem),
-                        auth=AuthConfig(enabled=auth),
-                        gateway=GatewayConfig(workers=gateway_workers),
+                        gateway=gateway,
+                        auth=settings.auth,
                         task_status=task_status,
                     )
                 )
@@ -230,8 +237,7 @@ async def _demo_key(plane: ControlPlane) -> str:
     record, key = new_api_key("demo", "llmgw up")
     await plane.store.create_api_key(record)
     await plane.store.audit("llmgw-up", "key.create", record.id, {"tenant": "demo", "name": "llmgw up"})
-    if plane.access is not None:
-        await plane.access.reload()
+    await plane.access.reload()
     return key
 
 

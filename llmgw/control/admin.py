@@ -1,6 +1,7 @@
 """The ``Admin`` capability: what ``llmgw ctl`` and ``llmgw.client`` programs may do.
 
-Handed out by ``Cluster.admin`` to admin certificates only. Methods copy their
+Handed out by ``Cluster.admin`` to admin certificates only; it acts on the
+:class:`AdminServices` the control plane's wiring gives it. Methods copy their
 params into Python values before the first await, and raise plain exceptions
 whose message is for the operator (the client shows the last line).
 """
@@ -8,43 +9,58 @@ whose message is for the operator (the client shows the last line).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
+import attrs
 import trio
 
 from llmgw import __version__
 from llmgw.catalog import model_to_dict, validate_model
+from llmgw.control.keys import AccessSync
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
-from llmgw.control.registry import NodeState
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.registry import NodeState, Registry
+from llmgw.control.sessions import NodeSessions
+from llmgw.control.store import Store
 from llmgw.rpc import convert, schema
+from llmgw.router.interface import GatewayInterface
 from llmgw.spec import ShardState
-
-if TYPE_CHECKING:
-    from llmgw.control.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 
 
-def _kv_alarms(plane: ControlPlane) -> list[str]:
-    """Return the gateway's KV-routing alarms in words, sorted, once each: the in-process
-    gateway's, plus the workers' as last reported with ``gateway.workers`` > 1 ([] without
-    a KV-aware policy)."""
-    alarms = getattr(plane.gateway.policy, "alarms", None) if plane.gateway is not None else None
-    found = set(alarms()) if alarms is not None else set()
-    if plane.pool is not None:
-        found.update(plane.pool.kv_alarms())
-    return sorted(found)
+@attrs.frozen
+class AdminServices:
+    """What the ``Admin`` capability acts on, for one running control plane."""
+
+    store: Store
+    registry: Registry
+    sessions: NodeSessions
+    reconciler: Reconciler
+    gateway: GatewayInterface
+    #: Keys, tenants and ``serving.stopped`` into the gateway; usage out of it.
+    access: AccessSync
+    #: Tells the reconciler and the gateway's route feed that the catalog changed.
+    catalog_changed: Callable[[], None]
+    #: The gateway's base URL, as clients reach it (``http://host:port``).
+    gateway_url: str
 
 
-def make_admin(plane: ControlPlane, actor: str) -> Any:
-    """Return an ``Admin`` server object acting for ``actor`` (the certificate's name)."""
+def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
+    """Return why the reconciler's last pass could not place or is still waiting to place replicas."""
+    return [u.reason for u in reconciler.last_unplaceable] + [w.reason for w in reconciler.last_waiting]
+
+
+def make_admin(services: AdminServices, actor: str) -> Any:
+    """Return an ``Admin`` server object acting on ``services`` for ``actor`` (the certificate's name)."""
     s = schema.load()
 
     class AdminServer(AccessAdminMixin, s.Admin.Server):  # tenants, keys, usage: keys_admin.py
         async def status(self, _context: Any, **_: Any) -> None:
-            fleet = plane.registry.snapshot()
+            fleet = services.registry.snapshot()
             shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]
-            models = await plane.store.list_models()
+            models = await services.store.list_models()
+            gateway = services.gateway.status()
             _context.results.status = {
                 "version": __version__,
                 "nodesOnline": sum(1 for n in fleet.nodes.values() if n.state is NodeState.ONLINE),
@@ -52,15 +68,15 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                 "replicasReady": sum(1 for sh in shards if sh.state is ShardState.READY),
                 "replicasTotal": len(shards),
                 "models": len(models),
-                "gatewayUrl": plane.gateway_url,
-                "unplaceable": plane.unplaceable_reasons(),
-                "servingStopped": plane.gateway is not None and plane.gateway.stopped,
-                "admission": admission_rows(plane),
-                "kvAlarms": _kv_alarms(plane),
+                "gatewayUrl": services.gateway_url,
+                "unplaceable": unplaceable_reasons(services.reconciler),
+                "servingStopped": gateway.stopped,
+                "admission": admission_rows(gateway),
+                "kvAlarms": list(gateway.kv_alarms),
             }
 
         async def listNodes(self, _context: Any, **_: Any) -> None:
-            fleet = plane.registry.snapshot()
+            fleet = services.registry.snapshot()
             now = trio.current_time()
             _context.results.nodes = [
                 {
@@ -71,13 +87,13 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                     "engines": [convert.engine_dict(e) for e in node.engines],
                     "secondsSinceHeartbeat": max(0.0, now - node.last_heartbeat),
                     "shards": len(node.shards),
-                    "version": plane.node_versions.get(node.id, ""),
+                    "version": services.sessions.agent_versions.get(node.id, ""),
                 }
                 for node in sorted(fleet.nodes.values(), key=lambda n: n.id)
             ]
 
         async def listReplicas(self, _context: Any, **_: Any) -> None:
-            fleet = plane.registry.snapshot()
+            fleet = services.registry.snapshot()
             rows = []
             for node in sorted(fleet.nodes.values(), key=lambda n: n.id):
                 for shard in sorted(node.shards.values(), key=lambda sh: (sh.model, sh.id)):
@@ -99,33 +115,33 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
                         }
                     )
             _context.results.replicas = rows
-            _context.results.unplaceable = plane.unplaceable_reasons()
+            _context.results.unplaceable = unplaceable_reasons(services.reconciler)
 
         async def listModels(self, _context: Any, **_: Any) -> None:
-            models = await plane.store.list_models()
+            models = await services.store.list_models()
             _context.results.models = [convert.model_dict(m) for m in models]
 
         async def addModel(self, model: Any, replace: bool, _context: Any, **_: Any) -> None:
             spec = validate_model(model_to_dict(convert.model_from(model)))
             replace = bool(replace)
-            saved = await plane.store.put_model(spec, create_only=not replace)
-            await plane.store.audit(actor, "model.replace" if replace else "model.add", spec.name,
+            saved = await services.store.put_model(spec, create_only=not replace)
+            await services.store.audit(actor, "model.replace" if replace else "model.add", spec.name,
                                     model_to_dict(saved))
-            plane.catalog_changed()
+            services.catalog_changed()
             _context.results.model = convert.model_dict(saved)
 
         async def removeModel(self, name: str, _context: Any, **_: Any) -> None:
             name = str(name)
-            removed = await plane.store.delete_model(name)
+            removed = await services.store.delete_model(name)
             if removed:
-                await plane.store.audit(actor, "model.remove", name, {})
-                plane.catalog_changed()
+                await services.store.audit(actor, "model.remove", name, {})
+                services.catalog_changed()
             _context.results.removed = removed
 
         async def replicaLogs(self, id: str, lines: int, _context: Any, **_: Any) -> None:
             shard_id, count = str(id), int(lines) or 100
             try:
-                session = plane.sessions.find_shard(shard_id)
+                session = services.sessions.find_shard(shard_id)
             except KeyError:
                 raise LookupError(
                     f"no replica {shard_id!r} on a connected node (see `llmgw ctl replicas`)"
@@ -135,7 +151,7 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
         async def checkEngine(self, node: str, engine: str, _context: Any, **_: Any) -> None:
             node_id, engine_name = str(node), str(engine)
             try:
-                session = plane.sessions.get(node_id)
+                session = services.sessions.get(node_id)
             except LookupError:
                 raise LookupError(
                     f"node {node_id!r} is not connected (see `llmgw ctl nodes`)"
@@ -143,5 +159,5 @@ def make_admin(plane: ControlPlane, actor: str) -> Any:
             _context.results.output = await session.check_engine(engine_name)
 
     server = AdminServer()
-    server.bind_access(plane, actor)
+    server.bind_access(services.store, services.access, actor)
     return server

@@ -4,11 +4,11 @@
   accepted.
 * :func:`new_api_key` makes a key; the store keeps only the SHA-256 of its secret.
 * :class:`AccessSync` keeps the gateway's in-memory view fresh: the active keys with their
-  tenants (:class:`~llmgw.router.auth.AuthTable`) and the cluster setting
-  ``serving.stopped``. It reloads at start, right after every change made through this
-  control plane's Admin API (:meth:`AccessSync.reload`), and every
-  :data:`RELOAD_INTERVAL_S` for changes made through another control plane. It also
-  flushes the gateway's usage counters into the store every ``usage_flush_interval``.
+  tenants and the cluster setting ``serving.stopped``
+  (:meth:`~llmgw.router.interface.GatewayInterface.apply_access`). It reloads at start,
+  right after every change made through this control plane's Admin API
+  (:meth:`AccessSync.reload`), and every :data:`RELOAD_INTERVAL_S` for changes made
+  through another control plane. It also flushes the gateway's usage counters into the store every ``usage_flush_interval``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Iterable
 import trio
 
 from llmgw.catalog.access import TenantSpec, check_key_name, generate_key
+from llmgw.config.defaults import DEFAULT_USAGE_FLUSH_INTERVAL
 from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
-from llmgw.router.app import Gateway
-from llmgw.router.auth import KeyEntry, Tenant
+from llmgw.router.interface import AccessState, GatewayInterface, KeyEntry, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ SERVING_STOPPED = "serving.stopped"
 #: Seconds between reloads of keys, tenants and settings, for changes made through
 #: another control plane (changes through this one apply at once).
 RELOAD_INTERVAL_S = 5.0
-#: Seconds between writes of the usage counters to the store.
-DEFAULT_USAGE_FLUSH_S = 10.0
 #: Bound on one reload or flush: the store's own statement timeouts are shorter.
 STORE_CALL_TIMEOUT_S = 30.0
 
@@ -70,7 +68,9 @@ class AccessSync:
     """Keeps ``gateway``'s keys, tenants and ``serving.stopped`` equal to the store's;
     flushes its usage counters into the store."""
 
-    def __init__(self, store: Store, gateway: Gateway, *, usage_flush_interval: float = DEFAULT_USAGE_FLUSH_S) -> None:
+    def __init__(
+        self, store: Store, gateway: GatewayInterface, *, usage_flush_interval: float = DEFAULT_USAGE_FLUSH_INTERVAL
+    ) -> None:
         self.store = store
         self.gateway = gateway
         self.usage_flush_interval = usage_flush_interval
@@ -83,15 +83,17 @@ class AccessSync:
         """Read tenants, keys and ``serving.stopped`` and apply them to the gateway.
 
         Raises the store's error (the gateway keeps its previous view) or
-        ``trio.TooSlowError`` after :data:`STORE_CALL_TIMEOUT_S`.
+        ``trio.TooSlowError`` after :data:`STORE_CALL_TIMEOUT_S`. Returns once the gateway
+        has applied it (a worker pool: bounded, see its ``apply_access``).
         """
         async with self._reload_lock:
             with trio.fail_after(STORE_CALL_TIMEOUT_S):
                 tenants = await self.store.list_tenants()
                 keys = await self.store.list_api_keys()
                 stopped = await self.store.get_setting(SERVING_STOPPED)
-            self.gateway.auth.replace(key_entries(tenants, keys))
-            self.gateway.stopped = bool(stopped.value) if stopped is not None else False
+            access = AccessState(tuple(key_entries(tenants, keys)),
+                                 bool(stopped.value) if stopped is not None else False)
+            await self.gateway.apply_access(access)
 
     async def flush_usage(self) -> None:
         """Write the usage counted since the last flush to the store.
@@ -99,7 +101,7 @@ class AccessSync:
         On failure the counts are kept for the next flush and the error is raised.
         """
         async with self._flush_lock:
-            drained = self.gateway.usage.drain()
+            drained = self.gateway.drain_usage()
             if not drained:
                 return
             rows = [UsageRecord(tenant, model, c.requests, c.prompt_tokens, c.completion_tokens)
@@ -108,7 +110,7 @@ class AccessSync:
                 with trio.fail_after(STORE_CALL_TIMEOUT_S):
                     await self.store.add_usage(rows)
             except BaseException:
-                self.gateway.usage.restore(drained)
+                self.gateway.restore_usage(drained)
                 raise
 
     async def usage_totals(self) -> list[UsageRecord]:
@@ -117,7 +119,7 @@ class AccessSync:
         async with self._flush_lock:
             with trio.fail_after(STORE_CALL_TIMEOUT_S):
                 stored = await self.store.list_usage()
-            pending = self.gateway.usage.pending()
+            pending = await self.gateway.pending_usage()
         totals = {(u.tenant, u.model): [u.requests, u.prompt_tokens, u.completion_tokens] for u in stored}
         for key, counts in pending.items():
             row = totals.setdefault(key, [0, 0, 0])
@@ -137,11 +139,24 @@ class AccessSync:
                 nursery.start_soon(self._every, RELOAD_INTERVAL_S, self.reload, "reload API keys and settings")
                 nursery.start_soon(self._every, self.usage_flush_interval, self.flush_usage, "store usage")
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(STORE_CALL_TIMEOUT_S):
-                try:
-                    await self.flush_usage()
-                except Exception as exc:  # noqa: BLE001 - shutting down; say what was lost
-                    log.warning("could not store the last usage counts: %s", exc)
+            await self._last_flush("the last usage counts")
+
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the gateway (its ``serve``: reports the bound port, raises ``OSError`` if it
+        cannot bind); once it has stopped, store the usage it counted until then (a worker
+        pool's workers hand over their last counts as they stop)."""
+        try:
+            await self.gateway.serve(host, port, task_status=task_status)
+        finally:
+            await self._last_flush("the gateway's last usage counts")
+
+    async def _last_flush(self, what: str) -> None:
+        """Flush once more, shielded from cancellation and bounded; log what was lost on failure."""
+        with trio.CancelScope(shield=True), trio.move_on_after(STORE_CALL_TIMEOUT_S):
+            try:
+                await self.flush_usage()
+            except Exception as exc:  # noqa: BLE001 - shutting down; say what was lost
+                log.warning("could not store %s: %s", what, exc)
 
     @staticmethod
     async def _every(interval: float, action: Any, what: str) -> None:

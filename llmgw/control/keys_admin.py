@@ -1,7 +1,8 @@
 """The Admin methods for tenants, API keys, usage and ``serving.stopped`` (a mixin).
 
 ``AdminServer`` in :mod:`llmgw.control.admin` inherits :class:`AccessAdminMixin` and
-calls :meth:`AccessAdminMixin.bind_access` with its control plane and the caller's name.
+calls :meth:`AccessAdminMixin.bind_access` with the store, the access sync and the
+caller's name.
 Every change is audited and applied to this control plane's gateway before the call
 returns (:meth:`llmgw.control.keys.AccessSync.reload`), so a revoked key is refused as
 soon as ``llmgw ctl keys revoke`` prints. Params are copied into Python values before
@@ -11,14 +12,13 @@ is for the operator.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmgw.catalog import validate_tenant
-from llmgw.control.keys import SERVING_STOPPED, new_api_key, tenant_record
+from llmgw.control.keys import SERVING_STOPPED, AccessSync, new_api_key, tenant_record
+from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord
-
-if TYPE_CHECKING:
-    from llmgw.control.plane import ControlPlane
+from llmgw.router.interface import GatewayStatus
 
 
 def tenant_dict(record: TenantRecord) -> dict[str, Any]:
@@ -66,27 +66,27 @@ class AccessAdminMixin:
     """Admin methods listTenants, putTenant, removeTenant, createKey, listKeys, revokeKey,
     usage, setServingStopped (see schema/llmgw.capnp)."""
 
-    _access_plane: ControlPlane
+    _access_store: Store
+    _access: AccessSync
     _access_actor: str
 
-    def bind_access(self, plane: ControlPlane, actor: str) -> None:
-        """Act on ``plane`` for ``actor`` (the admin certificate's name)."""
-        self._access_plane = plane
+    def bind_access(self, store: Store, access: AccessSync, actor: str) -> None:
+        """Act on ``store`` and the gateway behind ``access`` for ``actor`` (the admin certificate's name)."""
+        self._access_store = store
+        self._access = access
         self._access_actor = actor
 
     async def _applied(self) -> None:
-        access = self._access_plane.access
-        if access is not None:
-            await access.reload()
+        await self._access.reload()
 
     async def listTenants(self, _context: Any, **_: Any) -> None:
-        tenants = await self._access_plane.store.list_tenants()
+        tenants = await self._access_store.list_tenants()
         _context.results.tenants = [tenant_dict(t) for t in tenants]
 
     async def putTenant(self, tenant: Any, create: bool, _context: Any, **_: Any) -> None:
         record = tenant_record(validate_tenant(tenant_input(tenant)))
         create = bool(create)
-        store = self._access_plane.store
+        store = self._access_store
         saved = await store.put_tenant(record, create_only=create)
         await store.audit(self._access_actor, "tenant.add" if create else "tenant.update", saved.name,
                           _audit_tenant(saved))
@@ -95,7 +95,7 @@ class AccessAdminMixin:
 
     async def removeTenant(self, name: str, _context: Any, **_: Any) -> None:
         name = str(name)
-        store = self._access_plane.store
+        store = self._access_store
         removed = await store.delete_tenant(name)
         if removed:
             await store.audit(self._access_actor, "tenant.remove", name, {})
@@ -104,7 +104,7 @@ class AccessAdminMixin:
 
     async def createKey(self, tenant: str, name: str, _context: Any, **_: Any) -> None:
         record, key = new_api_key(str(tenant), str(name))
-        store = self._access_plane.store
+        store = self._access_store
         saved = await store.create_api_key(record)
         await store.audit(self._access_actor, "key.create", saved.id, {"tenant": saved.tenant, "name": saved.name})
         await self._applied()
@@ -112,12 +112,12 @@ class AccessAdminMixin:
         _context.results.secret = key
 
     async def listKeys(self, _context: Any, **_: Any) -> None:
-        keys = await self._access_plane.store.list_api_keys()
+        keys = await self._access_store.list_api_keys()
         _context.results.keys = [key_dict(k) for k in keys]
 
     async def revokeKey(self, id: str, _context: Any, **_: Any) -> None:
         key_id = str(id)
-        store = self._access_plane.store
+        store = self._access_store
         revoked = await store.revoke_api_key(key_id)
         if revoked is None:
             raise LookupError(f"no API key {key_id!r} (see `llmgw ctl keys list`)")
@@ -126,8 +126,7 @@ class AccessAdminMixin:
         _context.results.key = key_dict(revoked)
 
     async def usage(self, _context: Any, **_: Any) -> None:
-        plane = self._access_plane
-        rows = await plane.access.usage_totals() if plane.access is not None else await plane.store.list_usage()
+        rows = await self._access.usage_totals()
         _context.results.rows = [
             {"tenant": u.tenant, "model": u.model, "requests": u.requests, "promptTokens": u.prompt_tokens,
              "completionTokens": u.completion_tokens}
@@ -136,7 +135,7 @@ class AccessAdminMixin:
 
     async def setServingStopped(self, stopped: bool, _context: Any, **_: Any) -> None:
         stopped = bool(stopped)
-        store = self._access_plane.store
+        store = self._access_store
         await store.set_setting(SERVING_STOPPED, stopped, self._access_actor)
         await store.audit(self._access_actor, "serving.stop" if stopped else "serving.start", SERVING_STOPPED,
                           {"value": stopped})
@@ -144,11 +143,9 @@ class AccessAdminMixin:
         _context.results.stopped = stopped
 
 
-def admission_rows(plane: ControlPlane) -> list[dict[str, Any]]:
-    """Return this control plane's per-tenant admission counts as capnp ``TenantAdmission``s."""
-    if plane.gateway is None:
-        return []
+def admission_rows(status: GatewayStatus) -> list[dict[str, Any]]:
+    """Return the gateway's per-tenant admission counts as capnp ``TenantAdmission``s."""
     return [
         {"tenant": name, "admitted": c.admitted, "queued": c.queued, "shed": c.shed, "inFlight": max(0, c.in_flight)}
-        for name, c in sorted(plane.gateway.admission.snapshot().items())
+        for name, c in sorted(status.admission.items())
     ]

@@ -402,7 +402,7 @@ class _KvIndexCollector(Collector):
 
 #: Families about state every gateway worker holds a copy of (the KV index the control
 #: plane feeds them all) or that any worker may raise (the hash alarm): merged across
-#: workers by the largest value, not the sum (llmgw/router/workerstate.py).
+#: workers by the largest value, not the sum (llmgw/router/workers/protocol.py).
 SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()} | {KV_HASH_ALARM})
 
 

@@ -16,6 +16,7 @@ from llmgw.router import ReplicaTable
 from llmgw.router.app import Gateway
 from llmgw.router.auth import AuthTable
 from llmgw.router.errors import GatewayError
+from llmgw.router.local import LocalGateway
 from llmgw.router.usage import Usage
 
 
@@ -65,7 +66,7 @@ async def test_tenants_keys_and_usage_round_trip(db_url: str) -> None:
 async def test_access_sync_feeds_keys_and_stop_and_flushes_usage(tmp_path: Path) -> None:
     async with open_store(f"sqlite://{tmp_path}/llmgw.db") as store:
         gateway = Gateway(ReplicaTable(), auth=AuthTable(enabled=True))
-        sync = AccessSync(store, gateway, usage_flush_interval=3600)
+        sync = AccessSync(store, LocalGateway(gateway), usage_flush_interval=3600)
         await store.put_tenant(TenantRecord("acme", ("m1",)), create_only=True)
         record, key = new_api_key("acme", "")
         await store.create_api_key(record)
@@ -103,7 +104,7 @@ def test_validate_tenant_names_the_field(data: dict[str, Any], field: str) -> No
 async def test_usage_totals_count_each_request_once_while_a_flush_runs(tmp_path: Path) -> None:
     async with open_store(f"sqlite://{tmp_path}/llmgw.db") as store:
         gateway = Gateway(ReplicaTable())
-        sync = AccessSync(store, gateway)
+        sync = AccessSync(store, LocalGateway(gateway))
         gateway.usage.record("acme", "m1", Usage(1, 2))
         await store.add_usage([UsageRecord("acme", "m1", 5, 5, 5)])
         async with trio.open_nursery() as nursery:

@@ -1,9 +1,10 @@
 """GatewayPool: real gateway worker processes on one port, fed by a master gateway object.
 
-One simulated engine (``python -m llmgw.sim``) behind a pool of 2 workers; every request
-opens a fresh connection, so the kernel spreads them over the workers (SO_REUSEPORT).
-The KV-routing tests use two more engines as two replicas of one model and feed the
-pool KV deltas as the control plane does (master first, then the pool).
+One simulated engine (``python -m llmgw.sim``) behind a pool of 2 workers
+(``build_gateway`` with ``gateway.workers: 2``); every request opens a fresh connection,
+so the kernel spreads them over the workers (SO_REUSEPORT). The KV-routing tests use two
+more engines as two replicas of one model and feed the pool KV deltas as the control
+plane does (through the gateway interface).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import os
 import re
 import signal
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Iterator
 
 import httpx
@@ -21,20 +21,19 @@ import trio
 
 from llmgw import kvhash
 from llmgw.catalog import generate_key
-from llmgw.config import RoutingConfig
-from llmgw.control import gateway_pool
-from llmgw.control.admin import _kv_alarms
-from llmgw.control.gateway_pool import (
-    GatewayPool, ObservedAuthTable, ObservedTable, PooledAdmission, WorkerSettings, WorkerStartError,
-)
-from llmgw.router.admission import AdmissionLimits
-from llmgw.router.app import Gateway, create_app, gateway_of
+from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig
+from llmgw.router.app import Gateway
 from llmgw.router.auth import KeyEntry, Tenant
-from llmgw.router.channel import Message
+from llmgw.router.build import build_gateway
+from llmgw.router.interface import AccessState
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.kvrouting import ALARM_TEXT
 from llmgw.router.replicas import ModelInfo, Replica
-from llmgw.router.workerstate import decode_kv_delta
+from llmgw.router.settings import GatewaySettings
+from llmgw.router.workers import pool as gateway_pool
+from llmgw.router.workers.channel import Message
+from llmgw.router.workers.pool import GatewayPool, WorkerStartError
+from llmgw.router.workers.protocol import decode_kv_delta
 from llmgw.sim.launch import start_sim
 from llmgw.spec import MAX_HASHES_PER_DELTA, KvDelta
 
@@ -69,19 +68,24 @@ class Pooled:
             return await http.get(path)
 
 
+def new_pool(routing: RoutingConfig = RoutingConfig()) -> GatewayPool:
+    """Return a 2-worker pool, keys off, routing by ``routing``, as the server builds it."""
+    pool = build_gateway(GatewaySettings(gateway=GatewayConfig(workers=2), auth=AuthConfig(enabled=False),
+                                         routing=routing))
+    assert isinstance(pool, GatewayPool)
+    return pool
+
+
 @contextlib.asynccontextmanager
 async def running_pool(replicas: list[Replica], routing: RoutingConfig = RoutingConfig()) -> AsyncIterator[Pooled]:
     """A 2-worker pool serving model "m" on ``replicas`` with ``routing``; on exit, checks that
     no worker outlived it."""
-    table = ObservedTable()
-    table.set_model_replicas("m", replicas)
-    master = gateway_of(create_app(table, auth=ObservedAuthTable(enabled=False),
-                                   admission=PooledAdmission(AdmissionLimits())))
-    pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False, routing=routing))
+    pool = new_pool(routing)
+    pool.master.table.set_model_replicas("m", replicas)
     async with trio.open_nursery() as nursery:
         with trio.fail_after(60):
-            port = await nursery.start(pool.run, 0)
-        handle = Pooled(master, pool)
+            port = await nursery.start(pool.serve, "127.0.0.1", 0)
+        handle = Pooled(pool.master, pool)
         handle.url = f"http://127.0.0.1:{port}"
         try:
             yield handle
@@ -157,13 +161,11 @@ async def test_state_changes_reach_every_worker_before_synced_returns(pooled: Po
     await pool.collect()
     assert master.usage.pending().get(("acme", "m")) == before
 
-    master.stopped = True
-    pool.state_changed()
-    assert await pool.synced()
+    await pool.apply_access(AccessState(stopped=True))  # as AccessSync.reload does
+    assert master.stopped and await pool.synced()
     assert await statuses() == {503}
-    master.stopped = False
-    pool.state_changed()
-    assert await pool.synced()
+    await pool.apply_access(AccessState(stopped=False))
+    assert not master.stopped and await pool.synced()
     assert await statuses() == {200}
 
 
@@ -192,12 +194,9 @@ async def test_a_worker_that_cannot_bind_fails_the_start(engine: str) -> None:
     taken.bind(("127.0.0.1", 0))  # no SO_REUSEPORT: nobody may share it
     taken.listen()
     try:
-        table = ObservedTable()
-        master = gateway_of(create_app(table, auth=ObservedAuthTable(enabled=False),
-                                       admission=PooledAdmission(AdmissionLimits())))
-        pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False))
+        pool = new_pool()
         with pytest.raises(WorkerStartError, match="cannot bind the gateway"), trio.fail_after(60):
-            await pool.run(taken.getsockname()[1])
+            await pool.serve("127.0.0.1", taken.getsockname()[1])
         assert not pool.slots
     finally:
         taken.close()
@@ -239,12 +238,10 @@ async def kv_pool(engines: tuple[str, str], routing: RoutingConfig = KV_ROUTING)
 
 
 def feed(pooled: Pooled, replica_id: str, delta: KvDelta | None) -> None:
-    """Hand a KV delta (None: a forget) over as ControlPlane.kv_update/kv_forget do."""
+    """Hand a KV delta (None: a forget) over as the control plane does (the gateway interface)."""
     if delta is None:
-        pooled.master.kv_forget(replica_id)
         pooled.pool.kv_forget(replica_id)
     else:
-        pooled.master.kv_update(replica_id, delta)
         pooled.pool.kv_update(replica_id, delta)
 
 
@@ -413,7 +410,7 @@ async def test_hash_alarms_of_the_workers_reach_ctl_status(kv_engines: tuple[str
         alarms = pooled.pool.kv_alarms()
         assert alarms == sorted({a for r in reports for a in r["kv_alarms"]})
         assert alarms and all(a in (f"model m replica {r}: {ALARM_TEXT}" for r in ("ra", "rb")) for a in alarms)
-        assert _kv_alarms(SimpleNamespace(gateway=pooled.master, pool=pooled.pool)) == alarms  # type: ignore[arg-type]
+        assert list(pooled.pool.status().kv_alarms) == alarms  # what `ctl status` shows
         metrics = (await pooled.get("/metrics")).text
         raised_gauges = re.findall(r'^llmgw_gateway_kv_hash_alarm\{model="m",replica="(\w+)"\} (\S+)$', metrics, re.M)
         # One alarm per replica however many workers raised it (the gauges are not summed).
@@ -423,9 +420,8 @@ async def test_hash_alarms_of_the_workers_reach_ctl_status(kv_engines: tuple[str
 
 async def test_a_full_kv_copy_and_the_queue_after_it_make_the_masters_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """No processes: the copy holds exactly what came before it, the queue what came after."""
-    master = gateway_of(create_app(ObservedTable(), auth=ObservedAuthTable(enabled=False),
-                                   admission=PooledAdmission(AdmissionLimits())))
-    pool = GatewayPool(master, "127.0.0.1", 2, WorkerSettings(auth_enabled=False))
+    pool = new_pool()
+    master = pool.master
     handle = Pooled(master, pool)
     slot = gateway_pool._Slot(0, 0, None, None)  # type: ignore[arg-type]  # never started
     pool.slots[0] = slot
