@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from llmgw.catalog.access import AccessError, validate_tenant
+from llmgw.catalog import AccessError, validate_tenant
 from llmgw.cli.ctl.common import json_option, target_of
 from llmgw.cli.output import fail, print_json, print_table
 from llmgw.client import TenantRow

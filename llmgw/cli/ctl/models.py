@@ -11,10 +11,10 @@ from typing import Any
 import click
 import yaml
 
-from llmgw.catalog.models import CatalogError, validate_model
+from llmgw.catalog import CatalogError, model_to_dict, validate_model
 from llmgw.cli.ctl.common import json_option, mb, target_of
 from llmgw.cli.output import fail, print_json, print_table
-from llmgw.spec import ModelSpec, model_to_dict
+from llmgw.spec import ModelSpec
 
 
 @click.group()
