@@ -20,13 +20,11 @@ errors (404/405/413) and bugs (500), and every response carries ``x-request-id``
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import logging
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import httpx
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -39,7 +37,8 @@ from .adapters import NO_HOLD, Adapters, Target, UpstreamAdmin
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
-from .http.extensions import FAST_LANE_KEY, REQUEST_ID_KEY
+from .http.cleanup import RequestCleanup, request_stack
+from .http.extensions import REQUEST_ID_KEY
 from .http.forward import FastForward, ForwardCall, ForwardResult
 from .http.upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
 from .http.upstream_pool import H1Response
@@ -62,72 +61,10 @@ MAX_ATTEMPTS = 2
 # Seconds allowed to receive the request body from the client.
 BODY_TIMEOUT_S = 60.0
 
-# Seconds the last body message of a response may take to send while shielded from
-# cancellation (see _RequestCleanup): it only writes a final chunk and closes or recycles
-# the connection, so this bounds a client that stopped reading.
-FINAL_SEND_TIMEOUT_S = 10.0
-
 # Paths forwarded to replicas, as Quart routes.
 FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 _EVENT_STREAM = "text/event-stream"
-
-# The per-request exit stack (see _RequestCleanup); None outside an HTTP request.
-_cleanup_stack: contextvars.ContextVar[contextlib.AsyncExitStack | None] = contextvars.ContextVar(
-    "llmgw_router_cleanup", default=None
-)
-
-
-class _RequestCleanup:
-    """ASGI middleware that gives each HTTP request an exit stack run when the request ends.
-
-    Leases and upstream responses are registered on it so they are released even when
-    the request ends in a way the view never sees: the client disconnecting before the
-    streaming body was started, a cancellation between the view returning and Quart
-    iterating the body, or a failure while sending headers.
-
-    It also shields the last ``http.response.body`` message from cancellation (except on
-    the fast lane, which needs no shield: :data:`~llmgw.router.http.extensions.FAST_LANE_KEY`).
-    Hypercorn finishes the exchange inside that ``send`` (closes a ``Connection: close`` /
-    HTTP/1.0 connection, or re-arms the keep-alive idle timer), and that same ``send``
-    delivers ``http.disconnect`` to the app's receiver, which (in Quart-Trio and in
-    :class:`~llmgw.router.http.forward.FastForward`) cancels the request at once; unshielded,
-    the cancellation lands in Hypercorn's close and the connection stays open forever.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self._inner(scope, receive, send)
-            return
-
-        async def send_last_shielded(message: Any) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                # One scope: shielded from outer cancellation, bounded by its own deadline.
-                with trio.CancelScope(shield=True, relative_deadline=FINAL_SEND_TIMEOUT_S):
-                    await send(message)
-            else:
-                await send(message)
-
-        # The fast lane finishes its exchange by itself, cancelled or not (http/h1lane.py).
-        extensions = scope.get("extensions")
-        lane = extensions is not None and FAST_LANE_KEY in extensions
-        async with contextlib.AsyncExitStack() as stack:
-            token = _cleanup_stack.set(stack)
-            try:
-                await self._inner(scope, receive, send if lane else send_last_shielded)
-            finally:
-                _cleanup_stack.reset(token)
-
-
-def _request_stack() -> contextlib.AsyncExitStack:
-    stack = _cleanup_stack.get()
-    if stack is None:  # only possible if the middleware was removed
-        raise RuntimeError("gateway request cleanup middleware is not installed")
-    return stack
-
 
 class Gateway:
     """The gateway's state (replica table, load, policy, upstream client) and its app.
@@ -199,7 +136,7 @@ class Gateway:
         # every request gets its id there.
         forward = FastForward(app.asgi_app, self.forward, app.config, FORWARDED_PATHS, BODY_TIMEOUT_S)
         app.asgi_app = forward  # type: ignore[method-assign]
-        app.asgi_app = _RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
+        app.asgi_app = RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
         app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]
 
         app.before_serving(self._start)
@@ -348,7 +285,7 @@ class Gateway:
             raise errors.no_ready_replica(info.model)
         upstream = self.upstream_client()  # 503 while shutting down
         trace = call.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
-        return _Request(call, tenant, info, target, body, labels, trace, _request_stack(), upstream,
+        return _Request(call, tenant, info, target, body, labels, trace, request_stack(), upstream,
                         len(candidates), self.usage, self.admission)
 
     async def _admit(self, forwarded: _Request) -> Sequence[Replica]:
@@ -492,7 +429,8 @@ class _Request:
     :meth:`Gateway._resolve` makes it (tenant, parsed body, LoRA target: resolved once
     and read by every later stage), :meth:`Gateway._admit` adds the admission ticket
     and the stream's usage watch (:meth:`admitted`), :meth:`Gateway._route` the chosen
-    replica's lease. ``stack`` is the request's exit stack (see ``_RequestCleanup``).
+    replica's lease. ``stack`` is the request's exit stack
+    (:class:`~llmgw.router.http.cleanup.RequestCleanup`).
     :meth:`account` ends the request's accounting into ``meter`` and ``admission``.
     """
 

@@ -22,7 +22,7 @@ WHOLE_BODY_KEY = "llmgw.whole_body"
 #: Set (value True) by the lane on a request it serves: the lane finishes its exchange
 #: (recycles or closes the connection) even if the app is cancelled during its last
 #: send, so the app need not shield that send, as it must for Hypercorn's own HTTP/1.1
-#: protocol (see ``_RequestCleanup`` in llmgw/router/app.py).
+#: protocol (see :class:`~llmgw.router.http.cleanup.RequestCleanup`).
 FAST_LANE_KEY = "llmgw.fast_lane"
 
 #: The request's id (str), set by :class:`~llmgw.router.http.forward.FastForward` on every
