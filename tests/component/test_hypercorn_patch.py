@@ -225,7 +225,7 @@ async def test_a_streamed_response_head_is_sent_before_its_first_chunk() -> None
 
 
 async def test_a_client_leaving_a_non_streamed_request_cancels_it() -> None:
-    """The gateway's fast path learns of the disconnect from Hypercorn's on_close (no watcher task)."""
+    """The gateway's forward learns of the disconnect from Hypercorn's on_close (no watcher task)."""
     import json
 
     from tests.component.test_gateway import MODEL, gateway
