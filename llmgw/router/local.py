@@ -22,12 +22,6 @@ from .interface import (
 )
 
 
-def policy_alarms(gateway: Gateway) -> set[str]:
-    """Return the KV hash-agreement alarms of ``gateway``'s routing policy (none without a
-    KV-aware policy)."""
-    return set(gateway.policy.alarms())
-
-
 class GatewayState(GatewayInterface):
     """The interface applied to ``gateway``'s table, KV index, keys, ``stopped`` and meters
     (everything but :meth:`serve`, left to subclasses)."""
@@ -61,7 +55,7 @@ class GatewayState(GatewayInterface):
         return GatewayStatus(
             stopped=self.gateway.stopped,
             admission=self.gateway.admission.snapshot(),
-            kv_alarms=tuple(sorted(policy_alarms(self.gateway))),
+            kv_alarms=tuple(sorted(set(self.gateway.policy.alarms()))),
         )
 
 

@@ -50,7 +50,7 @@ from ..app import Gateway
 from ..auth import AuthTable, KeyEntry
 from ..http.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
 from ..interface import AccessState, GatewayStatus, UsageCounts
-from ..local import GatewayState, policy_alarms
+from ..local import GatewayState
 from ..replicas import ModelInfo, Replica, ReplicaTable
 from ..settings import GatewaySettings
 from .channel import Channel, ChannelClosed, Message
@@ -241,7 +241,7 @@ class GatewayPool(GatewayState):
 
     def status(self) -> GatewayStatus:
         """The master's status; KV alarms are the workers' as last reported."""
-        alarms = policy_alarms(self.master) | set(self.kv_alarms())
+        alarms = set(self.master.policy.alarms()) | set(self.kv_alarms())
         return attrs.evolve(super().status(), kv_alarms=tuple(sorted(alarms)))
 
     # -- state down ---------------------------------------------------------------------

@@ -28,7 +28,6 @@ import trio
 from ..app import Gateway
 from ..build import assemble_gateway
 from ..http.serve import serve_gateway
-from ..local import policy_alarms
 from .channel import Channel, ChannelClosed, Message
 from .protocol import (
     MirrorTable, decode_keys, decode_kv_delta, decode_settings, encode_admission, encode_metrics, encode_usage,
@@ -126,7 +125,7 @@ class Worker:
         g = self.gateway
         return {
             "t": "report", "id": request_id,
-            "kv_alarms": sorted(policy_alarms(g)),
+            "kv_alarms": list(g.policy.alarms()),
             "usage": encode_usage(g.usage.drain()),
             "load": g.load.snapshot(),
             "admission": encode_admission(g.admission.snapshot()),
