@@ -109,6 +109,45 @@ async def test_a_pooled_connection_closed_by_the_engine_is_replaced_transparentl
             nursery.cancel_scope.cancel()
 
 
+async def test_connections_over_the_idle_limit_or_past_their_expiry_are_closed() -> None:
+    ended_send, ended = trio.open_memory_channel[int](10)
+    numbers = iter(range(1, 100))
+
+    async def handler(stream: trio.SocketStream) -> None:
+        number = next(numbers)
+        while await _read_request(stream):
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await ended_send.send(number)  # the pool closed this connection
+
+    async def exchange(pool: H1Pool, url: str) -> None:
+        response = await pool.request(url, "POST", "/", [], b"")
+        assert await response.aread() == b"ok"
+        await response.aclose()
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await _serve(nursery, handler)
+            # One idle connection at most: of two answered at once, the second returned is closed.
+            pool = H1Pool(connect_timeout=5, write_timeout=5, keepalive_expiry=60, max_idle_per_replica=1)
+            first = await pool.request(url, "POST", "/", [], b"")
+            second = await pool.request(url, "POST", "/", [], b"")
+            for response in (first, second):
+                assert await response.aread() == b"ok"
+                await response.aclose()
+            assert await ended.receive() == 2
+            await exchange(pool, url)  # the first connection, kept, serves again
+            await pool.aclose()
+            assert await ended.receive() == 1
+            # No keep-alive time at all: an idle connection is closed when next looked at.
+            pool = H1Pool(connect_timeout=5, write_timeout=5, keepalive_expiry=0, max_idle_per_replica=8)
+            await exchange(pool, url)
+            await exchange(pool, url)
+            assert await ended.receive() == 3
+            await pool.aclose()
+            assert await ended.receive() == 4
+            nursery.cancel_scope.cancel()
+
+
 async def test_errors_are_httpx_types() -> None:
     async def truncated(stream: trio.SocketStream) -> None:
         await _read_request(stream)
