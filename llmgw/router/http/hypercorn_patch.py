@@ -121,6 +121,7 @@ def apply() -> None:
 
 _applied = False
 
+
 class IdleTimer:
     """Drop-in for ``TrioSingleTask`` as ``TCPServer.idle_task``: one task per connection.
 
