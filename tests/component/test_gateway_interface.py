@@ -1,0 +1,108 @@
+"""The control plane's side of the gateway interface, against a recording gateway.
+
+What a standby control plane will rely on: the route feed and the access sync drive any
+:class:`~llmgw.router.interface.GatewayInterface`, not only the gateways llmgw builds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import trio
+
+from llmgw.catalog import validate_model
+from llmgw.control.keys import SERVING_STOPPED, AccessSync, new_api_key
+from llmgw.control.registry import Registry
+from llmgw.control.routes import RouteFeed
+from llmgw.control.store import open_store
+from llmgw.control.store.base import TenantRecord
+from llmgw.router.interface import (
+    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageCounts, UsageCountsByKey,
+)
+from llmgw.spec import KvDelta
+
+
+class RecordingGateway(GatewayInterface):
+    """Keeps what it is given; hands back the usage a test puts in ``counted``, and when it
+    stops serving, ``last`` (as a worker pool's workers hand over their last counts)."""
+
+    def __init__(self) -> None:
+        self.routes: list[tuple[dict[str, list[Replica]], dict[str, ModelInfo]]] = []
+        self.routes_changed = trio.Event()
+        self.access: list[AccessState] = []
+        self.counted: dict[tuple[str, str], UsageCounts] = {}
+        self.last: dict[tuple[str, str], UsageCounts] = {}
+
+    def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
+        self.routes.append(({m: list(r) for m, r in replicas.items()}, dict(models)))
+        self.routes_changed.set()
+        self.routes_changed = trio.Event()
+
+    def kv_update(self, replica_id: str, delta: KvDelta) -> None:
+        raise AssertionError("no KV deltas in these tests")
+
+    def kv_forget(self, replica_id: str) -> None:
+        raise AssertionError("no KV deltas in these tests")
+
+    async def apply_access(self, access: AccessState) -> None:
+        self.access.append(access)
+
+    def drain_usage(self) -> dict[tuple[str, str], UsageCounts]:
+        drained, self.counted = self.counted, {}
+        return drained
+
+    def restore_usage(self, drained: UsageCountsByKey) -> None:
+        self.counted.update(drained)
+
+    async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
+        return dict(self.counted)
+
+    def status(self) -> GatewayStatus:
+        return GatewayStatus(stopped=False, admission={}, kv_alarms=())
+
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(port)
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.counted.update(self.last)
+
+
+async def test_the_route_feed_follows_the_catalog(tmp_path: Path) -> None:
+    async with open_store(f"sqlite://{tmp_path}/llmgw.db") as store:
+        await store.put_model(validate_model({"name": "a", "engine": "sim"}), create_only=True)
+        gateway = RecordingGateway()
+        feed = RouteFeed(store, Registry(), gateway)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(feed.run)
+            assert gateway.routes[-1] == ({"a": []}, {"a": ModelInfo(engine="sim")})
+            await store.put_model(validate_model({"name": "b", "engine": "sim"}), create_only=True)
+            changed = gateway.routes_changed
+            feed.catalog_changed()
+            await changed.wait()
+            assert gateway.routes[-1] == ({"a": [], "b": []}, {"a": ModelInfo("sim"), "b": ModelInfo("sim")})
+            nursery.cancel_scope.cancel()
+
+
+async def test_access_sync_applies_keys_and_stores_the_usage_left_when_serving_stops(tmp_path: Path) -> None:
+    async with open_store(f"sqlite://{tmp_path}/llmgw.db") as store:
+        await store.put_tenant(TenantRecord("acme"), create_only=True)
+        record, _key = new_api_key("acme", "")
+        await store.create_api_key(record)
+        await store.set_setting(SERVING_STOPPED, True, "test")
+        gateway = RecordingGateway()
+        sync = AccessSync(store, gateway, usage_flush_interval=3600)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sync.run)
+            [access] = gateway.access
+            assert access.stopped and [(k.key_id, k.tenant.name) for k in access.keys] == [(record.id, "acme")]
+            assert await nursery.start(sync.serve, "127.0.0.1", 1234) == 1234
+            gateway.counted[("acme", "m")] = UsageCounts(2, 3, 4)
+            assert [(u.requests, u.prompt_tokens) for u in await sync.usage_totals()] == [(2, 3)]
+            gateway.last[("acme", "n")] = UsageCounts(1, 1, 1)
+            nursery.cancel_scope.cancel()  # the gateway stops: all it counted is stored
+        stored = [(u.tenant, u.model, u.requests, u.prompt_tokens, u.completion_tokens)
+                  for u in await store.list_usage()]
+        assert stored == [("acme", "m", 2, 3, 4), ("acme", "n", 1, 1, 1)]
+        assert gateway.counted == {}
