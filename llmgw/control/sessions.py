@@ -24,7 +24,7 @@ import trio
 
 from llmgw.control.registry import Registry
 from llmgw.rpc import convert, schema
-from llmgw.spec import EngineInfo, KvDelta, ShardSpec
+from llmgw.spec import KvDelta, ShardSpec
 
 log = logging.getLogger(__name__)
 

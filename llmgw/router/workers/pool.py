@@ -240,7 +240,8 @@ class GatewayPool(GatewayState):
         return await super().pending_usage()
 
     def status(self) -> GatewayStatus:
-        """The master's status; KV alarms are the workers' as last reported."""
+        """Return the master's status: admission counters summed over the workers, KV alarms
+        as the workers last reported them."""
         alarms = set(self.master.policy.alarms()) | set(self.kv_alarms())
         return attrs.evolve(super().status(), kv_alarms=tuple(sorted(alarms)))
 
