@@ -6,8 +6,9 @@ from typing import Any
 
 import click
 
-from llmgw.cli.ctl.common import json_option, mb, target_of
-from llmgw.cli.output import print_json, print_table
+from llmgw.cli.ctl.common import call, json_option, mb, target_of
+from llmgw.cli.output import print_table
+from llmgw.client import ClusterClient, ReplicaRow
 
 
 @click.command()
@@ -15,10 +16,7 @@ from llmgw.cli.output import print_json, print_table
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Cluster summary: nodes, replicas, models, what could not be placed."""
-    target = target_of(ctx, as_json)
-    st = target.run(lambda c: c.status())
-    if target.json:
-        return print_json(st)
+    st = call(ctx, as_json, lambda c: c.status())
     click.echo(f"llmgw {st.version}  gateway {st.gateway_url}")
     click.echo(f"nodes: {st.nodes_online} online, {st.nodes_lost} lost")
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
@@ -39,10 +37,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
     """Nodes of the cluster with their hardware and engines."""
-    target = target_of(ctx, as_json)
-    rows = target.run(lambda c: c.nodes())
-    if target.json:
-        return print_json(rows)
+    rows = call(ctx, as_json, lambda c: c.nodes())
     table = []
     for n in rows:
         hw = n.hardware
@@ -60,12 +55,13 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
     """Replicas (one engine process each) and their state."""
-    target = target_of(ctx, as_json)
-    rows, unplaceable = target.run(lambda c: c.replicas())
-    if model:
-        rows = [r for r in rows if r.model == model]
-    if target.json:
-        return print_json({"replicas": rows, "unplaceable": unplaceable})
+
+    async def listed(c: ClusterClient) -> tuple[list[ReplicaRow], list[str]]:
+        rows, unplaceable = await c.replicas()
+        return [r for r in rows if not model or r.model == model], unplaceable
+
+    rows, unplaceable = call(ctx, as_json, listed,
+                             as_data=lambda listed: {"replicas": listed[0], "unplaceable": listed[1]})
     print_table(["REPLICA", "MODEL", "NODE", "STATE", "ENDPOINT", "PID", "RESTARTS", "COMPUTE", "MESSAGE"],
                 [[r.id, r.model, r.node_id, r.state, r.endpoint or "-", r.pid or "-", r.restarts,
                   r.compute_summary or "-", r.message[:60]] for r in rows], empty="no replicas")

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 import click
 
 from llmgw.cli.common import UP_FILE, default_up_dir, run_trio
-from llmgw.cli.output import fail
+from llmgw.cli.output import fail, print_json
 from llmgw.client import ClientError, ClusterClient, connect
 
 #: Where the ``ctl`` group leaves its options for its commands (``click.Context.meta``).
@@ -74,6 +74,27 @@ def target_of(ctx: click.Context, as_json: bool = False) -> Target:
     server, tls_dir, group_json = ctx.meta.get(CTL_META_KEY, (None, None, False))
     servers, tls = resolve_target(server, tls_dir)
     return Target(servers, tls, group_json or as_json)
+
+
+def call(ctx: click.Context, as_json: bool, action: Callable[[ClusterClient], Awaitable[Any]], *,
+         as_data: Callable[[Any], Any] | None = None) -> Any:
+    """Returns what ``action(client)`` returned from the cluster, for a command to print for people.
+
+    With ``--json`` (the group's or the command's) it prints ``as_data(result)`` (the result
+    itself when ``as_data`` is None) as JSON instead and ends the command with status 0, so
+    the code after the call prints for people only. Errors exit as :meth:`Target.run` says.
+    """
+    target = target_of(ctx, as_json)
+    result = target.run(action)
+    if target.json:
+        print_json(result if as_data is None else as_data(result))
+        ctx.exit(0)
+    return result
+
+
+def removal(removed: bool, name: str) -> dict[str, Any]:
+    """Returns the JSON a ``remove`` command prints: whether ``name`` was there to remove."""
+    return {"removed": removed, "name": name}
 
 
 def mb(value: int) -> str:

@@ -12,9 +12,9 @@ from typing import Any
 import click
 
 from llmgw.catalog import AccessError, validate_tenant
-from llmgw.cli.ctl.common import json_option, target_of
-from llmgw.cli.output import fail, print_json, print_table
-from llmgw.client import TenantRow
+from llmgw.cli.ctl.common import call, json_option, removal
+from llmgw.cli.output import fail, print_table
+from llmgw.client import ClusterClient, KeyRow, TenantRow
 
 
 def _when(ts: float | None) -> str:
@@ -40,6 +40,11 @@ def _checked(data: dict[str, Any]) -> TenantRow:
     except AccessError as exc:
         fail(str(exc))
     return TenantRow(record.name, record.models, record.max_concurrency, record.rpm, record.tpm)
+
+
+def _new_key(row: KeyRow, key: str) -> dict[str, Any]:
+    """Returns the JSON ``keys create`` prints: the key itself (this once) and its record."""
+    return {"key": key, "id": row.id, "tenant": row.tenant, "name": row.name, "created_at": row.created_at}
 
 
 def _print_tenants(rows: list[TenantRow]) -> None:
@@ -78,10 +83,7 @@ def tenants_add(ctx: click.Context, name: str, models: str | None, max_concurren
     """Add a tenant (every model and no limits unless given)."""
     row = _checked({"name": name, "models": _models_option(models), "max_concurrency": max_concurrency or 0,
                     "rpm": rpm or 0, "tpm": tpm or 0})
-    target = target_of(ctx, as_json)
-    saved = target.run(lambda c: c.put_tenant(row, create=True))
-    if target.json:
-        return print_json(saved)
+    saved = call(ctx, as_json, lambda c: c.put_tenant(row, create=True))
     click.echo(f"tenant {saved.name!r} added; give it a key with `llmgw ctl keys create --tenant {saved.name}`")
 
 
@@ -93,9 +95,8 @@ def tenants_add(ctx: click.Context, name: str, models: str | None, max_concurren
 def tenants_update(ctx: click.Context, name: str, models: str | None, max_concurrency: int | None,
                    rpm: int | None, tpm: int | None, as_json: bool) -> None:
     """Change a tenant's models or limits (options not given stay as they are)."""
-    target = target_of(ctx, as_json)
 
-    async def update(c: Any) -> TenantRow:
+    async def update(c: ClusterClient) -> TenantRow:
         current = {t.name: t for t in await c.tenants()}.get(name)
         if current is None:
             fail(f"no tenant {name!r} (see `llmgw ctl tenants list`)")
@@ -109,9 +110,7 @@ def tenants_update(ctx: click.Context, name: str, models: str | None, max_concur
         })
         return await c.put_tenant(row, create=False)
 
-    saved = target.run(update)
-    if target.json:
-        return print_json(saved)
+    saved = call(ctx, as_json, update)
     _print_tenants([saved])
 
 
@@ -120,10 +119,7 @@ def tenants_update(ctx: click.Context, name: str, models: str | None, max_concur
 @click.pass_context
 def tenants_list(ctx: click.Context, as_json: bool) -> None:
     """Tenants and their limits."""
-    target = target_of(ctx, as_json)
-    rows = target.run(lambda c: c.tenants())
-    if target.json:
-        return print_json(rows)
+    rows = call(ctx, as_json, lambda c: c.tenants())
     _print_tenants(rows)
 
 
@@ -133,10 +129,7 @@ def tenants_list(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def tenants_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a tenant; its API keys are revoked."""
-    target = target_of(ctx, as_json)
-    removed = target.run(lambda c: c.remove_tenant(name))
-    if target.json:
-        return print_json({"removed": removed, "name": name})
+    removed = call(ctx, as_json, lambda c: c.remove_tenant(name), as_data=lambda removed: removal(removed, name))
     if not removed:
         fail(f"no tenant {name!r} (see `llmgw ctl tenants list`)")
     click.echo(f"tenant {name!r} removed; its API keys are revoked")
@@ -157,11 +150,7 @@ def keys() -> None:
 @click.pass_context
 def keys_create(ctx: click.Context, tenant: str, name: str, as_json: bool) -> None:
     """Create a key; it is printed this once and only its hash is stored."""
-    target = target_of(ctx, as_json)
-    row, key = target.run(lambda c: c.create_key(tenant, name))
-    if target.json:
-        return print_json({"key": key, "id": row.id, "tenant": row.tenant, "name": row.name,
-                           "created_at": row.created_at})
+    row, key = call(ctx, as_json, lambda c: c.create_key(tenant, name), as_data=lambda created: _new_key(*created))
     click.echo(key)
     click.echo(f"(key {row.id} for tenant {row.tenant!r}: store it now, it cannot be shown again; "
                f"revoke it with `llmgw ctl keys revoke {row.id}`)", err=True)
@@ -173,12 +162,11 @@ def keys_create(ctx: click.Context, tenant: str, name: str, as_json: bool) -> No
 @click.pass_context
 def keys_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
     """API keys (ids, never the keys themselves)."""
-    target = target_of(ctx, as_json)
-    rows = target.run(lambda c: c.keys())
-    if not show_all:
-        rows = [k for k in rows if k.revoked_at is None]
-    if target.json:
-        return print_json(rows)
+
+    async def listed(c: ClusterClient) -> list[KeyRow]:
+        return [k for k in await c.keys() if show_all or k.revoked_at is None]
+
+    rows = call(ctx, as_json, listed)
     print_table(["KEY ID", "TENANT", "NAME", "CREATED", "REVOKED"],
                 [[k.id, k.tenant, k.name or "-", _when(k.created_at), _when(k.revoked_at)] for k in rows],
                 empty="no API keys: create one with `llmgw ctl keys create --tenant NAME`")
@@ -190,10 +178,7 @@ def keys_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
 @click.pass_context
 def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
     """Revoke a key (by its id, the part after `llmgw_`); refused from now on."""
-    target = target_of(ctx, as_json)
-    row = target.run(lambda c: c.revoke_key(key_id))
-    if target.json:
-        return print_json(row)
+    row = call(ctx, as_json, lambda c: c.revoke_key(key_id))
     click.echo(f"key {row.id} (tenant {row.tenant!r}) revoked")
 
 
@@ -205,10 +190,7 @@ def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
 @click.pass_context
 def usage(ctx: click.Context, as_json: bool) -> None:
     """Requests and tokens per tenant and model, as the engines reported them."""
-    target = target_of(ctx, as_json)
-    rows = target.run(lambda c: c.usage())
-    if target.json:
-        return print_json(rows)
+    rows = call(ctx, as_json, lambda c: c.usage())
     print_table(["TENANT", "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS"],
                 [[u.tenant, u.model, u.requests, u.prompt_tokens, u.completion_tokens] for u in rows],
                 empty="no usage yet")

@@ -12,8 +12,8 @@ import click
 import yaml
 
 from llmgw.catalog import CatalogError, model_to_dict, validate_model
-from llmgw.cli.ctl.common import json_option, mb, target_of
-from llmgw.cli.output import fail, print_json, print_table
+from llmgw.cli.ctl.common import call, json_option, mb, removal
+from llmgw.cli.output import fail, print_table
 from llmgw.spec import ModelSpec
 
 
@@ -27,10 +27,7 @@ def models() -> None:
 @click.pass_context
 def models_list(ctx: click.Context, as_json: bool) -> None:
     """Catalog models and their profiles."""
-    target = target_of(ctx, as_json)
-    specs = target.run(lambda c: c.models())
-    if target.json:
-        return print_json([model_to_dict(m) for m in specs])
+    specs = call(ctx, as_json, lambda c: c.models(), as_data=lambda specs: [model_to_dict(m) for m in specs])
     print_table(["MODEL", "ENGINE", "REPLICAS", "MEMORY", "CPU CORES", "GPUS", "ADAPTERS", "SOURCE"],
                 [[m.name, m.engine, m.profile.replicas, mb(m.profile.memory_mb) if m.profile.memory_mb else "-",
                   m.profile.cpu_cores or "-", m.profile.gpus or "-", _adapters_cell(m), m.source or "-"]
@@ -121,10 +118,7 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
         spec = validate_model(data)
     except CatalogError as exc:
         fail(str(exc))
-    target = target_of(ctx, as_json)
-    saved = target.run(lambda c: c.add_model(spec, replace=replace))
-    if target.json:
-        return print_json(model_to_dict(saved))
+    saved = call(ctx, as_json, lambda c: c.add_model(spec, replace=replace), as_data=model_to_dict)
     click.echo(f"model {saved.name!r} {'saved' if replace else 'added'}: {saved.profile.replicas} replica(s) "
                f"on {saved.engine}; watch them with `llmgw ctl replicas -m {saved.name}`")
 
@@ -135,10 +129,7 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
 @click.pass_context
 def models_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a model from the catalog; its replicas are stopped."""
-    target = target_of(ctx, as_json)
-    removed = target.run(lambda c: c.remove_model(name))
-    if target.json:
-        return print_json({"removed": removed, "name": name})
+    removed = call(ctx, as_json, lambda c: c.remove_model(name), as_data=lambda removed: removal(removed, name))
     if not removed:
         fail(f"no model {name!r} in the catalog (see `llmgw ctl models list`)")
     click.echo(f"model {name!r} removed; its replicas are being stopped")

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import click
 
-from llmgw.cli.ctl.common import json_option, target_of
-from llmgw.cli.output import print_json
+from llmgw.cli.ctl.common import call, json_option
 
 
 def _set_serving_stopped(ctx: click.Context, as_json: bool, stopped: bool, done: str) -> None:
     """Set ``serving.stopped`` to ``stopped``; print ``done``, or the new value as JSON."""
-    target = target_of(ctx, as_json)
-    now_stopped = target.run(lambda c: c.set_serving_stopped(stopped))
-    if target.json:
-        return print_json({"serving_stopped": now_stopped})
+    call(ctx, as_json, lambda c: c.set_serving_stopped(stopped), as_data=lambda now: {"serving_stopped": now})
     click.echo(done)
 
 
