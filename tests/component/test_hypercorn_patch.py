@@ -124,31 +124,37 @@ def test_an_unchecked_hypercorn_release_is_refused_with_both_versions_named() ->
         assert "pip install" in message
 
 
-def test_importing_the_gateway_patches_nothing() -> None:
-    # A fresh interpreter: in this one, other tests have served (and so patched) already.
-    check = (
-        "import llmgw.router, llmgw.router.app, llmgw.router.kvrouting\n"
-        "from hypercorn import protocol\n"
-        "from hypercorn.protocol.h11 import H11Protocol\n"
-        "from hypercorn.protocol.http_stream import HTTPStream\n"
-        "from hypercorn.trio import tcp_server\n"
-        "assert protocol.H11Protocol is H11Protocol, protocol.H11Protocol\n"
-        "assert tcp_server.TrioSingleTask.__module__.startswith('hypercorn.'), tcp_server.TrioSingleTask\n"
-        "for method in (tcp_server.TCPServer.protocol_send, tcp_server.TCPServer._close,\n"
-        "               tcp_server.TCPServer._read_data, H11Protocol.stream_send, HTTPStream.handle):\n"
-        "    assert method.__module__.startswith('hypercorn.'), method\n"
-    )
-    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=DEADLINE_S)
+# Python that fails (an AssertionError) if anything of Hypercorn's that apply() patches is patched.
+ASSERT_UNPATCHED = (
+    "from hypercorn import protocol\n"
+    "from hypercorn.protocol.h11 import H11Protocol\n"
+    "from hypercorn.protocol.http_stream import HTTPStream\n"
+    "from hypercorn.trio import tcp_server\n"
+    "assert protocol.H11Protocol is H11Protocol, protocol.H11Protocol\n"
+    "assert tcp_server.TrioSingleTask.__module__.startswith('hypercorn.'), tcp_server.TrioSingleTask\n"
+    "for method in (tcp_server.TCPServer.protocol_send, tcp_server.TCPServer._close,\n"
+    "               tcp_server.TCPServer._read_data, H11Protocol.stream_send, HTTPStream.handle):\n"
+    "    assert method.__module__.startswith('hypercorn.'), method\n"
+)
+
+
+def _run_fresh(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (in this one, other tests have served, and so
+    patched, already); return its output, failing the test if it fails."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE_S)
     assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_importing_the_gateway_patches_nothing() -> None:
+    _run_fresh("import llmgw.router, llmgw.router.app, llmgw.router.kvrouting\n" + ASSERT_UNPATCHED)
 
 
 def test_serving_on_an_unchecked_hypercorn_is_refused_before_anything_is_patched() -> None:
-    check = (
+    out = _run_fresh(
         "import importlib.metadata, trio\n"
         "real = importlib.metadata.version\n"
         "importlib.metadata.version = lambda name: '0.19.0' if name == 'hypercorn' else real(name)\n"
-        "from hypercorn import protocol\n"
-        "from hypercorn.protocol.h11 import H11Protocol\n"
         "from llmgw.router import ReplicaTable, create_app, serve_gateway\n"
         "from llmgw.router.http.hypercorn_patch import HypercornUnchecked\n"
         "try:\n"
@@ -156,13 +162,9 @@ def test_serving_on_an_unchecked_hypercorn_is_refused_before_anything_is_patched
         "except HypercornUnchecked as error:\n"
         "    print(error)\n"
         "else:\n"
-        "    raise SystemExit('served on an unchecked hypercorn')\n"
-        "assert protocol.H11Protocol is H11Protocol\n"
-        "assert not hasattr(H11Protocol, '_llmgw_fast_installed')\n"
+        "    raise SystemExit('served on an unchecked hypercorn')\n" + ASSERT_UNPATCHED
     )
-    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=DEADLINE_S)
-    assert done.returncode == 0, done.stderr
-    assert "hypercorn 0.19.0 is installed" in done.stdout
+    assert "hypercorn 0.19.0 is installed" in out
 
 
 async def test_keep_alive_serves_many_then_closes_when_idle_but_not_while_busy(
