@@ -6,37 +6,44 @@ Typical use inside the server's nursery::
     app = create_app(table)
     port = await nursery.start(serve_gateway, app, "0.0.0.0", 8080)
     table.set_model_replicas("llama", [Replica("s1", "llama", "http://10.0.0.5:9000", "node-a")])
+
+The names below are loaded on first use (PEP 562), so importing one light submodule, such
+as :mod:`llmgw.router.interface` from the control plane, does not load Quart, Hypercorn
+and the whole gateway.
 """
 
-from .app import Gateway, create_app, gateway_of
-from .errors import GatewayError
-from .replicas import (
-    CatalogModel,
-    LeastOutstanding,
-    Lease,
-    LoadTracker,
-    Replica,
-    ReplicaTable,
-    RequestInfo,
-    RoutingPolicy,
-)
-from .http.serve import serve_gateway
-from .http.upstream import UpstreamClient, UpstreamTimeouts
+from __future__ import annotations
 
-__all__ = [
-    "CatalogModel",
-    "Gateway",
-    "GatewayError",
-    "LeastOutstanding",
-    "Lease",
-    "LoadTracker",
-    "Replica",
-    "ReplicaTable",
-    "RequestInfo",
-    "RoutingPolicy",
-    "UpstreamClient",
-    "UpstreamTimeouts",
-    "create_app",
-    "gateway_of",
-    "serve_gateway",
-]
+import importlib
+from typing import Any
+
+#: Public name -> the submodule that defines it.
+_EXPORTS = {
+    "Gateway": "app",
+    "create_app": "app",
+    "gateway_of": "app",
+    "GatewayError": "errors",
+    "CatalogModel": "replicas",
+    "LeastOutstanding": "replicas",
+    "Lease": "replicas",
+    "LoadTracker": "replicas",
+    "Replica": "replicas",
+    "ReplicaTable": "replicas",
+    "RequestInfo": "replicas",
+    "RoutingPolicy": "replicas",
+    "serve_gateway": "http.serve",
+    "UpstreamClient": "http.upstream",
+    "UpstreamTimeouts": "http.upstream",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Return the public ``name``, importing its submodule the first time; AttributeError otherwise."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -66,6 +66,20 @@ FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 _EVENT_STREAM = "text/event-stream"
 
+
+def error_response(error: GatewayError, request_id: str | None = None) -> Response:
+    """Return a Quart response carrying ``error`` as JSON, its headers and ``x-request-id``."""
+    headers = dict(error.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(
+        json.dumps(error.body()),
+        status=error.status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
 class Gateway:
     """The gateway's state (replica table, load, policy, upstream client) and its app.
 
@@ -174,19 +188,19 @@ class Gateway:
         return response
 
     async def _on_gateway_error(self, error: GatewayError) -> Response:
-        return errors.error_response(error, _request_id())
+        return error_response(error, _request_id())
 
     async def _on_http_exception(self, error: HTTPException) -> Response:
         status = error.code or 500
         message = error.description or error.name
         if status == 404:
             message = f"No such endpoint: {request.method} {request.path}. The gateway serves /v1/*."
-        return errors.error_response(errors.http_error(status, message), _request_id())
+        return error_response(errors.http_error(status, message), _request_id())
 
     async def _on_unexpected(self, error: Exception) -> Response:
         request_id = _request_id()
         log.error("gateway request %s failed", request_id, exc_info=error)
-        return errors.error_response(errors.internal_error(request_id), request_id)
+        return error_response(errors.internal_error(request_id), request_id)
 
     # -- local endpoints ------------------------------------------------------------------
 

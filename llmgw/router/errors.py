@@ -7,16 +7,14 @@ Every error the gateway produces reaches the client as JSON in OpenAI's shape::
 so that OpenAI client libraries raise their usual typed exceptions (``NotFoundError``,
 ``BadRequestError``, ...) with a readable message. Views raise :class:`GatewayError`; the
 app's error handlers turn it (and anything unexpected) into a response with
-:func:`error_response`. Nothing here does I/O.
+:func:`llmgw.router.app.error_response`. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Mapping
 
 import attrs
-from quart import Response
 
 # Seconds a client is told to wait (Retry-After) when no replica of a model can take the
 # request. Replicas take seconds to minutes to become ready; 5 s keeps clients polling
@@ -57,19 +55,6 @@ class GatewayError(Exception):
                 "code": self.code,
             }
         }
-
-
-def error_response(error: GatewayError, request_id: str | None = None) -> Response:
-    """Return a Quart response carrying ``error`` as JSON, its headers and ``x-request-id``."""
-    headers = dict(error.headers)
-    if request_id:
-        headers["x-request-id"] = request_id
-    return Response(
-        json.dumps(error.body()),
-        status=error.status,
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> GatewayError:
