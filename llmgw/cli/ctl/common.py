@@ -92,9 +92,16 @@ def call(ctx: click.Context, as_json: bool, action: Callable[[ClusterClient], Aw
     return result
 
 
-def removal(removed: bool, name: str) -> dict[str, Any]:
-    """Returns the JSON a ``remove`` command prints: whether ``name`` was there to remove."""
-    return {"removed": removed, "name": name}
+def remove(ctx: click.Context, as_json: bool, name: str, action: Callable[[ClusterClient], Awaitable[bool]], *,
+           missing: str, done: str) -> None:
+    """Remove ``name`` with ``action`` (True when it was there); print ``done``, or ``{"removed", "name"}`` as JSON.
+
+    Exits with ``missing`` as the error when there was nothing to remove (status 0 with ``--json``).
+    """
+    removed = call(ctx, as_json, action, as_data=lambda removed: {"removed": removed, "name": name})
+    if not removed:
+        fail(missing)
+    click.echo(done)
 
 
 def mb(value: int) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from llmgw.catalog import AccessError, validate_tenant
-from llmgw.cli.ctl.common import call, json_option, removal
+from llmgw.cli.ctl.common import call, json_option, remove
 from llmgw.cli.output import fail, print_table
 from llmgw.client import ClusterClient, KeyRow, TenantRow
 
@@ -129,10 +129,9 @@ def tenants_list(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def tenants_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a tenant; its API keys are revoked."""
-    removed = call(ctx, as_json, lambda c: c.remove_tenant(name), as_data=lambda removed: removal(removed, name))
-    if not removed:
-        fail(f"no tenant {name!r} (see `llmgw ctl tenants list`)")
-    click.echo(f"tenant {name!r} removed; its API keys are revoked")
+    remove(ctx, as_json, name, lambda c: c.remove_tenant(name),
+           missing=f"no tenant {name!r} (see `llmgw ctl tenants list`)",
+           done=f"tenant {name!r} removed; its API keys are revoked")
 
 
 # -- keys ------------------------------------------------------------------------------------

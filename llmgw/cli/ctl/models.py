@@ -12,7 +12,7 @@ import click
 import yaml
 
 from llmgw.catalog import CatalogError, model_to_dict, validate_model
-from llmgw.cli.ctl.common import call, json_option, mb, removal
+from llmgw.cli.ctl.common import call, json_option, mb, remove
 from llmgw.cli.output import fail, print_table
 from llmgw.spec import ModelSpec
 
@@ -129,7 +129,6 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
 @click.pass_context
 def models_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a model from the catalog; its replicas are stopped."""
-    removed = call(ctx, as_json, lambda c: c.remove_model(name), as_data=lambda removed: removal(removed, name))
-    if not removed:
-        fail(f"no model {name!r} in the catalog (see `llmgw ctl models list`)")
-    click.echo(f"model {name!r} removed; its replicas are being stopped")
+    remove(ctx, as_json, name, lambda c: c.remove_model(name),
+           missing=f"no model {name!r} in the catalog (see `llmgw ctl models list`)",
+           done=f"model {name!r} removed; its replicas are being stopped")
