@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import trio
 
-from llmgw.cli.common import default_up_dir, run_trio, setup_logging
+from llmgw.cli.common import UP_FILE, default_up_dir, run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
 from llmgw.catalog import CatalogError, validate_model
@@ -37,8 +37,6 @@ from llmgw.rpc.tls import CERT_FILE, client_ssl_context, read_credentials, serve
 
 log = logging.getLogger(__name__)
 
-#: The file through which `llmgw ctl` finds a running `llmgw up` cluster.
-UP_FILE = "up.json"
 #: The simulated engine is ready in about a second; a real engine may take minutes.
 READY_TIMEOUT = 120.0
 #: Engines get this long to finish in-flight requests when `up` exits.
