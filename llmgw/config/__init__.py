@@ -16,33 +16,36 @@ The modules: :mod:`.defaults` (every default and its reason), :mod:`.values` (va
 and parsers), :mod:`.yaml_reader` (the file, overrides, key checking), :mod:`.sections`
 (the gateway's sections of server.yaml), :mod:`.server` and :mod:`.agent` (one per file).
 This package is neutral: it imports no other part of llmgw but :mod:`llmgw.credentials`.
-Reading is blocking file I/O of a small file, done once at start-up.
+Reading is blocking file I/O of a small file, done once at start-up. The names below load
+on first use (PEP 562), so a part that needs only :mod:`.defaults` does not load YAML and
+every section.
 """
 
 from __future__ import annotations
 
-from .agent import AgentConfig, AgentTLS, load_agent_config
-from .errors import ConfigError
-from .sections import ROUTING_POLICIES, AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
-from .server import ServerConfig, StoreConfig, load_server_config
-from .values import LOG_LEVELS, Address, parse_address, parse_duration
+from llmgw.lazy import lazy_exports
 
-__all__ = [
-    "LOG_LEVELS",
-    "ROUTING_POLICIES",
-    "Address",
-    "AgentConfig",
-    "AgentTLS",
-    "AuthConfig",
-    "ConfigError",
-    "GatewayConfig",
-    "RoutingConfig",
-    "ServerConfig",
-    "ServingConfig",
-    "StoreConfig",
-    "TracingConfig",
-    "load_agent_config",
-    "load_server_config",
-    "parse_address",
-    "parse_duration",
-]
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "AgentConfig": "agent",
+    "AgentTLS": "agent",
+    "load_agent_config": "agent",
+    "ConfigError": "errors",
+    "ROUTING_POLICIES": "sections",
+    "AuthConfig": "sections",
+    "GatewayConfig": "sections",
+    "RoutingConfig": "sections",
+    "ServingConfig": "sections",
+    "TracingConfig": "sections",
+    "ServerConfig": "server",
+    "StoreConfig": "server",
+    "load_server_config": "server",
+    "LOG_LEVELS": "values",
+    "Address": "values",
+    "parse_address": "values",
+    "parse_duration": "values",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -80,11 +80,6 @@ class ServerConfig:
         """Where the cluster CA lives on this control plane (``<state_dir>/ca``)."""
         return self.state_dir / "ca"
 
-    @property
-    def tls_dir(self) -> Path:
-        """Where this control plane's own certificate lives (``<state_dir>/tls``)."""
-        return self.state_dir / "tls"
-
 
 def load_server_config(
     path: Path | str | None = None, overrides: Mapping[str, Any] | None = None

@@ -14,8 +14,7 @@ and the whole gateway.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from llmgw.lazy import lazy_exports
 
 #: Public name -> the submodule that defines it.
 _EXPORTS = {
@@ -38,12 +37,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    """Return the public ``name``, importing its submodule the first time; AttributeError otherwise."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
