@@ -89,11 +89,11 @@ def test_empty_agent_file_gives_defaults(tmp_path: Path) -> None:
 
 def test_loading_config_loads_no_other_part_of_llmgw() -> None:
     # A fresh interpreter: this one has imported the whole program long ago.
-    code = ("import sys, llmgw.config; "
+    code = ("import sys; from llmgw.config import load_agent_config, load_server_config; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('llmgw.'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             timeout=SUBPROCESS_TIMEOUT).stdout.split()
-    others = [m for m in loaded if not m.startswith(("llmgw.config", "llmgw.credentials"))]
+    others = [m for m in loaded if not m.startswith(("llmgw.config", "llmgw.credentials", "llmgw.lazy"))]
     assert not others, f"importing llmgw.config loaded {others}"
 
 
