@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any, Callable, Hashable
 
-__all__ = ["DEFAULT_INTERVAL_S", "MAX_KINDS", "LogThrottle"]
+__all__ = ["DEFAULT_INTERVAL_S", "MAX_KINDS", "MAX_REASON_CHARS", "LogThrottle", "reason"]
 
 #: Seconds between two lines for one kind of failure: a failure that persists shows up
 #: once a minute, which is enough to see it is still there and few enough to read the rest.
@@ -28,6 +28,19 @@ DEFAULT_INTERVAL_S = 60.0
 #: Kinds remembered at once; the least recently failed is forgotten beyond it (then its
 #: next failure is written at once). Keys per peer or per shard must not grow without bound.
 MAX_KINDS = 1024
+
+#: Characters of an exception's text in a line: a remote traceback or an echoed request
+#: must not make one failure a screenful.
+MAX_REASON_CHARS = 300
+
+
+def reason(exc: BaseException) -> str:
+    """Returns one line saying why ``exc`` happened: the last non-empty line of its text (a
+    remote traceback ends with what failed), cut to :data:`MAX_REASON_CHARS`; its type's
+    name if it has no text."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
 
 
 class _Kind:

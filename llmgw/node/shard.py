@@ -38,6 +38,7 @@ import trio
 import zmq
 
 from llmgw.catalog.sources import is_remote
+from llmgw.logthrottle import LogThrottle, reason
 from llmgw.node import shard_state
 from llmgw.node.engines import Engine, EngineRefused, base_environment
 from llmgw.node.engines import compute as engine_compute
@@ -59,6 +60,9 @@ from llmgw.spec import FREE_SOURCE_ENGINES, KvDelta, ShardSpec, ShardState, Shar
 __all__ = ["RestartPolicy", "STOP_GRACE", "Shard", "ShardContext", "ShardReporter", "endpoint_url"]
 
 logger = logging.getLogger(__name__)
+#: Reporter sends and state saves fail for every status while the agent is cut off from its
+#: control plane (or its disk is full): one line per shard and kind, then one per interval.
+_failures = LogThrottle(logger)
 
 # First wait before restarting a crashed engine; doubled per consecutive failure.
 # Short enough that a one-off crash costs little serving time.
@@ -270,15 +274,21 @@ class Shard:
             with trio.fail_after(self._policy.report_timeout):
                 await reporter.status(status)
         except trio.TooSlowError:
-            logger.warning(
+            _failures.failure(
+                ("report", self.spec.id), logging.WARNING,
                 "shard %s: reporter took over %.0f s for a status; keeping it for the next binding",
                 self.spec.id,
                 self._policy.report_timeout,
             )
             return False
-        except Exception:
-            logger.warning("shard %s: reporter failed; keeping the status for the next binding", self.spec.id, exc_info=True)
+        except Exception as exc:
+            _failures.failure(
+                ("report", self.spec.id), logging.WARNING,
+                "shard %s: reporter failed (%s); keeping the status for the next binding", self.spec.id, reason(exc),
+                exc_info=True,
+            )
             return False
+        _failures.recovered(("report", self.spec.id), "shard %s: status reported again", self.spec.id)
         return True
 
     async def _save(self) -> None:
@@ -286,8 +296,14 @@ class Shard:
         async with self._save_lock:
             try:
                 await trio.to_thread.run_sync(shard_state.save, self._context.state_dir, self.record)
-            except OSError:
-                logger.exception("shard %s: cannot persist its state; a restarted agent may not adopt it", self.spec.id)
+            except OSError as exc:
+                _failures.failure(
+                    ("save", self.spec.id), logging.ERROR,
+                    "shard %s: cannot persist its state (%s); a restarted agent may not adopt it", self.spec.id, exc,
+                    exc_info=True,
+                )
+            else:
+                _failures.recovered(("save", self.spec.id), "shard %s: its state is persisted again", self.spec.id)
 
     # -- lifetime ------------------------------------------------------------------
 

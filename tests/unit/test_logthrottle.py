@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from llmgw.logthrottle import LogThrottle
+from llmgw.logthrottle import MAX_REASON_CHARS, LogThrottle, reason
 
 INTERVAL = 60.0
 FLOOD = 1000
@@ -108,3 +108,10 @@ def test_remembered_kinds_are_bounded(clock: FakeClock, caplog: pytest.LogCaptur
     for key in ("a", "b", "c", "a"):  # "a" was forgotten when "c" came: written again
         throttle.failure(key, logging.WARNING, "%s failed", key)
     assert [r.getMessage() for r in _lines(caplog)] == ["a failed", "b failed", "c failed", "a failed"]
+
+
+def test_a_reason_is_one_bounded_line() -> None:
+    remote = RuntimeError("remote exception: Traceback (most recent call last):\n  File x\nKeyError: 'shard-1'\n")
+    assert reason(remote) == "KeyError: 'shard-1'"
+    assert reason(ValueError()) == "ValueError"
+    assert len(reason(ValueError("m" * 10_000))) == MAX_REASON_CHARS
