@@ -249,6 +249,10 @@ def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_d
     else:
         keys = "  API keys        : off (loopback demo; `llmgw up --auth` requires them)\n"
         auth_header = ""
+    # ctl finds the cluster in the default state directory by itself; elsewhere it needs both options.
+    ctl = "llmgw ctl"
+    if state_dir.resolve() != default_up_dir().resolve():
+        ctl += f" --server 127.0.0.1:{plane.rpc_port} --tls-dir {state_dir / ADMIN_DIR}"
     click.echo(f"""
 llmgw is up.
   OpenAI endpoint : {url}/v1   (model {model!r}, {len(endpoints)} ready replica(s))
@@ -257,7 +261,7 @@ llmgw is up.
 
 Try:
   curl -s {url}/v1/chat/completions -H 'content-type: application/json'{auth_header} -d '{body}'
-  llmgw ctl nodes
-  llmgw ctl replicas
+  {ctl} nodes
+  {ctl} replicas
 
 Ctrl-C stops the cluster.""")
