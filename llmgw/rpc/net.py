@@ -9,9 +9,13 @@ from typing import Awaitable, Callable
 
 import trio
 
+from llmgw.logthrottle import LogThrottle
 from llmgw.rpc.tls import Identity, explain_tls_error, peer_identity
 
 log = logging.getLogger(__name__)
+#: Refused, idle and failed connections, per kind and peer host: a scanner or a node with
+#: the wrong certificate retrying every second writes one line, then one per interval.
+_refusals = LogThrottle(log)
 
 #: A TCP connect on a LAN takes milliseconds; a dead or black-holed address must not stall a failover list.
 CONNECT_TIMEOUT = 5.0
@@ -74,30 +78,34 @@ Handler = Callable[[trio.SSLStream, Identity], Awaitable[None]]
 
 async def _accept(handler: Handler, context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
     try:
-        peer = "%s:%s" % tcp.socket.getpeername()[:2]
+        host, port = tcp.socket.getpeername()[:2]
+        peer = f"{host}:{port}"
     except OSError:
-        peer = "?"
+        host = peer = "?"
     stream = trio.SSLStream(tcp, context, server_side=True)
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
             await stream.do_handshake()
         identity = peer_identity(stream)
     except trio.TooSlowError:
-        log.warning("rpc: %s did not finish the TLS handshake within %gs", peer, HANDSHAKE_TIMEOUT)
+        _refusals.failure(("idle", host), logging.WARNING,
+                          "rpc: %s did not finish the TLS handshake within %gs", peer, HANDSHAKE_TIMEOUT)
         await trio.aclose_forcefully(stream)
         return
     except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
-        log.warning("rpc: refused a connection: %s", explain_tls_error(exc, side="server", peer=peer))
+        _refusals.failure(("tls", host), logging.WARNING,
+                          "rpc: refused a connection: %s", explain_tls_error(exc, side="server", peer=peer))
         await trio.aclose_forcefully(stream)
         return
     except PermissionError as exc:
-        log.warning("rpc: refused %s: %s", peer, exc)
+        _refusals.failure(("identity", host), logging.WARNING, "rpc: refused %s: %s", peer, exc)
         await trio.aclose_forcefully(stream)
         return
     try:
         await handler(stream, identity)
     except Exception:  # noqa: BLE001 - one broken connection must not take down the listener
-        log.exception("rpc: connection from %s (%s) failed", peer, identity)
+        _refusals.failure(("failed", str(identity)), logging.ERROR,
+                          "rpc: connection from %s (%s) failed", peer, identity, exc_info=True)
     finally:
         await trio.aclose_forcefully(stream)
 
