@@ -189,7 +189,7 @@ interface Shard {
 struct NodeView {
   id @0 :Text;
   address @1 :Text;
-  state @2 :Text;          # online | lost
+  state @2 :Text;          # online | disconnected | lost
   hardware @3 :Hardware;
   engines @4 :List(EngineInfo);
   secondsSinceHeartbeat @5 :Float64;

@@ -98,7 +98,7 @@ def make_admin(services: AdminServices, actor: str) -> Any:
             for node in sorted(fleet.nodes.values(), key=lambda n: n.id):
                 for shard in sorted(node.shards.values(), key=lambda sh: (sh.model, sh.id)):
                     st = shard.status
-                    state = st.state.value if node.state is NodeState.ONLINE else f"{st.state.value} (node lost)"
+                    state = st.state.value if node.state is NodeState.ONLINE else f"{st.state.value} (node {node.state.value})"
                     rows.append(
                         {
                             "id": shard.id,

@@ -13,10 +13,10 @@ given the same inputs and an id factory that returns the same ids, returns the s
 
 Rules, in order:
 
-* A replica is *alive* when its state is not terminal and its node is ONLINE, or LOST for
-  less than ``fleet.replace_grace`` seconds. Terminal shards (FAILED, STOPPED) on ONLINE
-  nodes are stopped so the agent forgets them; shards of models no longer desired are
-  stopped. Nothing is ever sent to a node that is not ONLINE.
+* A replica is *alive* when its state is not terminal and its node is ONLINE, or not
+  ONLINE (DISCONNECTED or LOST) for less than ``fleet.replace_grace`` seconds. Terminal
+  shards (FAILED, STOPPED) on ONLINE nodes are stopped so the agent forgets them; shards
+  of models no longer desired are stopped. Nothing is ever sent to a node that is not ONLINE.
 * Models with more alive replicas than ``profile.replicas`` stop the surplus on ONLINE
   nodes: not-ready ones first, then the newest.
 * Models with fewer get new replicas, largest models first, unless their failure backoff

@@ -15,23 +15,29 @@ except the two ``async`` ones)::
     reg.shard_status(node_id, status, epoch=epoch)          # -> bool (False: shard unknown)
     reg.shard_started(node_id, spec)                        # placement reserved it: STARTING
     reg.shard_removed(node_id, shard_id)                    # idempotent
-    reg.node_disconnected(node_id, epoch)                   # -> bool (False: stale session)
+    reg.node_disconnected(node_id, epoch)                   # -> bool; DISCONNECTED (False: stale session)
     reg.forget_node(node_id)                                # -> bool; operator removed the node
     reg.snapshot() -> Fleet                                 # immutable, for placement/display
-    reg.replicas_of(model) -> list[ReadyReplica]            # READY shards on ONLINE nodes
+    reg.replicas_of(model) -> list[ReadyReplica]            # READY shards on ONLINE/DISCONNECTED nodes
     reg.ready_replicas() -> dict[str, list[ReadyReplica]]   # the whole table, for the gateway
     reg.version -> int;  await reg.wait_changed(since) -> int
-    await nursery.start(reg.watchdog)                       # marks silent nodes LOST
+    await nursery.start(reg.watchdog)                       # marks silent or long-gone nodes LOST
     reg.on_shard_gone = callback                            # (shard id) when its reports stop counting
 
 Errors: calls about a node that never joined (or was forgotten) raise
 :class:`UnknownNode`; calls carrying an ``epoch`` of a session that was superseded by a
 newer join raise :class:`StaleSession`. Both tell the caller the agent must join again.
 
-A LOST node keeps its shards in the view (its engines may well still be serving):
-nothing here stops anything, and placement only replaces them after
-``replace_grace`` seconds. A node that joins again with the same id becomes ONLINE
-with exactly the shards it reports.
+A node whose session ends is DISCONNECTED, not LOST: an agent restart, crash or upgrade
+leaves its engines serving, so its READY shards stay in the gateway's table (the
+gateway's own upstream failures take a dead one out of a request's choice) until
+``lost_after`` passes without a new session; then it is LOST and its shards are no
+longer routed to. A LOST node keeps its shards in the view (its engines may well still
+be serving): nothing here stops anything, and placement only replaces them
+``replace_grace`` seconds after the node stopped being ONLINE. A node that joins again
+with the same id becomes ONLINE with exactly the shards it reports; a shard that was
+READY and comes back STARTING on the same engine process (the new agent adopted it and
+is re-checking its health) stays routable until the agent reports another state.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ WATCHDOG_RESOLUTION_S = 0.5
 
 class NodeState(str, enum.Enum):
     ONLINE = "online"  # in session and heartbeating
-    LOST = "lost"  # silent for longer than lost_after, or its session ended
+    LOST = "lost"  # silent for longer than lost_after, or disconnected for longer than that
+    DISCONNECTED = "disconnected"  # its session ended less than lost_after ago: replicas still routed
 
 
 class RegistryError(Exception):
@@ -111,7 +118,8 @@ class ShardView:
 
 @attrs.frozen
 class NodeView:
-    """One node at snapshot time. ``lost_since`` is set while the node is LOST.
+    """One node at snapshot time. ``lost_since`` is set while the node is not ONLINE
+    (DISCONNECTED or LOST): when it stopped being ONLINE.
     ``shards`` maps shard id to :class:`ShardView`; do not mutate it."""
 
     id: str
@@ -136,8 +144,8 @@ class NodeView:
 class Fleet:
     """An immutable snapshot of the registry, the input of placement.
 
-    ``replace_grace`` is the registry's setting: a LOST node's replicas count as alive
-    until ``lost_since + replace_grace``. ``version`` is the registry version it was
+    ``replace_grace`` is the registry's setting: a DISCONNECTED or LOST node's replicas
+    count as alive until ``lost_since + replace_grace``. ``version`` is the registry version it was
     taken at. ``nodes`` maps node id to :class:`NodeView`; do not mutate it.
     """
 
@@ -148,7 +156,7 @@ class Fleet:
 
 @attrs.frozen
 class ReadyReplica:
-    """A READY shard on an ONLINE node: something the gateway may route to.
+    """A READY shard on an ONLINE or DISCONNECTED node: something the gateway may route to.
     Field names match ``llmgw.router.replicas.Replica``."""
 
     id: str
@@ -164,6 +172,9 @@ class _Shard:
     spec: ShardSpec
     status: ShardStatus
     since: float
+    #: The READY status kept while a new agent re-checks the same adopted engine (see
+    #: :func:`_held_ready`); None once the agent reports anything else.
+    held: ShardStatus | None = None
 
 
 @attrs.define
@@ -178,6 +189,24 @@ class _Node:
     lost_since: float | None = None
     grace_announced: bool = False
     shards: dict[str, _Shard] = attrs.field(factory=dict)
+
+
+def _held_ready(prev: _Shard | None, spec: ShardSpec, status: ShardStatus) -> ShardStatus | None:
+    """Returns the READY status to keep for a shard reported as ``status``, or None.
+
+    A new agent adopts a running engine as STARTING and re-checks its health before it
+    says READY again; the engine served all along. When ``prev`` (what the registry
+    knew) was READY with an endpoint, has the same spec, and ``status`` is STARTING on
+    the same engine process (same non-zero pid), the READY status is kept, so an agent
+    restart does not take the replica out of the gateway's table.
+    """
+    if prev is None or prev.spec != spec:
+        return None
+    before = prev.held or prev.status
+    if (before.state is ShardState.READY and before.endpoint and status.state is ShardState.STARTING
+            and status.pid and status.pid == before.pid):
+        return before
+    return None
 
 
 def _placement_facts(hw: Hardware) -> tuple:
@@ -255,8 +284,10 @@ class Registry:
         """Record a (re)join of ``node_id`` and return its new session epoch.
 
         The node becomes ONLINE with exactly the ``shards`` it reports (shards known
-        from an earlier session keep their ``since``). Epochs increase across all
-        nodes, so a report tagged with an older epoch can be told apart and refused.
+        from an earlier session keep their ``since``; one that was READY and is reported
+        STARTING on the same engine process stays READY, see :func:`_held_ready`).
+        Epochs increase across all nodes, so a report tagged with an older epoch can be
+        told apart and refused.
         """
         now = self._clock()
         self._epochs += 1
@@ -275,14 +306,16 @@ class Registry:
             if status.id != spec.id:
                 raise ValueError(f"node {node_id!r} reported status for {status.id!r} with spec {spec.id!r}")
             prev = old.shards.get(spec.id) if old is not None else None
-            node.shards[spec.id] = _Shard(spec, status, prev.since if prev is not None else now)
+            held = _held_ready(prev, spec, status)
+            node.shards[spec.id] = _Shard(spec, held or status, prev.since if prev is not None else now, held)
         if old is not None:
             self._gone(k for k in old.shards if k not in node.shards)
         self._nodes[node_id] = node
         self._index(node)
         self._touch(node_id)
-        if old is not None and old.state is NodeState.LOST:
-            log.info("node %s is back (session %d) with %d shard(s)", node_id, node.epoch, len(node.shards))
+        if old is not None and old.state is not NodeState.ONLINE:
+            log.info("node %s is back (session %d, was %s) with %d shard(s)",
+                     node_id, node.epoch, old.state.value, len(node.shards))
         else:
             log.info("node %s joined (session %d) with %d shard(s)", node_id, node.epoch, len(node.shards))
         self._bump()
@@ -298,7 +331,7 @@ class Registry:
         node.last_heartbeat = self._clock()
         changed = _placement_facts(node.hardware) != _placement_facts(hardware)
         node.hardware = hardware
-        if node.state is NodeState.LOST:
+        if node.state is not NodeState.ONLINE:
             log.info("node %s is heartbeating again", node_id)
             node.state = NodeState.ONLINE
             node.lost_since = None
@@ -334,6 +367,10 @@ class Registry:
         shard = node.shards.get(status.id)
         if shard is None:
             return False
+        if shard.held is not None:
+            if _held_ready(shard, shard.spec, status) is not None:
+                return True  # the new agent is still re-checking the engine that was serving
+            shard.held = None
         before = shard.status
         shard.status = status
         self._touch(node_id)
@@ -373,17 +410,22 @@ class Registry:
         self._bump()
 
     def node_disconnected(self, node_id: str, epoch: int) -> bool:
-        """The session ``epoch`` of ``node_id`` ended: mark the node LOST now.
+        """The session ``epoch`` of ``node_id`` ended: mark the node DISCONNECTED now.
 
-        Returns False (and changes nothing) if the node is unknown or has joined again
-        since (a newer epoch). No shard is stopped.
+        Its READY shards stay routable; the watchdog marks it LOST once ``lost_after``
+        passes without a new session. Returns False (and changes nothing) if the node is
+        unknown or has joined again since (a newer epoch). No shard is stopped.
         """
         node = self._nodes.get(node_id)
         if node is None or node.epoch != epoch:
             return False
         if node.state is NodeState.ONLINE:
-            log.warning("node %s disconnected (session %d); marked LOST", node_id, epoch)
-            self._mark_lost(node, self._clock())
+            log.warning("node %s disconnected (session %d); its replicas stay routed for up to %.1f s",
+                        node_id, epoch, self.lost_after)
+            node.state = NodeState.DISCONNECTED
+            node.lost_since = self._clock()
+            node.grace_announced = False
+            self._touch(node_id)
             self._bump()
         return True
 
@@ -423,12 +465,12 @@ class Registry:
         return Fleet(nodes=nodes, replace_grace=self.replace_grace, version=self._version)
 
     def replicas_of(self, model: str) -> list[ReadyReplica]:
-        """Return the READY shards of ``model`` on ONLINE nodes that have an endpoint,
-        sorted by (node id, shard id). Cost is proportional to the model's shards."""
+        """Return the READY shards of ``model`` on ONLINE or DISCONNECTED nodes that have an
+        endpoint, sorted by (node id, shard id). Cost is proportional to the model's shards."""
         out = []
         for node_id, shard_id in self._by_model.get(model, ()):
             node = self._nodes[node_id]
-            if node.state is not NodeState.ONLINE:
+            if node.state is NodeState.LOST:
                 continue
             shard = node.shards[shard_id]
             st = shard.status
@@ -445,7 +487,8 @@ class Registry:
     # -- watchdog --------------------------------------------------------------------
 
     async def watchdog(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Mark nodes LOST when silent longer than ``lost_after``; runs until cancelled.
+        """Mark nodes LOST when silent, or disconnected, for longer than ``lost_after``;
+        runs until cancelled.
 
         Also notifies waiters when a LOST node's ``replace_grace`` runs out, so the
         reconciler plans its replacement promptly. Never contacts a node.
@@ -478,12 +521,23 @@ class Registry:
                 else:
                     next_at = min(next_at, due)
                     continue
+            elif node.state is NodeState.DISCONNECTED:
+                assert node.lost_since is not None
+                due = node.lost_since + self.lost_after
+                if now >= due:
+                    log.warning("node %s has had no session for %.1f s (lost_after %.1f s); marked LOST",
+                                node.id, now - node.lost_since, self.lost_after)
+                    self._mark_lost(node, node.lost_since)
+                    changed = True
+                else:
+                    next_at = min(next_at, due)
             if not node.grace_announced:
                 assert node.lost_since is not None
                 due = node.lost_since + self.replace_grace
                 if now >= due:
                     node.grace_announced = True
-                    log.warning("node %s LOST for %.1f s: its replicas may now be replaced", node.id, now - node.lost_since)
+                    log.warning("node %s %s for %.1f s: its replicas may now be replaced",
+                                node.id, node.state.value.upper(), now - node.lost_since)
                     changed = True
                 else:
                     next_at = min(next_at, due)
@@ -493,10 +547,12 @@ class Registry:
 
     # -- internals -------------------------------------------------------------------
 
-    def _mark_lost(self, node: _Node, now: float) -> None:
+    def _mark_lost(self, node: _Node, since: float) -> None:
+        """Marks ``node`` LOST, not ONLINE since ``since``; its shards' reports stop counting."""
         node.state = NodeState.LOST
-        node.lost_since = now
-        node.grace_announced = False
+        if node.lost_since is None:
+            node.lost_since = since
+            node.grace_announced = False
         self._touch(node.id)
         self._gone(node.shards)
 

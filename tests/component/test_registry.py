@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -76,7 +77,7 @@ async def test_errors_name_the_problem() -> None:
     assert not reg.node_disconnected("a", old)  # the old session's end does not touch the new one
     assert state(reg, "a") is NodeState.ONLINE
     assert reg.node_disconnected("a", new)
-    assert state(reg, "a") is NodeState.LOST
+    assert state(reg, "a") is NodeState.DISCONNECTED
 
 
 async def test_replicas_of_lists_ready_endpoints_on_online_nodes() -> None:
@@ -90,10 +91,11 @@ async def test_replicas_of_lists_ready_endpoints_on_online_nodes() -> None:
         ReadyReplica(id="m-3", model="m", endpoint="http://b:1", node_id="b", engine="llama.cpp"),
     ]
     reg.node_disconnected("a", ea)
-    assert [r.id for r in reg.replicas_of("m")] == ["m-3"]
-    assert reg.ready_replicas() == {"m": reg.replicas_of("m"), "n": []}
+    assert [r.id for r in reg.replicas_of("m")] == ["m-1", "m-3"], "a DISCONNECTED node's replicas still serve"
+    assert reg.ready_replicas() == {"m": reg.replicas_of("m"), "n": reg.replicas_of("n")}
+    assert [r.id for r in reg.replicas_of("n")] == ["n-1"]
     reg.forget_node("b")
-    assert reg.replicas_of("m") == []
+    assert [r.id for r in reg.replicas_of("m")] == ["m-1"]
     assert "b" not in reg.snapshot().nodes
 
 
@@ -178,3 +180,54 @@ async def test_rejoin_keeps_age_of_known_shards(autojump_clock: trio.testing.Moc
     shards = reg.snapshot().nodes["a"].shards
     assert shards["m-1"].since == first
     assert shards["m-2"].since == first + 100
+
+
+async def test_disconnected_node_serves_until_lost_after_then_grace(autojump_clock: trio.testing.MockClock) -> None:
+    reg = Registry(lost_after=10, replace_grace=30)
+    e = reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), ready("m-1"))])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reg.watchdog)
+        await trio.sleep(5)  # time passing, not synchronisation
+        t0 = trio.current_time()
+        reg.node_disconnected("a", e)
+        view = reg.snapshot().nodes["a"]
+        assert (view.state, view.lost_since) == (NodeState.DISCONNECTED, t0)
+        assert [r.id for r in reg.replicas_of("m")] == ["m-1"]
+        await until(reg, lambda: state(reg, "a") is NodeState.LOST)
+        assert trio.current_time() - t0 >= 10
+        assert reg.snapshot().nodes["a"].lost_since == t0, "the grace counts from the disconnect"
+        assert reg.replicas_of("m") == []
+        await reg.wait_changed(reg.version)  # the next change is the grace running out
+        assert trio.current_time() - t0 >= 30
+        nursery.cancel_scope.cancel()
+
+
+def adopted(sid: str, pid: int) -> ShardStatus:
+    return ShardStatus(id=sid, state=ShardState.STARTING, pid=pid, message="adopted; checking its health")
+
+
+async def test_rejoin_keeps_an_adopted_ready_engine_routable() -> None:
+    reg = Registry()
+    serving = attrs.evolve(ready("m-1", "http://a:1"), pid=41)
+    e = reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), serving), (spec("m-2"), ready("m-2"))])
+    reg.node_disconnected("a", e)
+    v = reg.version
+    # The new agent adopted the engine (same pid) and re-checks it: still routed, no change.
+    e = reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), adopted("m-1", 41)), (spec("m-2"), adopted("m-2", 7))])
+    assert [r.id for r in reg.replicas_of("m")] == ["m-1"], "m-2 had no pid: a different process"
+    assert reg.shard_status("a", adopted("m-1", 41), epoch=e)
+    assert reg.replicas_of("m")[0].endpoint == "http://a:1"
+    assert reg.version == v + 1
+    # Its next report (READY again, or anything else) is taken as it is.
+    reg.shard_status("a", ShardStatus(id="m-1", state=ShardState.UNHEALTHY, pid=41), epoch=e)
+    assert reg.replicas_of("m") == []
+    reg.shard_status("a", ShardStatus(id="m-1", state=ShardState.STARTING, pid=41), epoch=e)
+    assert reg.snapshot().nodes["a"].shards["m-1"].state is ShardState.STARTING
+
+
+async def test_rejoin_with_another_engine_process_is_not_held() -> None:
+    reg = Registry()
+    e = reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), attrs.evolve(ready("m-1"), pid=41))])
+    reg.node_disconnected("a", e)
+    reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), adopted("m-1", 42))])
+    assert reg.replicas_of("m") == []
