@@ -27,6 +27,7 @@ import trio
 
 from llmgw import __version__
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
+from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
@@ -36,6 +37,8 @@ from llmgw.rpc.connection import open_client
 from llmgw.spec import KvDelta, ShardStatus
 
 log = logging.getLogger(__name__)
+#: A control plane that is down is dialled every few seconds: one line per address, then one per interval.
+_unreachable = LogThrottle(log)
 
 #: First pause after a failed connection attempt; doubles up to ``backoff_max``.
 RECONNECT_BACKOFF_MIN = 0.2
@@ -175,8 +178,9 @@ class Agent:
                 try:
                     stream = await net.connect(address, self.context)
                 except net.ConnectError as exc:
-                    log.warning("agent: %s", exc)
+                    _unreachable.failure(address, logging.WARNING, "agent: %s", exc)
                     continue
+                _unreachable.recovered(address, "agent: %s answers again", address)
                 try:
                     worked = await self._session(address, stream)
                 finally:
