@@ -29,6 +29,7 @@ import trio
 from llmgw.catalog import validate_model
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
+from llmgw.rpc.errors import remote_reason
 from llmgw.rpc.kjtrio import capnp_runtime, runtime_active
 from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
 from llmgw.spec import EngineInfo, Hardware, ModelSpec
@@ -145,20 +146,6 @@ def _key_from(k: Any) -> KeyRow:
     return KeyRow(k.id, k.tenant, k.name, k.createdAt, k.revokedAt or None)
 
 
-def remote_message(exc: capnp.KjException) -> str:
-    """The operator-facing line of a remote error (the remote exception's own message)."""
-    text = (exc.description or "").strip()
-    last = text.splitlines()[-1].strip() if text else exc.type
-    # "remote exception: ... SomeError: message" -> "message"
-    for prefix in ("remote exception:",):
-        if last.startswith(prefix):
-            last = last[len(prefix):].strip()
-    head, sep, rest = last.partition(": ")
-    if sep and head.replace(".", "").replace("_", "").isalnum() and head[:1].isalpha() and " " not in head:
-        return rest
-    return last
-
-
 class ClusterClient:
     """An admin session with one control plane. Create it with :func:`connect`."""
 
@@ -174,8 +161,8 @@ class ClusterClient:
             raise ClientError(f"{self.address} did not answer {method} within {CALL_TIMEOUT:g}s") from None
         except capnp.KjException as exc:
             if exc.type == "DISCONNECTED":
-                raise ClientError(f"lost the connection to {self.address}: {remote_message(exc)}") from None
-            raise ClientError(remote_message(exc)) from None
+                raise ClientError(f"lost the connection to {self.address}: {remote_reason(exc)}") from None
+            raise ClientError(remote_reason(exc)) from None
 
     async def status(self) -> ClusterStatus:
         r = (await self._call("status")).status
@@ -314,7 +301,7 @@ async def connect(
                         f"{address} closed the connection on the first call: it refused this certificate "
                         "(issued by another cluster's CA, expired, or not an admin certificate)"
                     ) from None
-                raise ClientError(remote_message(exc)) from None
+                raise ClientError(remote_reason(exc)) from None
             yield ClusterClient(admin, address)
             return
         raise ClientError("; ".join(errors) or "no control plane address given")

@@ -39,8 +39,11 @@ DEFAULT_NODE_LOST_AFTER = 10.0
 #: means loading its weights elsewhere (minutes for large models), while an agent restart
 #: or short network cut comes back within seconds and must not reshuffle the fleet.
 DEFAULT_REPLACE_GRACE = 30.0
-#: An agent that cannot reach any control plane retries with exponential backoff capped here.
-DEFAULT_RECONNECT_BACKOFF_MAX = 30.0
+#: An agent that cannot reach any control plane retries with exponential backoff capped here:
+#: a restarted control plane must have its nodes back within about a second, not after a
+#: backoff that grew during a long outage. Dialling a dead address costs one refused TCP
+#: connection, and the agent's jitter spreads a fleet's attempts over the interval.
+DEFAULT_RECONNECT_BACKOFF_MAX = 1.0
 
 # --- the gateway's upstream deadlines (server.yaml ``gateway:``) -------------------------
 

@@ -15,13 +15,16 @@ import attrs
 import trio
 
 from llmgw.control.registry import Registry
-from llmgw.control.sessions import NodeSession, NodeSessions, watch_heartbeats
+from llmgw.control.sessions import NodeSession, NodeSessions, SessionConflict, watch_heartbeats
 from llmgw.control.store import Store
+from llmgw.logthrottle import LogThrottle
 from llmgw.rpc import convert, schema
 from llmgw.rpc.connection import serve_stream
 from llmgw.rpc.tls import Identity, Role, require_role
 
 log = logging.getLogger(__name__)
+#: A refused second agent retries every second or so: one line per node, then one per interval.
+_conflicts = LogThrottle(log)
 
 #: Recording a join in the store is one small write; a store that cannot take it in this
 #: time is reported in the log, and the node joins anyway (the live view does not need it).
@@ -78,6 +81,14 @@ def _make_cluster(
             ]
             agent = registration.agent
             version = str(registration.version)
+            try:
+                await services.sessions.check_replaceable(node_id)
+            except SessionConflict as exc:
+                _conflicts.failure(("conflict", node_id), logging.WARNING,
+                                   "refused a join of node %s from %s: %s", node_id, address, exc)
+                raise
+            if "session" in state:  # a second join on this connection while the ping was out
+                raise RuntimeError("this connection has joined already")
 
             epoch = services.registry.node_joined(node_id, address, hardware, engines, shards)
             session = NodeSession(services.registry, node_id, epoch, agent, nursery.cancel_scope.cancel)

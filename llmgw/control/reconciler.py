@@ -35,11 +35,13 @@ from collections import defaultdict
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import attrs
+import capnp
 import trio
 
 from llmgw.control import placement
 from llmgw.control.placement import Action, StartReplica, StopReplica, Unplaceable, Waiting
 from llmgw.control.registry import Registry
+from llmgw.rpc.errors import remote_reason
 from llmgw.spec import ModelSpec, ShardSpec, ShardState, ShardStatus
 
 log = logging.getLogger(__name__)
@@ -240,6 +242,9 @@ class Reconciler:
 
 
 def _describe(exc: Exception, timeout: float) -> str:
+    """Returns one line saying why an action failed: a node's refusal in its own words."""
     if isinstance(exc, trio.TooSlowError):
         return f"no answer within {timeout:g} s"
+    if isinstance(exc, capnp.KjException):
+        return remote_reason(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

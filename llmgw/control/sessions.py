@@ -24,6 +24,7 @@ import trio
 
 from llmgw.control.registry import Registry
 from llmgw.rpc import convert, schema
+from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class NodeSession:
             try:
                 result = await self.agent.checkEngine(engine)
             except capnp.KjException as exc:
-                raise RuntimeError(f"node {self.node_id}: {_remote_reason(exc)}") from None
+                raise RuntimeError(f"node {self.node_id}: {remote_reason(exc)}") from None
             return str(result.output)
 
     async def adopt(self, shard_id: str) -> None:
@@ -214,15 +215,6 @@ class NodeSessions:
 
     async def stop_replica(self, node_id: str, shard_id: str) -> None:
         await self.get(node_id).stop_shard(shard_id)
-
-
-def _remote_reason(exc: capnp.KjException) -> str:
-    """Returns the agent's own sentence from a remote exception (without kj's trace lines)."""
-    text = (exc.description or str(exc)).strip()
-    for line in text.splitlines():
-        if "Error: " in line:
-            return line.split("Error: ", 1)[1].strip()
-    return text.splitlines()[0] if text else exc.type
 
 
 async def watch_heartbeats(session: NodeSession, lost_after: float) -> None:

@@ -9,8 +9,8 @@ Nursery tree::
 A session is one connection to one control plane. When it ends (the control
 plane died, the network broke, a heartbeat went unanswered) the engines keep
 serving; the loop reconnects to the first reachable control plane of the list,
-with a backoff that starts small again after a session that worked, and the
-new registration lists the running shards so the control plane re-binds them.
+with a short jittered backoff that starts small again once a join is accepted, and
+the new registration lists the running shards so the control plane re-binds them.
 """
 
 from __future__ import annotations
@@ -37,11 +37,18 @@ from llmgw.rpc.connection import open_client
 from llmgw.spec import KvDelta, ShardStatus
 
 log = logging.getLogger(__name__)
-#: A control plane that is down is dialled every few seconds: one line per address, then one per interval.
+#: A control plane that is down is dialled every second or so: one line per address, then one per interval.
 _unreachable = LogThrottle(log)
+#: A join refused again and again (a second agent with this node id, a refused certificate) is
+#: retried as often: one line per address, then one per interval; a join accepted resets it.
+_refused = LogThrottle(log)
 
-#: First pause after a failed connection attempt; doubles up to ``backoff_max``.
+#: First pause after a failed connection attempt; doubles up to ``backoff_max``
+#: (agent.yaml ``reconnect_backoff_max``, whose default and reason are in llmgw.config.defaults).
 RECONNECT_BACKOFF_MIN = 0.2
+#: Each pause is drawn between this share of the backoff and all of it, so a fleet of agents
+#: does not redial a restarted control plane in lockstep.
+RECONNECT_JITTER = 0.5
 #: A join does a registration round trip plus certificate checks on a possibly busy control plane.
 JOIN_TIMEOUT = 15.0
 #: A status report is one small message; a control plane that cannot take it in this time is in trouble.
@@ -171,6 +178,12 @@ class Agent:
             await self._session_loop()
 
     async def _session_loop(self) -> None:
+        """Keeps a session with the first control plane of the list that accepts, until cancelled.
+
+        After a session ends or every address failed, waits the backoff (jittered) and goes
+        round the list again; the backoff doubles up to ``backoff_max`` and starts again
+        from :data:`RECONNECT_BACKOFF_MIN` once a join is accepted.
+        """
         backoff = RECONNECT_BACKOFF_MIN
         while True:
             worked = False
@@ -188,8 +201,7 @@ class Agent:
                 break
             if worked:
                 backoff = RECONNECT_BACKOFF_MIN
-            # Jitter keeps a fleet of agents from reconnecting in lockstep after a control plane restart.
-            await trio.sleep(backoff * random.uniform(0.5, 1.0))
+            await trio.sleep(backoff * random.uniform(RECONNECT_JITTER, 1.0))
             backoff = min(backoff * 2, self.backoff_max)
 
     def _probe(self, control_plane_host: str) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
@@ -264,6 +276,7 @@ class Agent:
                 if self.heartbeat_interval:
                     interval = min(interval, self.heartbeat_interval)
                 joined = True
+                _refused.recovered(address)
                 log.info("agent: joined %s as node %r (%d shards)", address, self.node_id, len(shards))
                 # The heartbeat loop's failure is re-raised outside the nursery, unwrapped, for
                 # the handlers below; the engine reporter ends quietly when the session breaks.
@@ -284,7 +297,11 @@ class Agent:
         except trio.TooSlowError:
             log.warning("agent: %s stopped answering; reconnecting", address)
         except capnp.KjException as exc:
-            log.warning("agent: session with %s ended: %s", address, _describe(exc, joined))
+            if joined:
+                log.warning("agent: session with %s ended: %s", address, _describe(exc, joined))
+            else:
+                _refused.failure(address, logging.WARNING, "agent: session with %s ended: %s",
+                                 address, _describe(exc, joined))
         return joined
 
 

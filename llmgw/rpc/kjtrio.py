@@ -46,6 +46,7 @@ import trio
 import capnp
 from capnp.lib import capnp as _capnp_lib
 
+from llmgw.rpc.errors import remote_failure
 from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,8 @@ class TrioTask(_Completion):
     The coroutine runs in the runtime's nursery inside its own cancel scope. A task
     cancelled before it starts never runs its body: a Call and its Finish in the
     same KJ turn would otherwise make pycapnp read the params of a destroyed call.
-    Exceptions are kept on the task (pycapnp turns them into a remote error); they
-    never reach the nursery.
+    Exceptions are kept on the task as :func:`llmgw.rpc.errors.remote_failure` (pycapnp
+    turns them into a remote error: one line, no traceback); they never reach the nursery.
     """
 
     def __init__(self, loop: TrioLoop, coro: Coroutine[Any, Any, Any]) -> None:
@@ -241,7 +242,8 @@ class TrioTask(_Completion):
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 self._complete(_DONE, exception=exc)
                 raise
-            self._complete(_DONE, exception=exc)
+            # One line for the caller, never this process's traceback (llmgw.rpc.errors).
+            self._complete(_DONE, exception=remote_failure(exc, getattr(self._coro, "__qualname__", "")))
             return
         if self._scope.cancelled_caught:
             self._complete(_CANCELLED)

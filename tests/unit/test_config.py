@@ -82,7 +82,7 @@ def test_empty_agent_file_gives_defaults(tmp_path: Path) -> None:
         key=Path("/var/lib/llmgw-agent/tls/key.pem"),
     )
     assert config.engine_host is None
-    assert (config.heartbeat_interval, config.reconnect_backoff_max) == (2, 30)
+    assert (config.heartbeat_interval, config.reconnect_backoff_max) == (2, 1)
     assert config.log_level == "info"
     assert config == AgentConfig()
 
