@@ -46,6 +46,11 @@ WANT_ENGINES_TIMEOUT = 10.0
 #: An engine's version and device check starts the engine binary once (CUDA init included);
 #: a little above the agent's own limit, so the agent's reason arrives first.
 CHECK_ENGINE_TIMEOUT = 130.0
+#: When a node joins while it still has a session, the old session's agent is pinged: a live
+#: agent answers in milliseconds, even on a busy node. One that does not answer in this time
+#: is hung or gone (a crash whose connection close has not arrived, a cut network), and its
+#: session is replaced. Short, because a restarted agent waits this long to join.
+LIVE_PING_TIMEOUT = 2.0
 
 
 #: Where a shard's KV-cache deltas go: (shard id, delta). Called on the trio thread; must not block.
@@ -54,6 +59,18 @@ KvUpdateHandler = Callable[[str, KvDelta], None]
 
 class NoSession(LookupError):
     """The node has no live session (never joined, disconnected or lost)."""
+
+
+class SessionConflict(RuntimeError):
+    """A node joined while its current session's agent still answers: two agents share a node id."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(
+            f"node {node_id!r} already has a live session whose agent answers; a second agent with "
+            "the same node id is refused (stop the other agent, or give this one its own node id "
+            "and certificate)"
+        )
+        self.node_id = node_id
 
 
 class NodeSession:
@@ -82,6 +99,22 @@ class NodeSession:
         """End the session: cancels the connection it runs on."""
         self.closed = True
         self._close()
+
+    async def answers(self, timeout: float = LIVE_PING_TIMEOUT) -> bool:
+        """Returns whether this session's agent answers a ping within ``timeout`` seconds.
+
+        False when the session is closed, the connection broke or the agent is silent;
+        never raises for those. Cancellation propagates.
+        """
+        if self.closed:
+            return False
+        with trio.move_on_after(timeout):
+            try:
+                await self.agent.ping()
+            except capnp.KjException:
+                return False
+            return True
+        return False
 
     def reporter(self, shard_id: str) -> Any:
         """A fresh ``ShardReporter`` capability for ``shard_id`` bound to this session."""
@@ -195,6 +228,17 @@ class NodeSessions:
         if self._sessions.get(session.node_id) is session:
             del self._sessions[session.node_id]
         self.registry.node_disconnected(session.node_id, session.epoch)
+
+    async def check_replaceable(self, node_id: str) -> None:
+        """Raises :class:`SessionConflict` if ``node_id``'s current session still answers.
+
+        Returns at once when the node has no session; otherwise waits up to
+        :data:`LIVE_PING_TIMEOUT` for its agent's answer. A stale session (closed, broken or
+        silent) is left for :meth:`attach` to replace.
+        """
+        current = self._sessions.get(node_id)
+        if current is not None and await current.answers():
+            raise SessionConflict(node_id)
 
     def get(self, node_id: str) -> NodeSession:
         session = self._sessions.get(node_id)
