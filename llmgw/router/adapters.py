@@ -629,11 +629,13 @@ def checked_lora_scales(value: Any, names: Sequence[str], tenant: Tenant) -> dic
         scale = entry.get("scale", 1.0) if isinstance(entry, dict) else None
         if not isinstance(ident, int) or isinstance(ident, bool) or not 0 <= ident < len(names):
             raise errors.invalid_request(
-                f"'lora' entry {entry!r} does not name one of this model's {len(names)} adapters by id. {hint}",
+                f"'lora' entry {errors.echo(entry)} does not name one of this model's {len(names)} adapters "
+                f"by id. {hint}",
                 param="lora",
             )
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-            raise errors.invalid_request(f"'lora' entry {entry!r} needs a finite numeric 'scale'.", param="lora")
+            raise errors.invalid_request(
+                f"'lora' entry {errors.echo(entry)} needs a finite numeric 'scale'.", param="lora")
         if scale != 0 and not tenant.allows(names[ident]):
             raise model_not_allowed(tenant.name, names[ident])
         scales[names[ident]] = float(scale)

@@ -20,7 +20,7 @@ import attrs
 
 from llmgw.catalog.access import secret_digest, split_key
 
-from .errors import GatewayError
+from .errors import GatewayError, echo
 
 #: The tenant requests are accounted to when authentication is off.
 ANONYMOUS_TENANT = "anonymous"
@@ -72,7 +72,7 @@ def model_not_allowed(tenant: str, model: str) -> GatewayError:
     """403: the key's tenant may not use ``model``."""
     return GatewayError(
         403,
-        f"This API key (tenant '{tenant}') may not use the model '{model}'. "
+        f"This API key (tenant '{tenant}') may not use the model '{echo(model)}'. "
         "GET /v1/models lists the models it may use; an operator can change the tenant's "
         "models with `llmgw ctl tenants update`.",
         "permission_error",

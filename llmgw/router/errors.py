@@ -27,16 +27,44 @@ NO_REPLICA_RETRY_AFTER_S = 5
 UNREACHABLE_RETRY_AFTER_S = 2
 
 
+# Characters of a client's own value (a model name, a 'lora' entry) quoted back in an
+# error message: enough to recognise it, bounded so that a megabyte of input is not sent
+# back (or logged) whole.
+MAX_ECHO_CHARS = 200
+
+# Characters of any error message: a bound for text the gateway did not write itself (an
+# engine's words in an upstream error), well above every message written here.
+MAX_MESSAGE_CHARS = 2000
+
+_ELLIPSIS = "..."
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - len(_ELLIPSIS)] + _ELLIPSIS
+
+
+def echo(value: object) -> str:
+    """Returns ``value`` as quoted back to a client: a string as it is, anything else as its
+    ``repr``, cut to :data:`MAX_ECHO_CHARS` characters (ending in ``...`` when cut)."""
+    return _cut(value if isinstance(value, str) else repr(value), MAX_ECHO_CHARS)
+
+
+def _bounded_message(message: str) -> str:
+    return _cut(message, MAX_MESSAGE_CHARS)
+
+
 @attrs.frozen
 class GatewayError(Exception):
     """An error that becomes an OpenAI-shaped JSON response.
 
     ``status`` is the HTTP status; ``type``/``code``/``param``/``message`` fill the
     ``error`` object; ``headers`` are added to the response (e.g. Retry-After).
+    ``message`` is cut to :data:`MAX_MESSAGE_CHARS`; values a client sent are quoted with
+    :func:`echo`.
     """
 
     status: int
-    message: str
+    message: str = attrs.field(converter=_bounded_message)
     type: str
     code: str | None = None
     param: str | None = None
@@ -66,7 +94,7 @@ def model_not_found(model: str) -> GatewayError:
     """404: ``model`` is neither a catalog model nor an adapter of one (they share a namespace)."""
     return GatewayError(
         404,
-        f"The model or adapter '{model}' does not exist in this cluster's catalog. "
+        f"The model or adapter '{echo(model)}' does not exist in this cluster's catalog. "
         "GET /v1/models lists the models and adapters you can use.",
         "invalid_request_error",
         code="model_not_found",

@@ -19,6 +19,7 @@ from llmgw.router import LoadTracker, Replica, ReplicaTable, create_app, gateway
 from llmgw.router.admission import Admission, AdmissionLimits
 from llmgw.router.app import Gateway
 from llmgw.router.auth import AuthTable, KeyEntry, Tenant
+from llmgw.router.errors import MAX_ECHO_CHARS
 from llmgw.router.usage import Usage, UsageMeter
 from tests.component.upstream_fixture import FakeUpstream, ReceivedRequest, expected_stream_text
 
@@ -364,3 +365,17 @@ async def test_openai_client_with_a_key() -> None:
 def test_usage_value_total() -> None:
     assert Usage(3, 4).total == 7
     assert UsageMeter().pending() == {}
+
+
+@pytest.mark.parametrize(
+    ("tenant", "status", "code"), [("narrow", 403, "model_not_allowed"), ("acme", 404, "model_not_found")]
+)
+async def test_a_huge_model_name_is_not_echoed_whole(tenant: str, status: int, code: str) -> None:
+    huge = "m" * 1_000_000
+    async with gateway(max_request_bytes=2_000_000) as env:
+        response = await env.client.post(
+            "/v1/chat/completions", json=chat_body(model=huge), headers=env.headers(tenant)
+        )
+        error = assert_error(response, status, code)
+        assert "m" * (MAX_ECHO_CHARS - 3) + "..." in error["message"]
+        assert len(error["message"]) < MAX_ECHO_CHARS + 300 and len(response.content) < 2 * MAX_ECHO_CHARS + 600
