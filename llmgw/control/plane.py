@@ -10,7 +10,7 @@ Nursery tree::
     run_control_plane
     ├── registry watchdog (marks silent nodes LOST)
     ├── reconciler (catalog vs fleet, one placement pass at a time)
-    ├── route feed (catalog x ready replicas -> the gateway: routes.py)
+    ├── route feed (catalog x ready replicas -> the gateway, and its readiness: routes.py)
     ├── access sync (keys, tenants, serving.stopped -> the gateway; usage -> the store)
     ├── gateway (GatewayInterface.serve; its last usage is stored when it stops)
     └── rpc listener ── per connection: Cluster bootstrap ── node session / admin
@@ -99,7 +99,7 @@ async def run_control_plane(
             await nursery.start(registry.watchdog)
             reconciler = Reconciler(registry, store.list_models, sessions)
             await nursery.start(reconciler.run)
-            routes = RouteFeed(store, registry, gateway)
+            routes = RouteFeed(store, registry, gateway, heartbeat_interval=heartbeat_interval)
             await nursery.start(routes.run)
 
             def catalog_changed() -> None:

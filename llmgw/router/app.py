@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`
 forwarded to one READY replica of the requested model (body bytes unchanged, except
 llama.cpp's per-request ``lora`` field: :mod:`llmgw.router.adapters`);
 ``GET /v1/models`` and ``GET /v1/models/<name>`` answer from the catalog;
-``GET /healthz`` says the gateway is up.
+``GET /healthz`` says the gateway is up (liveness); ``GET /readyz`` whether it is ready
+to route (503 with the reason while its control plane is still rebuilding the replica table).
 
 Per request: parse just enough of the body to learn ``model`` and ``stream``, pick a
 replica with the :class:`~llmgw.router.replicas.RoutingPolicy`, count the request on
@@ -112,6 +113,8 @@ class Gateway:
         self.max_request_bytes = max_request_bytes
         #: Cluster setting ``serving.stopped``: every POST under /v1/ is answered 503.
         self.stopped = False
+        #: Why ``/readyz`` answers 503 (the control plane sets it), or None: ready.
+        self.not_ready: str | None = None
         self.load = load if load is not None else LoadTracker()
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
         # KV-cache blocks per replica, fed by the control plane (kv_update/kv_forget); a
@@ -161,6 +164,7 @@ class Gateway:
         app.register_error_handler(Exception, self._on_unexpected)
 
         app.add_url_rule("/healthz", "healthz", self._healthz, methods=["GET"])
+        app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])
@@ -206,6 +210,12 @@ class Gateway:
 
     async def _healthz(self) -> Response:
         return _json({"status": "ok"})
+
+    async def _readyz(self) -> Response:
+        not_ready = self.not_ready
+        if not_ready is not None:
+            return _json({"status": "not ready", "reason": not_ready}, 503)
+        return _json({"status": "ready"})
 
     def upstream_client(self) -> UpstreamClient:
         """Return the upstream client; raise a 503 GatewayError if the gateway is not serving."""

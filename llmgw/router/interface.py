@@ -79,6 +79,12 @@ class GatewayInterface(abc.ABC):
     def kv_forget(self, replica_id: str) -> None:
         """Drop ``replica_id``'s KV-cache state (its shard stopped or its node was lost)."""
 
+    @abc.abstractmethod
+    def set_readiness(self, not_ready: str | None) -> None:
+        """Say why the gateway is not ready (``GET /readyz`` answers 503 with it), or None
+        once it is (200). A control plane that starts marks it not ready until its replica
+        table is rebuilt; ``/healthz`` (liveness) does not change."""
+
     # -- access (down) -------------------------------------------------------------------
 
     @abc.abstractmethod

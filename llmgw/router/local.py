@@ -38,6 +38,9 @@ class GatewayState(GatewayInterface):
     def kv_forget(self, replica_id: str) -> None:
         self.gateway.kv_forget(replica_id)
 
+    def set_readiness(self, not_ready: str | None) -> None:
+        self.gateway.not_ready = not_ready
+
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)
         self.gateway.stopped = access.stopped

@@ -14,13 +14,13 @@ import trio
 from llmgw.catalog import validate_model
 from llmgw.control.keys import SERVING_STOPPED, AccessSync, new_api_key
 from llmgw.control.registry import Registry
-from llmgw.control.routes import RouteFeed
+from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.store import open_store
 from llmgw.control.store.base import TenantRecord
 from llmgw.router.interface import (
     AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageCounts, UsageCountsByKey,
 )
-from llmgw.spec import KvDelta
+from llmgw.spec import Hardware, KvDelta
 
 
 class RecordingGateway(GatewayInterface):
@@ -33,6 +33,8 @@ class RecordingGateway(GatewayInterface):
         self.access: list[AccessState] = []
         self.counted: dict[tuple[str, str], UsageCounts] = {}
         self.last: dict[tuple[str, str], UsageCounts] = {}
+        self.readiness: list[str | None] = []
+        self.readiness_changed = trio.Event()
 
     def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
         self.routes.append(({m: list(r) for m, r in replicas.items()}, dict(models)))
@@ -44,6 +46,11 @@ class RecordingGateway(GatewayInterface):
 
     def kv_forget(self, replica_id: str) -> None:
         raise AssertionError("no KV deltas in these tests")
+
+    def set_readiness(self, not_ready: str | None) -> None:
+        self.readiness.append(not_ready)
+        self.readiness_changed.set()
+        self.readiness_changed = trio.Event()
 
     async def apply_access(self, access: AccessState) -> None:
         self.access.append(access)
@@ -82,6 +89,44 @@ async def test_the_route_feed_follows_the_catalog(tmp_path: Path) -> None:
             feed.catalog_changed()
             await changed.wait()
             assert gateway.routes[-1] == ({"a": [], "b": []}, {"a": ModelInfo("sim"), "b": ModelInfo("sim")})
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_gateway_is_ready_once_the_known_nodes_are_back(tmp_path: Path) -> None:
+    async with open_store(f"sqlite://{tmp_path}/llmgw.db") as store:
+        await store.record_node_seen("a", "10.0.0.1")
+        await store.record_node_seen("b", "10.0.0.2")
+        gateway = RecordingGateway()
+        registry = Registry()
+        feed = RouteFeed(store, registry, gateway, heartbeat_interval=3600)  # the window never ends here
+        async with trio.open_nursery() as nursery:
+            await nursery.start(feed.run)
+            assert gateway.readiness == [NOT_READY_REASON], "not ready before the first routes"
+            hw = Hardware(cpu_count=1, memory_total_mb=1, memory_available_mb=1)
+            registry.node_joined("a", "10.0.0.1", hw, ())
+            await gateway.routes_changed.wait()
+            assert gateway.readiness == [NOT_READY_REASON], "b is not back yet"
+            changed = gateway.readiness_changed
+            registry.node_joined("b", "10.0.0.2", hw, ())
+            await changed.wait()
+            assert gateway.readiness == [NOT_READY_REASON, None]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_fresh_control_plane_is_ready_at_once_and_a_missing_node_is_not_waited_for(tmp_path: Path) -> None:
+    async with open_store(f"sqlite://{tmp_path}/llmgw.db") as store:
+        gateway = RecordingGateway()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(RouteFeed(store, Registry(), gateway).run)
+            assert gateway.readiness == [NOT_READY_REASON, None], "no node to wait for"
+            nursery.cancel_scope.cancel()
+        await store.record_node_seen("gone", "10.0.0.9")
+        gateway = RecordingGateway()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(RouteFeed(store, Registry(), gateway, heartbeat_interval=0.01).run)
+            with trio.fail_after(10):
+                while gateway.readiness[-1] is not None:
+                    await gateway.readiness_changed.wait()
             nursery.cancel_scope.cancel()
 
 

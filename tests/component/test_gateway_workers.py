@@ -168,6 +168,15 @@ async def test_state_changes_reach_every_worker_before_synced_returns(pooled: Po
     assert not master.stopped and await pool.synced()
     assert await statuses() == {200}
 
+    pool.set_readiness("rebuilding the replica table")  # as a starting control plane does
+    assert await pool.synced()
+    readyz = [await pooled.get("/readyz") for _ in range(CONNECTIONS)]
+    assert {(r.status_code, r.json()["reason"]) for r in readyz} == {(503, "rebuilding the replica table")}
+    assert await statuses() == {200}, "readiness is for load balancers; requests are still served"
+    pool.set_readiness(None)
+    assert await pool.synced()
+    assert {(await pooled.get("/readyz")).status_code for _ in range(CONNECTIONS)} == {200}
+
 
 async def test_a_killed_worker_is_restarted(pooled: Pooled) -> None:
     pool = pooled.pool

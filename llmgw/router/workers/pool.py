@@ -234,6 +234,12 @@ class GatewayPool(GatewayState):
             self.state_changed()
         await self.synced()
 
+    def set_readiness(self, not_ready: str | None) -> None:
+        """Set the master's readiness; the pusher sends it to every worker (each answers ``/readyz``)."""
+        if self.master.not_ready != not_ready:
+            super().set_readiness(not_ready)
+            self.state_changed()
+
     async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
         """Collect every worker's counts first (:meth:`collect`), then return the master's."""
         await self.collect()
@@ -257,7 +263,7 @@ class GatewayPool(GatewayState):
         return {
             "t": "state", "version": self._version, "table": encode_table(m.table),
             "keys": encode_keys(m.auth.entries if isinstance(m.auth, ObservedAuthTable) else (), self.workers),
-            "stopped": m.stopped,
+            "stopped": m.stopped, "not_ready": m.not_ready,
         }
 
     async def _sync(self, slot: _Slot) -> None:

@@ -95,10 +95,11 @@ class Worker:
         self._scrapes: dict[int, tuple[trio.Event, list[bytes]]] = {}
 
     def apply(self, state: Message) -> None:
-        """Make the gateway's table, keys and ``stopped`` equal to ``state``."""
+        """Make the gateway's table, keys, ``stopped`` and readiness equal to ``state``."""
         self.table.load_state(state["table"])
         self.gateway.auth.replace(decode_keys(state["keys"]))
         self.gateway.stopped = bool(state["stopped"])
+        self.gateway.not_ready = state.get("not_ready")
 
     def apply_kv(self, message: Message) -> None:
         """Apply one of the :data:`KV_KINDS` messages to the gateway's KV index (and policy).
