@@ -22,7 +22,12 @@ Arguments: options that read, write or load files or code (``--trust-remote-code
 unambiguous prefix). ``--llmgw-*`` options are llmgw's own (read by the adapter, never
 passed on); unknown ones are refused.
 
-:func:`violations` returns every problem; :func:`check` raises on the first.
+:func:`violations` returns every problem; :func:`check` raises listing them all.
+
+Device kind: some values an engine refuses only on one kind of device (vLLM's CPU attention
+needs a ``--block-size`` that is a multiple of 32). :func:`device_violations` returns those
+for the device kind a shard runs on: the catalog knows it from ``profile.gpus`` (0: CPUs),
+the node from the GPUs the shard was given, so the catalog refuses them first.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "UnsafeSetting",
     "Violation",
     "check",
+    "device_violations",
     "llmgw_options",
     "option_name",
     "violations",
@@ -124,6 +130,13 @@ LLMGW_OPTIONS: Mapping[str, frozenset[str]] = {
 RETIRED_OPTIONS: Mapping[str, str] = {
     "--llmgw-lora": "adapters are catalog entries now: `llmgw ctl models add ... --adapter NAME=SOURCE`",
 }
+
+#: Engines whose ``--block-size`` (tokens per KV block) must be a positive integer on every device.
+BLOCK_SIZE_ENGINES = frozenset({"vllm", "sim"})
+#: vLLM's CPU attention needs a block size that is a multiple of 32 (vLLM refuses 16 with
+#: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"); 128 is its CPU default.
+VLLM_CPU_BLOCK_MULTIPLE = 32
+VLLM_CPU_BLOCK_SIZE = 128
 
 #: Environment families a real engine's profile may set (fnmatch patterns), per engine.
 _COMMON_FAMILIES = (
@@ -304,6 +317,37 @@ def violations(engine: str, args: Sequence[str], env: Mapping[str, str]) -> list
         problem = _env_problem(engine, name)
         if problem is not None:
             found.append(Violation(f"engine_env.{name}", name, problem))
+    return found
+
+
+def _block_size_problem(engine: str, value: str, on_cpu: bool | None) -> str | None:
+    """Returns why ``--block-size value`` cannot run for ``engine`` (on a CPU when ``on_cpu``), or None."""
+    if engine not in BLOCK_SIZE_ENGINES:
+        return None
+    if not value.isdigit() or int(value) <= 0:
+        return f"--block-size {value} is not a positive integer (tokens per KV block)"
+    if engine == "vllm" and on_cpu and int(value) % VLLM_CPU_BLOCK_MULTIPLE:
+        return (
+            f"--block-size {value} does not work on a CPU (profile.gpus 0): vLLM's CPU attention needs "
+            f"a multiple of {VLLM_CPU_BLOCK_MULTIPLE} (default {VLLM_CPU_BLOCK_SIZE})"
+        )
+    return None
+
+
+def device_violations(engine: str, args: Sequence[str], *, on_cpu: bool | None) -> list[Violation]:
+    """Returns every argument ``engine`` would refuse on the device kind it runs on.
+
+    ``on_cpu``: the shard runs on CPUs (True), on GPUs (False), or either (None: only
+    what every device kind refuses). Empty: the engine takes them all.
+    """
+    found: list[Violation] = []
+    for i, arg in enumerate(args):
+        if option_name(arg) != "--block-size":
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+        problem = _block_size_problem(engine, value, on_cpu)
+        if problem is not None:
+            found.append(Violation(f"engine_args[{i}]", "--block-size", problem))
     return found
 
 

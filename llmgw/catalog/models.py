@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-from llmgw.catalog.engine_options import violations
+from llmgw.catalog.engine_options import device_violations, violations
 from llmgw.catalog.sources import SourceError, is_remote, parse_source
 from llmgw.spec import ADAPTER_ENGINES, FREE_SOURCE_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile
 
@@ -112,19 +112,29 @@ def _env(value: Any, path: str) -> dict[str, str]:
 
 
 def check_engine_args(
-    engine: str, args: Sequence[str], env: Mapping[str, str], *, path: str = "profile"
+    engine: str,
+    args: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    path: str = "profile",
+    on_cpu: bool | None = None,
 ) -> None:
     """Refuse engine arguments and environment that the engine policy does not allow.
 
     Returns None if ``args`` and ``env`` are acceptable for ``engine``; otherwise raises
-    CatalogError naming the first offending argument (``{path}.engine_args[i]``) or
-    variable (``{path}.engine_env.NAME``) and why. The policy (an allowlist of tuning
-    variables; options that read, write or load, or that the agent sets, refused) is
-    :mod:`llmgw.catalog.engine_options`, which the node applies again before start.
+    CatalogError naming every offending argument (``{path}.engine_args[i]``) and variable
+    (``{path}.engine_env.NAME``) and why, in one message (its ``path`` is the first one's),
+    so that one fix of the profile is enough. The policy (an allowlist of tuning variables;
+    options that read, write or load, or that the agent sets, refused) is
+    :mod:`llmgw.catalog.engine_options`, which the node applies again before start; with
+    ``on_cpu`` (None: the device kind is not known) values the engine refuses on that kind
+    of device are refused too.
     """
-    found = violations(engine, args, env)
+    found = [*violations(engine, args, env), *device_violations(engine, args, on_cpu=on_cpu)]
     if found:
-        raise CatalogError(f"{path}.{found[0].where}", found[0].reason)
+        first, *rest = found
+        reason = "; ".join([first.reason, *(f"{path}.{v.where}: {v.reason}" for v in rest)])
+        raise CatalogError(f"{path}.{first.where}", reason)
 
 
 def _profile(engine: str, data: Any) -> Profile:
@@ -139,7 +149,7 @@ def _profile(engine: str, data: Any) -> Profile:
     gpus = _integer(data, "gpus", 0, "profile.gpus")
     args = _args(data.get("engine_args", ()), "profile.engine_args")
     env = _env(data.get("engine_env", {}), "profile.engine_env")
-    check_engine_args(engine, args, env)
+    check_engine_args(engine, args, env, on_cpu=gpus == 0)
     return Profile(
         replicas=replicas,
         memory_mb=memory_mb,

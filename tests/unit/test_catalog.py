@@ -172,6 +172,43 @@ def test_check_engine_args_path_prefix() -> None:
         check_engine_args("llama.cpp", ["--log-file=x"], {}, path="shard")
 
 
+def test_every_refused_setting_is_named_at_once() -> None:
+    message = error_of(base(engine="vllm", source="/w", profile={
+        "engine_args": ["--max-model-len", "64", "--log-file", "x"],
+        "engine_env": {"OMP_NUM_THREADS": "1", "LD_PRELOAD": "/x", "HF_TOKEN": "t", "VLLM_PLUGINS": "p"},
+    }))
+    assert message.startswith("profile.engine_args[2]: --log-file is not allowed")
+    for where in ("engine_env.LD_PRELOAD", "engine_env.HF_TOKEN", "engine_env.VLLM_PLUGINS"):
+        assert f"profile.{where}: not allowed" in message
+    assert "OMP_NUM_THREADS" not in message and "\n" not in message
+
+
+#: (engine, profile.gpus, engine_args, refusal or None): what an engine refuses on every
+#: device, or on the only device kind the profile can run on, is refused by the catalog.
+DEVICE_CASES = [
+    ("vllm", 0, ["--block-size", "16"], "profile.engine_args[0]: --block-size 16 does not work on a CPU"),
+    ("vllm", 0, ["--block_size=48"], "profile.engine_args[0]: --block-size 48 does not work on a CPU"),
+    ("vllm", 0, ["--block-size", "64"], None),
+    ("vllm", 1, ["--block-size", "16"], None),
+    ("vllm", 1, ["--block-size", "x"], "profile.engine_args[0]: --block-size x is not a positive integer"),
+    ("vllm", 1, ["--block-size=0"], "profile.engine_args[0]: --block-size 0 is not a positive integer"),
+    ("sim", 0, ["--block-size", "-4"], "profile.engine_args[0]: --block-size -4 is not a positive integer"),
+    ("sim", 0, ["--block-size", "16"], None),
+    ("llama.cpp", 0, ["--block-size", "16"], None),
+]
+
+
+@pytest.mark.parametrize(("engine", "gpus", "args", "refusal"), DEVICE_CASES)
+def test_values_an_engine_refuses_on_the_profiles_device_are_refused(
+    engine: str, gpus: int, args: list[str], refusal: str | None
+) -> None:
+    data = base(engine=engine, source="/w", profile={"gpus": gpus, "engine_args": args})
+    if refusal is None:
+        validate_model(data)
+    else:
+        assert error_of(data).startswith(refusal)
+
+
 # -- round trip ----------------------------------------------------------------------------
 
 

@@ -142,3 +142,15 @@ def test_catalog_and_node_apply_the_same_policy() -> None:
         check_refused(spec)
     assert "shard m-1" in str(err.value)
     assert "--tool-parser-plugin" in str(err.value) and "NCCL_NET_PLUGIN" in str(err.value)
+
+
+def test_the_node_refuses_a_cpu_block_size_with_the_rest_in_one_line() -> None:
+    cpu = ShardSpec(id="m-1", model="m", engine="vllm", source="/w", args=("--block-size", "16", "--log-file", "x"),
+                    env={"LD_PRELOAD": "/x"})
+    with pytest.raises(EngineRefused) as err:
+        check_refused(cpu)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("shard m-1: refused on this node: ")
+    assert all(s in message for s in ("--block-size 16 does not work on a CPU", "--log-file", "LD_PRELOAD"))
+    check_refused(ShardSpec(id="m-2", model="m", engine="vllm", source="/w", args=("--block-size", "16"),
+                            gpus=(0,)))

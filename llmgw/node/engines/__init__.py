@@ -107,13 +107,17 @@ def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
 
 
 def check_refused(spec: ShardSpec) -> None:
-    """Raises :class:`EngineRefused` if ``spec`` uses a refused argument or env variable.
+    """Raises :class:`EngineRefused` if ``spec`` uses a refused argument or env variable,
+    or a value its engine refuses on this shard's device kind (no GPUs given: CPUs).
 
     The policy is :mod:`llmgw.catalog.engine_options` (the catalog applies the same one).
-    The message names the shard and every offending argument and variable, so an
-    operator can fix the model's profile in one go. Returns None when everything is allowed.
+    The message is one line naming the shard and every offending argument and variable, so
+    an operator can fix the model's profile in one go. Returns None when everything is allowed.
     """
-    found = engine_options.violations(spec.engine, spec.args, spec.env)
+    found = [
+        *engine_options.violations(spec.engine, spec.args, spec.env),
+        *engine_options.device_violations(spec.engine, spec.args, on_cpu=not spec.gpus),
+    ]
     if found:
         problems = "; ".join(str(v) for v in found)
         raise EngineRefused(

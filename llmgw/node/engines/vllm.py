@@ -41,14 +41,19 @@ from typing import Any, Iterable, Sequence
 import attrs
 
 from llmgw import kvhash
-from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
+from llmgw.catalog.engine_options import (
+    NO_KV_EVENTS_OPTION,
+    VLLM_CPU_BLOCK_SIZE,
+    llmgw_options,
+    option_name,
+    option_value,
+)
 from llmgw.node.kvevents import KvEventsConfig
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, EngineRefused, check_refused
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused
 from llmgw.node.install import python_env
 from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
 
 __all__ = [
-    "CPU_BLOCK_MULTIPLE",
     "CPU_BLOCK_SIZE",
     "GPU_BLOCK_SIZE",
     "block_size_of",
@@ -68,9 +73,9 @@ VLLM_HASH_SEED = kvhash.KV_HASH_SEED
 #: The block hash vLLM computes: sha256 over canonical CBOR, reproducible outside Python
 #: (the default "sha256" pickles).
 PREFIX_CACHING_HASH_ALGO = "sha256_cbor"
-#: vLLM's CPU attention needs a block size that is a multiple of 32; 128 is its CPU default.
-CPU_BLOCK_MULTIPLE = 32
-CPU_BLOCK_SIZE = 128
+#: vLLM's block size on a CPU when the profile does not set one (a multiple of 32 is needed
+#: there: the catalog and :func:`~llmgw.node.engines.check_refused` refuse other values).
+CPU_BLOCK_SIZE = VLLM_CPU_BLOCK_SIZE
 #: vLLM's block size on GPUs when the profile does not set one.
 GPU_BLOCK_SIZE = kvhash.DEFAULT_BLOCK_SIZE
 #: GiB of KV cache a CPU engine allocates when the profile does not say (unset, vLLM sizes
@@ -130,17 +135,6 @@ def parallel_sizes(spec: ShardSpec, multinode: MultiNode | None = None) -> tuple
     tp = max(1, len(spec.gpus))
     pp = multinode.nnodes if multinode is not None else 1
     return tp, pp
-
-
-def check_vllm_profile(spec: ShardSpec) -> None:
-    """Raises EngineRefused for a profile vLLM would refuse late (after a minute of loading)."""
-    block = option_value(spec.args, "--block-size")
-    if block is not None and not spec.gpus:
-        if not block.isdigit() or int(block) % CPU_BLOCK_MULTIPLE:
-            raise EngineRefused(
-                f"shard {spec.id}: --block-size {block} does not work on a CPU: vLLM's CPU attention "
-                f"needs a multiple of {CPU_BLOCK_MULTIPLE} (default {CPU_BLOCK_SIZE}); fix the model's profile"
-            )
 
 
 def vllm_argv(
@@ -375,7 +369,6 @@ class VllmEngine:
     def check_args(self, spec: ShardSpec) -> None:
         """Raises EngineRefused naming refused args/env, or a block size the CPU cannot use."""
         check_refused(spec)
-        check_vllm_profile(spec)
 
     def parse_output(self, lines: Sequence[str]) -> Compute | None:
         """Returns the compute vLLM printed while starting (see :func:`parse_vllm_output`)."""
