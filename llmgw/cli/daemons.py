@@ -56,12 +56,14 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
         fail(f"{exc}\n(first run? create the cluster CA and certificates with `llmgw server init`)")
     from llmgw.control.plane import run_control_plane
     from llmgw.router.build import build_gateway
+    from llmgw.router.metrics_access import metrics_listener
     from llmgw.router.settings import GatewaySettings
     from llmgw.rpc.kjtrio import capnp_runtime
 
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
             gateway = build_gateway(GatewaySettings.of(config))
+            await nursery.start(metrics_listener, gateway.scrape, config.metrics)
             plane = await nursery.start(
                 lambda task_status: run_control_plane(
                     store_url=config.store.url,

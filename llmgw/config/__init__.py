@@ -34,6 +34,7 @@ _EXPORTS = {
     "ROUTING_POLICIES": "sections",
     "AuthConfig": "sections",
     "GatewayConfig": "sections",
+    "MetricsConfig": "sections",
     "RoutingConfig": "sections",
     "ServingConfig": "sections",
     "TracingConfig": "sections",

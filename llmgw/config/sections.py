@@ -1,5 +1,5 @@
 """The gateway's sections of ``server.yaml``: ``gateway:``, ``tracing:``, ``auth:``,
-``serving:`` and ``routing:``.
+``serving:``, ``routing:`` and ``metrics:``.
 
 Each section is a frozen attrs class whose defaults come from :mod:`.defaults` (so a
 gateway built without a file, e.g. in a worker process or a test, gets the same values),
@@ -14,18 +14,21 @@ from typing import Any
 import attrs
 
 from . import defaults
-from .values import count, parse_bool, parse_duration, parse_ratio, parse_str, positive, show
+from .values import Address, count, parse_address, parse_bool, parse_duration, parse_ratio, parse_str, positive, show
 from .yaml_reader import MISSING, Reader
 
 __all__ = [
     "ROUTING_POLICIES",
     "AuthConfig",
     "GatewayConfig",
+    "MIN_METRICS_TOKEN_CHARS",
+    "MetricsConfig",
     "RoutingConfig",
     "ServingConfig",
     "TracingConfig",
     "read_auth",
     "read_gateway",
+    "read_metrics",
     "read_routing",
     "read_serving",
     "read_tracing",
@@ -85,6 +88,61 @@ class RoutingConfig:
     tokenize_timeout: float = defaults.DEFAULT_TOKENIZE_TIMEOUT
     agreement_window: float = defaults.DEFAULT_AGREEMENT_WINDOW
     mismatch_alarm_after: int = defaults.DEFAULT_MISMATCH_ALARM_AFTER
+
+
+#: Shortest ``metrics.token`` accepted: a bearer token is guessed online, so it must be long
+#: enough that guessing is hopeless (16 random characters; ``openssl rand -hex 32`` gives 64).
+MIN_METRICS_TOKEN_CHARS = 16
+
+
+@attrs.frozen
+class MetricsConfig:
+    """``metrics:``: where ``/metrics`` is served and who may read it (docs/config.md).
+
+    ``listen`` None serves it on the gateway port; then, with ``auth.enabled`` and no
+    ``token``, only to loopback clients (tenant names are in it). ``token`` (from
+    ``token`` or ``token_file``), when set, is required as ``Authorization: Bearer``.
+    """
+
+    listen: Address | None = None
+    token: str = attrs.field(default="", repr=False)
+
+
+def _parse_token(value: Any) -> str:
+    token = parse_str(value).strip()
+    if len(token) < MIN_METRICS_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ValueError(
+            f"expected at least {MIN_METRICS_TOKEN_CHARS} characters without spaces "
+            f"(e.g. the output of `openssl rand -hex 32`), got {len(token)} characters"
+        )
+    return token
+
+
+def read_metrics(reader: Reader, raw: Any) -> MetricsConfig:
+    """``metrics:`` from its raw value (:data:`MISSING`: on the gateway port, no token).
+
+    ``token_file`` is read here (blocking, once at start-up); its text never appears in
+    an error message.
+    """
+    if raw is MISSING:
+        return MetricsConfig()
+    section = reader.section(raw, "metrics")
+    listen = section.get("listen", lambda v: parse_address(v, listen=True), None)
+    token = section.get("token", _parse_token, "")
+    token_file = section.get_path("token_file", None)  # type: ignore[arg-type]
+    section.finish()
+    if token_file is not None:
+        if token:
+            raise reader.error("metrics", "give token or token_file, not both")
+        try:
+            text = token_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as exc:
+            raise reader.error("metrics.token_file", f"cannot read {token_file}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            token = _parse_token(text)
+        except ValueError as exc:
+            raise reader.error("metrics.token_file", f"{token_file}: {exc}") from None
+    return MetricsConfig(listen=listen, token=token)
 
 
 def read_gateway(reader: Reader, raw: Any) -> GatewayConfig:

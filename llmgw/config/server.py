@@ -13,8 +13,8 @@ import attrs
 
 from . import defaults
 from .sections import (
-    AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig, read_auth, read_gateway, read_routing,
-    read_serving, read_tracing,
+    AuthConfig, GatewayConfig, MetricsConfig, RoutingConfig, ServingConfig, TracingConfig, read_auth, read_gateway,
+    read_metrics, read_routing, read_serving, read_tracing,
 )
 from .values import (
     ENGINE_NAME, ENGINE_NAME_RULE, Address, frozen_mapping, parse_address, parse_duration, parse_host, parse_log_level,
@@ -74,6 +74,7 @@ class ServerConfig:
     auth: AuthConfig = AuthConfig()
     serving: ServingConfig = ServingConfig()
     routing: RoutingConfig = RoutingConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def ca_dir(self) -> Path:
@@ -112,6 +113,7 @@ def load_server_config(
         auth=read_auth(reader, top.raw("auth")),
         serving=read_serving(reader, top.raw("serving")),
         routing=read_routing(reader, top.raw("routing")),
+        metrics=read_metrics(reader, top.raw("metrics")),
     )
     top.finish()
     if config.node_lost_after <= config.heartbeat_interval:

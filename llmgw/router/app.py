@@ -30,6 +30,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from llmgw.config import MetricsConfig
 from llmgw.config.defaults import DEFAULT_MAX_REQUEST_BYTES
 from llmgw.spec import KvDelta
 
@@ -50,6 +51,7 @@ from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
 # -- observability (metrics, tracing, deadlines: llmgw/router/{metrics,tracing,instrument}.py)
 from .instrument import TRACE_KEY, Instrumentation
 from .metrics import GatewayMetrics
+from .metrics_access import MetricsAccess, MetricsGate
 from .tracing import GatewayTracer
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class Gateway:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         metrics: GatewayMetrics | None = None,
         tracer: GatewayTracer | None = None,
+        metrics_config: MetricsConfig | None = None,
     ) -> None:
         self.table = table
         # Without an AuthTable every request is served (tenant "anonymous"): the
@@ -137,6 +140,9 @@ class Gateway:
         if self.admission.metrics is None:
             self.admission.metrics = self.metrics
         self.tracer = tracer
+        #: ``metrics:`` of server.yaml: who may read /metrics here, or that it moved to its
+        #: own address (llmgw/router/metrics_access.py).
+        self.metrics_config = metrics_config if metrics_config is not None else MetricsConfig()
         self.app = self._build_app()
 
     # -- app wiring ---------------------------------------------------------------------
@@ -151,7 +157,8 @@ class Gateway:
         app.extensions["llmgw.gateway"] = self
         # POSTs on the forwarded paths skip Quart (llmgw/router/http/forward.py runs forward());
         # every request gets its id there.
-        forward = FastForward(app.asgi_app, self.forward, app.config, FORWARDED_PATHS, BODY_TIMEOUT_S)
+        gate = MetricsGate(app.asgi_app, MetricsAccess.on_gateway(self.metrics_config, self.auth.enabled))
+        forward = FastForward(gate, self.forward, app.config, FORWARDED_PATHS, BODY_TIMEOUT_S)
         app.asgi_app = forward  # type: ignore[method-assign]
         app.asgi_app = RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
         app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]

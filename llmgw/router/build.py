@@ -14,9 +14,8 @@ from .admission import Admission, AdmissionLimits
 from .app import Gateway
 from .auth import AuthTable
 from .http.upstream import UpstreamTimeouts
-from .interface import GatewayInterface
 from .kvrouting import make_policy
-from .local import LocalGateway
+from .local import GatewayState, LocalGateway
 from .replicas import LoadTracker, ReplicaTable
 from .settings import GatewaySettings
 from .tracing import create_tracer
@@ -62,11 +61,11 @@ def assemble_gateway(
     return Gateway(
         table, load=load, policy=make_policy(settings.routing, load), timeouts=upstream_timeouts(settings),
         tracer=create_tracer(settings.tracing), auth=auth, admission=admission,
-        max_request_bytes=settings.serving.max_request_bytes,
+        max_request_bytes=settings.serving.max_request_bytes, metrics_config=settings.metrics,
     )
 
 
-def build_gateway(settings: GatewaySettings) -> GatewayInterface:
+def build_gateway(settings: GatewaySettings) -> GatewayState:
     """Return the gateway ``settings`` describe, not yet serving (call its ``serve``).
 
     Raises as :func:`assemble_gateway`; with ``gateway.workers`` > 1 tracing errors come

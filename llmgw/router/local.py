@@ -61,6 +61,11 @@ class GatewayState(GatewayInterface):
             kv_alarms=tuple(sorted(set(self.gateway.policy.alarms()))),
         )
 
+    async def scrape(self) -> bytes | None:
+        """Returns the Prometheus text exposition of the gateway's metrics (a pool: every
+        worker's, merged), for ``metrics.listen`` (llmgw/router/metrics_access.py)."""
+        return self.gateway.metrics.render()[0]
+
 
 class LocalGateway(GatewayState):
     """One gateway serving in this process (``gateway.workers: 1``)."""

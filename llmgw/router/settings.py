@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
+from llmgw.config import AuthConfig, GatewayConfig, MetricsConfig, RoutingConfig, ServingConfig, TracingConfig
 
 
 @attrs.frozen
@@ -23,9 +23,12 @@ class GatewaySettings:
     auth: AuthConfig = AuthConfig()
     routing: RoutingConfig = RoutingConfig()
     tracing: TracingConfig | None = None
+    #: ``metrics:``: who may read /metrics, and whether it has its own address.
+    metrics: MetricsConfig = MetricsConfig()
 
     @classmethod
     def of(cls, config: Any) -> GatewaySettings:
         """Return the gateway's sections of ``config`` (a :class:`llmgw.config.ServerConfig`)."""
         return cls(gateway=config.gateway, serving=config.serving, auth=config.auth, routing=config.routing,
+                   metrics=config.metrics,
                    tracing=config.tracing)

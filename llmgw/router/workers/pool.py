@@ -458,9 +458,14 @@ class GatewayPool(GatewayState):
         finally:
             del self._collects[request_id]
 
-    async def _serve_scrape(self, slot: _Slot, scrape_id: Any) -> None:
+    async def scrape(self) -> bytes | None:
+        """Returns every worker's metrics merged into one exposition (a worker that did not
+        report within :data:`COLLECT_TIMEOUT_S` is missing from it)."""
         reports = await self.collect(metrics=True)
-        body = merge_metrics(r["metrics"] for r in reports if r.get("metrics") is not None)
+        return merge_metrics(r["metrics"] for r in reports if r.get("metrics") is not None)
+
+    async def _serve_scrape(self, slot: _Slot, scrape_id: Any) -> None:
+        body = await self.scrape()
         try:
             await slot.channel.send({"t": "scraped", "id": scrape_id, "body": body})
         except ChannelClosed:

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 
-from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig, ServingConfig, TracingConfig
+from llmgw.config import Address, AuthConfig, GatewayConfig, MetricsConfig, RoutingConfig, ServingConfig, TracingConfig
 from llmgw.spec import KvDelta
 
 from ..admission import TenantCounters
@@ -71,6 +71,7 @@ def worker_config(index: int, host: str, port: int, settings: GatewaySettings) -
             "gateway": attrs.asdict(settings.gateway), "serving": attrs.asdict(serving),
             "auth": attrs.asdict(settings.auth), "routing": attrs.asdict(settings.routing),
             "tracing": attrs.asdict(tracing) if tracing is not None and tracing.endpoint else None,
+            "metrics": attrs.asdict(settings.metrics),
         },
     }
 
@@ -84,7 +85,13 @@ def decode_settings(config: Message) -> GatewaySettings:
         gateway=GatewayConfig(**sections["gateway"]), serving=ServingConfig(**sections["serving"]),
         auth=AuthConfig(**sections["auth"]), routing=RoutingConfig(**sections["routing"]),
         tracing=TracingConfig(**tracing) if tracing else None,
+        metrics=_decode_metrics(sections["metrics"]),
     )
+
+
+def _decode_metrics(raw: Mapping[str, Any]) -> MetricsConfig:
+    listen = raw["listen"]
+    return MetricsConfig(listen=Address(**listen) if listen else None, token=str(raw["token"]))
 
 
 # -- routing state (down) ----------------------------------------------------------------

@@ -28,6 +28,7 @@ import trio
 from ..app import Gateway
 from ..build import assemble_gateway
 from ..http.serve import serve_gateway
+from ..metrics_access import MetricsAccess, MetricsGate
 from .channel import Channel, ChannelClosed, Message
 from .protocol import (
     MirrorTable, decode_keys, decode_kv_delta, decode_settings, encode_admission, encode_metrics, encode_usage,
@@ -90,7 +91,9 @@ class Worker:
         # Routes like the single-process gateway: the KV index is the control plane's
         # (fed over the channel), load and routed-but-unconfirmed blocks are this worker's.
         self.gateway: Gateway = assemble_gateway(decode_settings(config), table=self.table)
-        self.front = WorkerFront(self.gateway.app, self.index, self.scrape)
+        # /metrics is refused before the merge by the rule a single gateway applies.
+        access = MetricsAccess.on_gateway(self.gateway.metrics_config, self.gateway.auth.enabled)
+        self.front = MetricsGate(WorkerFront(self.gateway.app, self.index, self.scrape), access)
         self._scrape_ids = itertools.count()
         self._scrapes: dict[int, tuple[trio.Event, list[bytes]]] = {}
 
