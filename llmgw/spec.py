@@ -165,6 +165,31 @@ class ShardSpec:
     max_loaded_adapters: int = 0  # 0: all loaded at start; N: at most N at a time, loaded on demand
 
 
+#: How an "unknown shard" answer begins, on the node and across the RPC (where only the
+#: message travels): the control plane recognises it with :meth:`UnknownShard.in_text`.
+UNKNOWN_SHARD = "unknown shard"
+
+
+class UnknownShard(KeyError):
+    """A node has no shard by this id: it never started it there, or stopped and forgot it.
+
+    The control plane treats the shard as gone (nothing to adopt or stop) and places anew.
+    A KeyError, so callers that look shards up by id catch it as before.
+    """
+
+    def __init__(self, shard_id: str) -> None:
+        super().__init__(f"{UNKNOWN_SHARD} {shard_id!r}: this node does not run it (never started here, or stopped since)")
+        self.shard_id = shard_id
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+    @staticmethod
+    def in_text(text: str) -> bool:
+        """Returns True if a remote error's text is a node's "unknown shard" answer."""
+        return f"{UNKNOWN_SHARD} '" in text
+
+
 @attrs.frozen
 class ComputeDevice:
     """One device an engine says it uses ("CUDA0", "NVIDIA H200", 143000 MiB; or "CPU")."""

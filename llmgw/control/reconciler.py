@@ -19,7 +19,8 @@ A pass reads the catalog and a registry snapshot, updates the failure book
 :func:`~llmgw.control.placement.plan` and executes it: each node's actions run in order
 (stops before starts), different nodes concurrently, each action under
 ``action_timeout``. Before a start the shard is reserved in the registry
-(``shard_started``); after a stop succeeds it is removed (``shard_removed``). A start that
+(``shard_started``); after a stop succeeds it is removed (``shard_removed``), and so
+is a shard the node answers "unknown shard" for (nothing runs there to stop). A start that
 fails marks the shard FAILED in the registry, so the next pass asks the node to stop it
 (it may have started after all) and the model's failure backoff applies. A stop that fails
 is simply planned again. Nothing an executor raises ends the loop; cancellation does.
@@ -42,7 +43,7 @@ from llmgw.control import placement
 from llmgw.control.placement import Action, StartReplica, StopReplica, Unplaceable, Waiting
 from llmgw.control.registry import Registry
 from llmgw.rpc.errors import remote_reason
-from llmgw.spec import ModelSpec, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import ModelSpec, ShardSpec, ShardState, ShardStatus, UnknownShard
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,12 @@ class Executor(Protocol):
         ...
 
     async def stop_replica(self, node_id: str, shard_id: str) -> None:
-        """Ask ``node_id`` to stop and forget ``shard_id`` (idempotent); may raise."""
+        """Ask ``node_id`` to stop and forget ``shard_id`` (idempotent); may raise.
+
+        Raises :class:`~llmgw.spec.UnknownShard` if the node has no such shard: the
+        reconciler counts it as stopped (removed from the registry, so the next pass,
+        which that removal triggers, places the model anew).
+        """
         ...
 
 
@@ -216,7 +222,10 @@ class Reconciler:
                 with trio.fail_after(self._action_timeout):
                     if isinstance(action, StopReplica):
                         log.info("stopping %s on node %s: %s", action.shard_id, node_id, action.reason)
-                        await self._executor.stop_replica(node_id, action.shard_id)
+                        try:
+                            await self._executor.stop_replica(node_id, action.shard_id)
+                        except UnknownShard as exc:  # nothing runs there: gone, and placed anew at once
+                            log.info("node %s: %s; counting it as stopped", node_id, exc)
                     else:
                         spec = action.shard_spec
                         log.info("starting %s on node %s: %s", spec.id, node_id, action.reason)

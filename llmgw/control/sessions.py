@@ -16,8 +16,9 @@ executor: it turns placement actions into calls on the right session.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import capnp
 import trio
@@ -25,7 +26,7 @@ import trio
 from llmgw.control.registry import Registry
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
-from llmgw.spec import KvDelta, ShardSpec
+from llmgw.spec import KvDelta, ShardSpec, UnknownShard
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,11 @@ class NodeSession:
             return str(result.output)
 
     async def adopt(self, shard_id: str) -> None:
-        """Re-bind a shard the agent reported at join to a reporter of this session."""
-        with trio.fail_after(ADOPT_TIMEOUT):
+        """Re-bind a shard the agent reported at join to a reporter of this session.
+
+        Raises :class:`~llmgw.spec.UnknownShard` if the agent has no such shard.
+        """
+        with trio.fail_after(ADOPT_TIMEOUT), _unknown_shard_typed(shard_id):
             result = await self.agent.adopt(shard_id, self.reporter(shard_id))
             self.shards[shard_id] = result.shard
 
@@ -182,12 +186,20 @@ class NodeSession:
             self.shards[spec.id] = result.shard
 
     async def stop_shard(self, shard_id: str, grace: float = DEFAULT_STOP_GRACE) -> None:
-        """Stop one shard (SIGTERM, grace, SIGKILL on the node) and drop its handle."""
+        """Stop one shard (SIGTERM, grace, SIGKILL on the node) and drop its handle.
+
+        Raises :class:`~llmgw.spec.UnknownShard` (the handle dropped too) if the agent has
+        no such shard: nothing runs there to stop.
+        """
         shard = self.shards.get(shard_id)
-        with trio.fail_after(grace + STOP_CALL_MARGIN):
-            if shard is None:
-                shard = (await self.agent.adopt(shard_id, self.reporter(shard_id))).shard
-            await shard.stop(int(grace * 1000))
+        try:
+            with trio.fail_after(grace + STOP_CALL_MARGIN), _unknown_shard_typed(shard_id):
+                if shard is None:
+                    shard = (await self.agent.adopt(shard_id, self.reporter(shard_id))).shard
+                await shard.stop(int(grace * 1000))
+        except UnknownShard:
+            self.shards.pop(shard_id, None)
+            raise
         self.shards.pop(shard_id, None)
 
     async def logs(self, shard_id: str, lines: int) -> list[str]:
@@ -259,6 +271,17 @@ class NodeSessions:
 
     async def stop_replica(self, node_id: str, shard_id: str) -> None:
         await self.get(node_id).stop_shard(shard_id)
+
+
+@contextlib.contextmanager
+def _unknown_shard_typed(shard_id: str) -> Iterator[None]:
+    """Turns an agent's "unknown shard" answer (a remote error) into :class:`~llmgw.spec.UnknownShard`."""
+    try:
+        yield
+    except capnp.KjException as exc:
+        if UnknownShard.in_text(remote_reason(exc)):
+            raise UnknownShard(shard_id) from None
+        raise
 
 
 async def watch_heartbeats(session: NodeSession, lost_after: float) -> None:

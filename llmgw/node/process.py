@@ -89,6 +89,12 @@ def identity_of(pid: int) -> ProcessIdentity | None:
         return None
 
 
+def same_process(a: ProcessIdentity, b: ProcessIdentity) -> bool:
+    """Returns True if both name one process: same pid and start time (the command line
+    may differ, engines retitle themselves)."""
+    return a.pid == b.pid and abs(a.create_time - b.create_time) <= _CREATE_TIME_TOLERANCE
+
+
 def matches(identity: ProcessIdentity) -> bool:
     """Returns True if a live process has this pid, create time and command line."""
     current = identity_of(identity.pid)

@@ -30,7 +30,7 @@ import math
 import os
 import signal
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Set
 
 import attrs
 import httpx
@@ -39,11 +39,12 @@ import zmq
 
 from llmgw.catalog.sources import is_remote
 from llmgw.logthrottle import LogThrottle, reason
-from llmgw.node import shard_state
+from llmgw.node import markers, shard_state
 from llmgw.node.engines import Engine, EngineRefused, base_environment
 from llmgw.node.engines import compute as engine_compute
 from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights
 from llmgw.node.kvevents import KvSubscriber
+from llmgw.node.ports import free_port, port_is_free
 from llmgw.node.process import (
     EngineProcess,
     OutputTail,
@@ -139,12 +140,14 @@ def endpoint_url(host: str, port: int) -> str:
 @attrs.frozen
 class ShardContext:
     """What every shard of one supervisor shares: where state lives, the engines' address,
-    the restart policy and where remote weights are fetched to."""
+    the restart policy, where remote weights are fetched to, and the ports the supervisor
+    has given to its shards (a shard whose port was taken must not move onto another's)."""
 
     state_dir: Path
     host: str
     policy: RestartPolicy
     fetch_settings: FetchSettings
+    taken_ports: Callable[[], Set[int]] = set
 
 
 class Shard:
@@ -291,19 +294,24 @@ class Shard:
         _failures.recovered(("report", self.spec.id), "shard %s: status reported again", self.spec.id)
         return True
 
-    async def _save(self) -> None:
-        """Persists the record (in a thread; not cancellable midway). Logs, never raises OSError."""
+    async def _persist(self) -> None:
+        """Persists the record (in a thread; not cancellable midway). Raises OSError if the
+        disk refuses (full, read-only); the previous record then stays intact."""
         async with self._save_lock:
-            try:
-                await trio.to_thread.run_sync(shard_state.save, self._context.state_dir, self.record)
-            except OSError as exc:
-                _failures.failure(
-                    ("save", self.spec.id), logging.ERROR,
-                    "shard %s: cannot persist its state (%s); a restarted agent may not adopt it", self.spec.id, exc,
-                    exc_info=True,
-                )
-            else:
-                _failures.recovered(("save", self.spec.id), "shard %s: its state is persisted again", self.spec.id)
+            await trio.to_thread.run_sync(shard_state.save, self._context.state_dir, self.record)
+
+    async def _save(self) -> None:
+        """Persists the record like :meth:`_persist`; logs a failure instead of raising it."""
+        try:
+            await self._persist()
+        except OSError as exc:
+            _failures.failure(
+                ("save", self.spec.id), logging.ERROR,
+                "shard %s: cannot persist its state (%s); a restarted agent finds its engine by its marker",
+                self.spec.id, exc, exc_info=True,
+            )
+        else:
+            _failures.recovered(("save", self.spec.id), "shard %s: its state is persisted again", self.spec.id)
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -511,7 +519,11 @@ class Shard:
     async def _spawn(self) -> EngineProcess:
         """Starts a new engine run (log rotated if large); returns it, identity persisted.
 
-        Raises OSError if the process cannot be started.
+        The shard's port is bind-tested first and, if something else listens there, the
+        engine gets a fresh port (said so in the status). The engine carries the marker of
+        this shard (:mod:`llmgw.node.markers`). Raises OSError if the process cannot be
+        started, or if its identity cannot be persisted: the engine is then stopped
+        (SIGTERM, grace, SIGKILL to its group) rather than left running unrecorded.
         """
         assert self.engine is not None
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -528,15 +540,23 @@ class Shard:
         self.collector.reset()
         self._fatal = None
         spec = await self._local_weights()
+        await self._check_port()
         if self.kv is not None and self.record.kv_events is not None:  # only with a subscriber bound
             argv = self.engine.argv(spec, self._context.host, self.port, kv_events=self.record.kv_events)  # type: ignore[call-arg]
         else:
             argv = self.engine.argv(spec, self._context.host, self.port)
-        env = {**base_environment(), **self.engine.env(spec)}
+        env = {**base_environment(), **self.engine.env(spec), **markers.marker_env(self._context.state_dir, spec.id)}
         process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
         self._process = process  # before any checkpoint: a stop from now on must find it
         self.record.identity = process.identity
-        await self._save()
+        try:
+            await self._persist()
+        except OSError as exc:
+            await self._stop_unrecorded(process, exc)
+            raise OSError(
+                f"its pid {process.identity.pid} could not be recorded in {self._context.state_dir} "
+                f"({exc.strerror or exc}); stopped it rather than leave it unmanaged"
+            ) from None
         self.publish(
             ShardState.STARTING,
             f"engine started (pid {process.identity.pid}); waiting for its health check",
@@ -545,6 +565,33 @@ class Shard:
             adapters=tuple((a.name, a.source) for a in spec.adapters),
         )
         return process
+
+    async def _stop_unrecorded(self, process: EngineProcess, exc: OSError) -> None:
+        """Stops an engine whose identity could not be persisted (shielded: never left running)."""
+        logger.error("shard %s: cannot record engine pid %d (%s); stopping it", self.spec.id, process.identity.pid, exc)
+        with trio.CancelScope(shield=True):
+            try:
+                await terminate(process, self._policy.kill_grace)
+            except trio.TooSlowError:
+                logger.error("shard %s: engine pid %d survived SIGKILL", self.spec.id, process.identity.pid)
+            finally:
+                process.close()
+        self._process = None
+        self.record.identity = None
+
+    async def _check_port(self) -> None:
+        """Moves the shard to a fresh port if something already listens on its own.
+
+        Raises OSError if the engine host is not an address of this machine.
+        """
+        host, port = self._context.host, self.port
+        if await trio.to_thread.run_sync(port_is_free, host, port):
+            return
+        new_port = free_port(host, self._context.taken_ports() | {port})
+        self.record.port = new_port
+        message = f"port {port} is taken by another process; the engine gets port {new_port} instead"
+        logger.warning("shard %s: %s", self.spec.id, message)
+        self.publish(ShardState.STARTING, message, endpoint=endpoint_url(host, new_port), pid=0)
 
     async def _supervise(self, process: EngineProcess) -> tuple[str, bool, float]:
         """Watches one engine run until it exits (or is killed for missing its startup deadline).

@@ -14,41 +14,37 @@ The shard's spec, port, engine process identity and restart count are persisted 
 ``state_dir``. Cancelling :meth:`Supervisor.run` (agent exit) leaves engines running
 and their state on disk; the next agent's ``run`` adopts them (same pid, create time
 and command line) or, if they are gone, starts them again on the same port.
+
+Every engine also carries a marker in its environment (:mod:`llmgw.node.markers`), so
+``run`` finds engines whose record was lost or went stale: one of a persisted shard is
+adopted, one of no shard (or a second one of a shard) is stopped. No engine of this
+state directory is left running unmanaged. ``run`` holds an exclusive lock on the state
+directory (:mod:`llmgw.node.statelock`): a second agent on it is refused at once.
 """
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Mapping
 
+import logging
+
 import trio
 
-from llmgw.node import shard_state
+from llmgw.node import markers, shard_state
 from llmgw.node.engines import ENGINES, Engine, get_engine
 from llmgw.node.fetch import FetchSettings
 from llmgw.node.kvevents import KvEventsConfig
+from llmgw.node.ports import free_port
+from llmgw.node.process import adopt, terminate
 from llmgw.node.shard import STOP_GRACE, RestartPolicy, Shard, ShardContext, ShardReporter
 from llmgw.node.shard_state import ShardRecord
-from llmgw.spec import ShardSpec, ShardStatus
+from llmgw.node.statelock import lock_state_dir
+from llmgw.spec import ShardSpec, ShardStatus, UnknownShard
 
-__all__ = ["KV_EVENTS_HOST", "Supervisor", "free_port", "kv_events_for"]
+__all__ = ["KV_EVENTS_HOST", "Supervisor", "kv_events_for"]
 
-
-def free_port(host: str, avoid: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-    """Returns a TCP port that is free on ``host`` right now (bind to port 0, read, close).
-
-    Ports in ``avoid`` (already given to other shards) are skipped. Raises OSError if
-    ``host`` is not an address of this machine.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(20):
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in avoid:
-            return port
-    raise OSError(f"no free TCP port found on {host} outside the {len(avoid)} ports already in use by shards")
+logger = logging.getLogger(__name__)
 
 
 #: Where engines publish KV events, whatever address they serve on: only the agent
@@ -94,16 +90,25 @@ class Supervisor:
         self._start_lock = trio.Lock()  # one start_shard at a time: ids and ports are checked, then taken
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Adopts or restarts the persisted shards, signals started, then runs until cancelled.
+        """Locks the state directory, adopts or restarts the persisted shards, signals
+        started, then runs until cancelled.
 
-        Each persisted engine still running (same pid, create time, command line) is
-        adopted; the others are started again. Shards that had FAILED stay FAILED.
-        Cancellation stops supervising but leaves engines running and state on disk.
+        Each persisted engine still running (same pid, create time, command line, or the
+        marker of its shard) is adopted; the others are started again. Shards that had
+        FAILED stay FAILED. Marked engines of no persisted shard are stopped (in the
+        background). Raises :class:`~llmgw.node.statelock.StateDirLocked` (before started)
+        if another agent holds the state directory. Cancellation stops supervising but
+        leaves engines running and state on disk; the lock is released on any exit.
         """
-        records = await trio.to_thread.run_sync(shard_state.load_all, self.state_dir)
+        lock = await trio.to_thread.run_sync(lock_state_dir, self.state_dir)
         try:
+            records = await trio.to_thread.run_sync(shard_state.load_all, self.state_dir)
+            marked = await trio.to_thread.run_sync(markers.find_marked, self.state_dir)
+            strays = markers.match_marked(records, marked)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                for stray in strays:
+                    nursery.start_soon(self._stop_stray, stray)
                 for record in records:
                     shard = self._new_shard(record, self.engines.get(record.spec.engine), reporter=None)
                     self._shards[record.spec.id] = shard
@@ -112,6 +117,25 @@ class Supervisor:
                 await trio.sleep_forever()
         finally:
             self._nursery = None
+            lock.release()
+
+    async def _stop_stray(self, stray: markers.MarkedEngine) -> None:
+        """Stops a marked engine no shard of this supervisor owns (logged, never raises)."""
+        process = adopt(stray.identity)
+        if process is None:
+            return  # gone meanwhile
+        try:
+            code = await terminate(process, self.policy.kill_grace)
+        except trio.TooSlowError:
+            logger.error("stray engine pid %d (shard %s) survived SIGKILL", stray.identity.pid, stray.shard_id)
+            return
+        finally:
+            process.close()
+        logger.warning(
+            "stopped engine pid %d of shard %s: it carried this agent's marker but no shard here owns it "
+            "(its record was lost, or another engine serves that shard); exit: %s",
+            stray.identity.pid, stray.shard_id, code,
+        )
 
     async def start_shard(self, spec: ShardSpec, reporter: ShardReporter | None) -> None:
         """Starts supervising ``spec``; returns once the shard is STARTING (spawning underway).
@@ -143,7 +167,7 @@ class Supervisor:
         shard_state.check_shard_id(spec.id)
         engine = get_engine(spec.engine, self.engines)
         engine.check_args(spec)
-        port = free_port(self.host, {s.port for s in self._shards.values()})
+        port = free_port(self.host, self._ports())
         record = ShardRecord(spec=spec, port=port, kv_events=kv_events_for(engine, spec))
         await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
         if self._nursery is None:
@@ -155,22 +179,35 @@ class Supervisor:
     def bind_reporter(self, shard_id: str, reporter: ShardReporter | None) -> None:
         """Sends this shard's statuses to ``reporter`` from now on, starting with the current one.
 
-        Raises KeyError if the shard is unknown. ``None`` unbinds (statuses are kept).
+        Raises :class:`~llmgw.spec.UnknownShard` (a KeyError) if the shard is unknown.
+        ``None`` unbinds (statuses are kept).
         """
-        self._shards[shard_id].bind(reporter)
+        self._shard(shard_id).bind(reporter)
 
     async def stop_shard(self, shard_id: str, grace: float = STOP_GRACE) -> None:
         """Stops the shard's engine and forgets the shard; returns once it is STOPPED.
 
         SIGTERM to the engine's process group, up to ``grace`` seconds, SIGKILL to the
         group; then its state directory (and log) is deleted and STOPPED is reported.
-        Raises KeyError if the shard is unknown. Concurrent calls all wait for the one stop.
+        Raises :class:`~llmgw.spec.UnknownShard` (a KeyError) if the shard is unknown.
+        Concurrent calls all wait for the one stop.
         """
-        await self._shards[shard_id].stop(grace)
+        await self._shard(shard_id).stop(grace)
+
+    def _shard(self, shard_id: str) -> Shard:
+        """Returns the shard; raises :class:`~llmgw.spec.UnknownShard` if there is none by that id."""
+        shard = self._shards.get(shard_id)
+        if shard is None:
+            raise UnknownShard(shard_id)
+        return shard
+
+    def _ports(self) -> set[int]:
+        """Returns the ports given to this supervisor's shards (a new one must avoid them)."""
+        return {s.port for s in self._shards.values()}
 
     def _new_shard(self, record: ShardRecord, engine: Engine | None, reporter: ShardReporter | None) -> Shard:
         """Returns the (not yet running) shard of ``record``, sharing this supervisor's settings."""
-        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings)
+        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings, taken_ports=self._ports)
         return Shard(record, engine, reporter, context=context, on_stopped=self._forget)
 
     def _forget(self, shard: Shard) -> None:
@@ -183,12 +220,13 @@ class Supervisor:
         return [(s.spec, s.status) for s in self._shards.values()]
 
     def status(self, shard_id: str) -> ShardStatus:
-        """Returns the shard's latest status. Raises KeyError if unknown."""
-        return self._shards[shard_id].status
+        """Returns the shard's latest status. Raises :class:`~llmgw.spec.UnknownShard` if unknown."""
+        return self._shard(shard_id).status
 
     def logs(self, shard_id: str, lines: int) -> list[str]:
         """Returns up to ``lines`` of the engine's last output lines, oldest first.
 
-        At most :data:`llmgw.node.process.OUTPUT_LINES` are kept. Raises KeyError if unknown.
+        At most :data:`llmgw.node.process.OUTPUT_LINES` are kept. Raises
+        :class:`~llmgw.spec.UnknownShard` if unknown.
         """
-        return self._shards[shard_id].tail.last(lines)
+        return self._shard(shard_id).tail.last(lines)

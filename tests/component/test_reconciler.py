@@ -16,7 +16,7 @@ import trio.testing
 from llmgw.control import placement
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import NodeState, Registry
-from llmgw.spec import EngineInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+from llmgw.spec import EngineInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus, UnknownShard
 
 ENGINES = (EngineInfo("llama.cpp", installed=True),)
 LOST_AFTER = 15.0
@@ -45,7 +45,9 @@ class FakeAgents:
     """The executor: records every call and reports shard status back like agents would.
 
     ``crashing`` models report FAILED right after start; calls to ``refusing`` nodes raise;
-    ``gates`` hold a node's calls until the event is set.
+    ``gates`` hold a node's calls until the event is set; ``refused_starts`` is how many
+    next starts fail without reaching the node; ``forgetful`` nodes answer "unknown shard"
+    for a stop of a shard they never started (as a real agent does).
     """
 
     def __init__(self, registry: Registry) -> None:
@@ -54,6 +56,9 @@ class FakeAgents:
         self.crashing: set[str] = set()
         self.refusing: set[str] = set()
         self.gates: dict[str, trio.Event] = {}
+        self.refused_starts = 0
+        self.forgetful: set[str] = set()
+        self.started: set[str] = set()
 
     async def start_replica(self, node_id: str, spec: ShardSpec) -> None:
         self.calls.append(Call(trio.current_time(), "start", node_id, spec.id, spec.model))
@@ -61,7 +66,11 @@ class FakeAgents:
             await self.gates[node_id].wait()
         if node_id in self.refusing:
             raise ConnectionError(f"node {node_id} is unreachable")
+        if self.refused_starts:
+            self.refused_starts -= 1
+            raise OSError(f"node {node_id}: cannot write the shard's state: No space left on device")
         await trio.lowlevel.checkpoint()
+        self.started.add(spec.id)
         if spec.model in self.crashing:
             status = ShardStatus(id=spec.id, state=ShardState.FAILED, message="engine exited with status 1")
         else:
@@ -73,6 +82,9 @@ class FakeAgents:
         if node_id in self.refusing:
             raise ConnectionError(f"node {node_id} is unreachable")
         await trio.lowlevel.checkpoint()
+        if node_id in self.forgetful and shard_id not in self.started:
+            raise UnknownShard(shard_id)
+        self.started.discard(shard_id)
 
     def ops(self, op: str) -> list[Call]:
         return [c for c in self.calls if c.op == op]
@@ -279,3 +291,22 @@ async def test_unreadable_catalog_stops_nothing(cluster: Cluster, autojump_clock
     assert "database is locked" in cluster.reconciler.last_pass.skipped
     assert cluster.agents.ops("stop") == []
     assert cluster.ready_nodes("m") == ["a"]
+
+
+async def test_unknown_shard_on_stop_counts_as_stopped(cluster: Cluster, autojump_clock: trio.testing.MockClock) -> None:
+    """A start the node refused leaves a FAILED row for a shard the node never had; its stop
+    answers "unknown shard": the row goes on that one call (no retries) and the model is placed anew."""
+    cluster.join("a")
+    cluster.agents.forgetful.add("a")
+    cluster.agents.refused_starts = 1
+    cluster.catalog = [model("m")]
+    await cluster.start()
+    await cluster.until(lambda: cluster.ready_nodes("m") == ["a"])
+    first, second = cluster.agents.ops("start")
+    assert [c.shard_id for c in cluster.agents.ops("stop")] == [first.shard_id]
+    passes = cluster.reconciler.passes
+    await cluster.until(lambda: cluster.reconciler.passes >= passes + 3)
+    assert len(cluster.agents.ops("stop")) == 1 and len(cluster.agents.ops("start")) == 2
+    assert cluster.reconciler.last_pass is not None and cluster.reconciler.last_pass.errors == ()
+    shards = cluster.registry.snapshot().nodes["a"].shards
+    assert list(shards) == [second.shard_id] and shards[second.shard_id].status.state is ShardState.READY

@@ -20,7 +20,8 @@ from llmgw.node import shard_state
 from llmgw.node.engines import EngineRefused, UnknownEngine, check_refused
 from llmgw.node.process import ProcessIdentity, identity_of
 from llmgw.node.shard import RestartPolicy
-from llmgw.node.supervisor import Supervisor, free_port
+from llmgw.node.ports import free_port
+from llmgw.node.supervisor import Supervisor
 from llmgw.spec import EngineInfo, ShardSpec, ShardState, ShardStatus
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")

@@ -27,7 +27,8 @@ from llmgw.node.process import (
     terminate,
 )
 from llmgw.node.shard import RestartPolicy, endpoint_url
-from llmgw.node.supervisor import Supervisor, free_port
+from llmgw.node.ports import free_port
+from llmgw.node.supervisor import Supervisor
 from llmgw.spec import ShardSpec, ShardState
 
 WAIT = 30.0
