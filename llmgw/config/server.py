@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import attrs
 
 from . import defaults
+from .dsn import redact_dsn, store_backend
 from .sections import (
     AuthConfig, GatewayConfig, MetricsConfig, RoutingConfig, ServingConfig, TracingConfig, read_auth, read_gateway,
     read_metrics, read_routing, read_serving, read_tracing,
@@ -34,7 +35,9 @@ class StoreConfig:
 
     backend: str  # "sqlite" or "postgresql"
     path: Path | None = None  # the SQLite file (backend "sqlite")
-    dsn: str | None = None  # libpq connection string or URL (backend "postgresql")
+    #: libpq connection string or URL (backend "postgresql"); shown without its password.
+    dsn: str | None = attrs.field(default=None, repr=lambda dsn: repr(dsn and redact_dsn(dsn)))
+
 
     @classmethod
     def sqlite(cls, path: Path) -> StoreConfig:
@@ -47,7 +50,8 @@ class StoreConfig:
 
     @property
     def url(self) -> str:
-        """The store as one string: ``sqlite:////abs/path`` or the PostgreSQL DSN."""
+        """The store as one string: ``sqlite:////abs/path`` or the PostgreSQL DSN (with its
+        password: give it to :func:`llmgw.control.store.open_store`, never to a log)."""
         return f"sqlite:///{self.path}" if self.backend == "sqlite" else str(self.dsn)
 
 
@@ -135,23 +139,21 @@ def _read_store(reader: Reader, raw: Any, state_dir: Path) -> StoreConfig:
     section.finish()
     if url is not None and dsn is not None:
         raise reader.error("store", "give url or dsn, not both")
-    if dsn is not None:
-        return StoreConfig("postgresql", dsn=dsn)
-    if url is None:
+    key, text = ("store.dsn", dsn) if dsn is not None else ("store.url", url)
+    if text is None:
         return default
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme in ("postgresql", "postgres"):
-        return StoreConfig("postgresql", dsn=url)
-    if sep and scheme != "sqlite":
+    try:
+        backend, location = store_backend(text)
+    except ValueError as exc:
+        raise reader.error(key, str(exc)) from None
+    if backend == "postgresql":
+        return StoreConfig("postgresql", dsn=location)
+    if key == "store.dsn":
         raise reader.error(
-            "store.url",
-            f"unsupported scheme {scheme!r}: use a SQLite file path, sqlite:///PATH, "
-            "or a postgresql:// URL",
+            key, "is for PostgreSQL (a postgresql:// URL or libpq key=value, e.g. host=db1 dbname=llmgw): "
+            "a SQLite file goes in store.url as sqlite:///PATH or a path",
         )
-    file_text = rest if sep else url
-    if not file_text:
-        raise reader.error("store.url", "the SQLite URL names no file")
-    file_path = Path(file_text).expanduser()
+    file_path = Path(location).expanduser()
     if not file_path.is_absolute():
         file_path = state_dir / file_path
     return StoreConfig.sqlite(file_path)

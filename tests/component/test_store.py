@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sqlite3
+import stat
+import urllib.parse
 from typing import Any, Iterator, Sequence
 
 import attrs
@@ -26,6 +29,8 @@ from llmgw.control.store import (
     parse_target,
     redact_dsn,
 )
+from llmgw.control.store.base import UsageRecord
+from llmgw.control.store.postgres import PostgresDriver
 from llmgw.spec import Adapter, ModelSpec, Profile
 
 LATEST = MIGRATIONS[-1].version
@@ -329,22 +334,94 @@ async def test_closed_store_refuses_work(db_url: str) -> None:
         await store.list_models()
 
 
+def terminate_store_connection(dsn: str) -> None:
+    """pg_terminate_backend the store's connection(s) to ``dsn``'s database (application
+    name llmgw) and wait until each has exited, as a DBA or a failover would."""
+    dbname = dsn.rsplit("/", 1)[1]
+    killed = raw_query(
+        dsn,
+        "SELECT pg_terminate_backend(pid, ?) FROM pg_stat_activity "
+        "WHERE datname = ? AND application_name = 'llmgw'",
+        (TERMINATE_WAIT_MS, dbname),
+    )
+    assert killed == [(True,)]
+
+
+#: How long pg_terminate_backend waits for the backend to exit (it is local: far less).
+TERMINATE_WAIT_MS = 5000
+
+
 @pytest.mark.postgres
-async def test_postgres_reconnects_after_losing_its_connection(pg_dsn: str) -> None:  # noqa: F811
+async def test_postgres_retries_once_after_losing_its_connection(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    """Every kind of call succeeds, applied exactly once, on the call after a terminated
+    connection: the break is found before COMMIT, so even writes that are not safe to
+    repeat are retried."""
     async with open_store(pg_dsn) as store:
         await store.set_setting("k", 1, "alice")
-        dbname = pg_dsn.rsplit("/", 1)[1]
-        killed = raw_query(
-            pg_dsn,
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = ? AND application_name = 'llmgw'",
-            (dbname,),
-        )
-        assert killed == [(True,)]
-        with pytest.raises(StoreUnavailableError, match="PostgreSQL database postgresql://"):
-            await store.get_setting("k")
-        setting = await store.get_setting("k")  # the next call reconnects
-        assert setting is not None and setting.value == 1
+        calls = {
+            "read": lambda: store.get_setting("k"),
+            "setting": lambda: store.set_setting("k", 2, "alice"),
+            "audit": lambda: store.audit("alice", "poke", "k"),
+            "usage": lambda: store.add_usage([UsageRecord("t", "m", 1, 2, 3, 0.0)]),
+            "create": lambda: store.put_model(model("once"), create_only=True),
+            "upsert": lambda: store.put_model(model("once", replicas=2), create_only=False),
+        }
+        for name, call in calls.items():
+            terminate_store_connection(pg_dsn)
+            caplog.clear()
+            await call()
+            assert "the connection was lost" in caplog.text, name
+        setting = await store.get_setting("k")
+        assert setting is not None and (setting.value, setting.version) == (2, 2)
+        assert [(e.action, e.target) for e in await store.list_audit()] == [("poke", "k")]
+        assert [(u.requests, u.prompt_tokens) for u in await store.list_usage()] == [(1, 2)]
+        once = await store.get_model("once")
+        assert once is not None and once.profile.replicas == 2
+
+
+class _TerminateBeforeCommit:
+    """A transaction body that inserts a row and, on its first run only, has its own
+    backend terminated after the insert: the COMMIT that follows finds the connection gone."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.runs = 0
+
+    def __call__(self, tx: Any) -> str:
+        self.runs += 1
+        tx.execute("INSERT INTO settings (key, value, version, updated_at, actor) VALUES (?, '1', 1, 0, 'x')",
+                   (f"run-{self.runs}",))
+        if self.runs == 1:
+            ((pid,),) = tx.execute("SELECT pg_backend_pid()")
+            assert raw_query(self.dsn, "SELECT pg_terminate_backend(?, ?)", (pid, TERMINATE_WAIT_MS)) == [(True,)]
+        return "done"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("idempotent", [False, True])
+def test_postgres_commit_cut_is_repeated_only_when_idempotent(pg_dsn: str, idempotent: bool) -> None:  # noqa: F811
+    trio.run(_migrated, pg_dsn)
+    driver = PostgresDriver.open(pg_dsn)
+    body = _TerminateBeforeCommit(pg_dsn)
+    try:
+        if idempotent:
+            assert driver.transaction(body, write=True, idempotent=True) == "done"
+        else:
+            with pytest.raises(StoreUnavailableError, match="lost while committing .* may or may not have been applied"):
+                driver.transaction(body, write=True)
+        assert driver.transaction(lambda tx: tx.execute("SELECT 1"), write=False) == [(1,)]  # reconnected
+    finally:
+        driver.close()
+    keys = [k for (k,) in raw_query(pg_dsn, "SELECT key FROM settings ORDER BY key")]
+    # The cut transaction never committed; only the repeat (when allowed) did.
+    assert (body.runs, keys) == ((2, ["run-2"]) if idempotent else (1, []))
+
+
+async def _migrated(dsn: str) -> None:
+    async with open_store(dsn):
+        pass
 
 
 def _closed_port() -> int:
@@ -361,6 +438,77 @@ async def test_dead_postgres_is_named_without_password() -> None:
     assert f"postgresql://llmgw@127.0.0.1:{port}/llmgw" in message
     assert "s3cret" not in message
     assert "check that PostgreSQL is running" in message
+
+
+async def test_dsn_in_key_value_form_is_postgres_and_never_a_file(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """The tester's DSN: it used to open a new SQLite file named after itself, password included."""
+    monkeypatch.chdir(tmp_path)
+    port = _closed_port()
+    with pytest.raises(StoreUnavailableError) as info:
+        await open_store(f"host=127.0.0.1 port={port} dbname=x user=postgres password=s3cret")
+    message = str(info.value)
+    assert f"PostgreSQL database host=127.0.0.1 port={port} dbname=x user=postgres" in message
+    assert "s3cret" not in message and "check that PostgreSQL is running" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_driver_messages_are_masked() -> None:
+    # libpq repeats the bad port value in its message; here it is the password too.
+    with pytest.raises(StoreUnavailableError) as info:
+        await open_store("host=127.0.0.1 port=hunter2x dbname=x password=hunter2x")
+    assert "hunter2x" not in str(info.value) and "***" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+@pytest.mark.postgres
+async def test_postgres_in_key_value_form(pg_dsn: str) -> None:  # noqa: F811
+    parts = urllib.parse.urlsplit(pg_dsn)
+    conninfo = f"host={parts.hostname} port={parts.port or 5432} dbname={parts.path[1:]} user={parts.username}"
+    async with open_store(conninfo) as store:
+        await store.set_setting("k", 1, "alice")
+    assert raw_query(pg_dsn, "SELECT key FROM settings") == [("k",)]
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _modes(directory: Any) -> dict[str, int]:
+    return {p.name: stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
+
+
+async def test_sqlite_files_are_owner_only(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path.chmod(0o700)
+    with umask(0o022):  # the usual umask: files 0644 unless the store says otherwise
+        async with open_store(tmp_path / "llmgw.db") as store:
+            await store.set_setting("k", 1, "alice")
+            assert _modes(tmp_path) == {"llmgw.db": 0o600, "llmgw.db-wal": 0o600, "llmgw.db-shm": 0o600}
+    assert "mode" not in caplog.text  # nothing to warn about
+
+
+async def test_sqlite_looser_files_are_tightened_and_directory_warned(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_store(tmp_path / "llmgw.db") as store:
+        await store.set_setting("k", 1, "alice")
+    for name in ("llmgw.db", "llmgw.db-wal", "llmgw.db-shm"):
+        (tmp_path / name).touch()
+        (tmp_path / name).chmod(0o644)
+    tmp_path.chmod(0o755)
+    async with open_store(tmp_path / "llmgw.db") as store:
+        setting = await store.get_setting("k")
+        assert setting is not None and setting.value == 1
+        assert _modes(tmp_path) == {"llmgw.db": 0o600, "llmgw.db-wal": 0o600, "llmgw.db-shm": 0o600}
+    assert caplog.text.count("had mode 0644 (others could read it): tightened to 0600") == 3
+    assert f"run `chmod 700 {tmp_path}`" in caplog.text
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755  # a directory may be shared: warned, not changed
 
 
 async def test_sqlite_in_a_missing_directory_is_named(tmp_path: Any) -> None:
@@ -383,7 +531,7 @@ def test_parse_target() -> None:
     assert parse_target("/state/llmgw.db") == ("sqlite", "/state/llmgw.db")
     assert parse_target("postgresql://u@h/db") == ("postgres", "postgresql://u@h/db")
     assert parse_target("postgres://u@h/db") == ("postgres", "postgres://u@h/db")
-    with pytest.raises(ValueError, match="unsupported store URL scheme 'mysql'"):
+    with pytest.raises(ValueError, match="unsupported scheme 'mysql'"):
         parse_target("mysql://u@h/db")
     with pytest.raises(ValueError, match="names no file"):
         parse_target("sqlite://")

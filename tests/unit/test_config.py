@@ -143,6 +143,8 @@ log_level: DEBUG
         ("url: sub/x.db", StoreConfig.sqlite(Path("/st/sub/x.db"))),  # relative to state_dir
         ("dsn: host=db1 dbname=llmgw", StoreConfig("postgresql", dsn="host=db1 dbname=llmgw")),
         ("url: postgres://db1/llmgw", StoreConfig("postgresql", dsn="postgres://db1/llmgw")),
+        ("url: host=db1 dbname=llmgw", StoreConfig("postgresql", dsn="host=db1 dbname=llmgw")),
+        ("url: sqlite:////srv/a=b.db", StoreConfig.sqlite(Path("/srv/a=b.db"))),
         ("{}", StoreConfig.sqlite(Path("/st/llmgw.db"))),
     ],
 )
@@ -248,10 +250,17 @@ def test_override_errors_say_so(tmp_path: Path) -> None:
         ("store: sqlite.db\n", 'store: expected a mapping of keys, got "sqlite.db"'),
         ("store:\n  url: mysql://db/x\n",
          "store.url: unsupported scheme 'mysql': use a SQLite file path, sqlite:///PATH, "
-         "or a postgresql:// URL"),
+         "a postgresql:// URL or a libpq key=value DSN"),
+        ("store:\n  dsn: /srv/llmgw.db\n",
+         "store.dsn: is for PostgreSQL (a postgresql:// URL or libpq key=value, e.g. host=db1 dbname=llmgw): "
+         "a SQLite file goes in store.url as sqlite:///PATH or a path"),
+        ("store:\n  dsn: \"host=db1 password='s3cret\"\n",
+         "store.dsn: looks like a libpq key=value DSN but is not one: key=value pair 2 has an unterminated "
+         "quoted value (for a SQLite file whose name holds '=', write sqlite:///PATH)"),
         ("store:\n  url: /a.db\n  dsn: host=x\n", "store: give url or dsn, not both"),
         ("store:\n  url: ''\n", 'store.url: expected a non-empty string, got ""'),
-        ("store:\n  url: 'sqlite://'\n", "store.url: the SQLite URL names no file"),
+        ("store:\n  url: 'sqlite://'\n",
+         "store.url: the SQLite URL names no file: use sqlite:///path/to/llmgw.db"),
         ("engines:\n  vllm: 0.10\n",
          "engines.vllm: expected a version string, got the number 0.1 (YAML reads an unquoted "
          'version as a number, 0.10 as 0.1): quote it, e.g. vllm: "0.10.2"'),

@@ -20,6 +20,7 @@ from typing import Any, Generator, Sequence
 
 import trio
 
+from llmgw.config.dsn import redact_dsn, store_backend
 from llmgw.control.store.base import (
     AuditEntry,
     ConflictError,
@@ -33,7 +34,7 @@ from llmgw.control.store.base import (
     StoreUnavailableError,
 )
 from llmgw.control.store.migrations import MIGRATIONS, Migration
-from llmgw.control.store.postgres import PG_STATEMENT_TIMEOUT_S, PostgresDriver, redact_dsn
+from llmgw.control.store.postgres import PG_STATEMENT_TIMEOUT_S, PostgresDriver
 from llmgw.control.store.sql import Driver, SqlStore
 from llmgw.control.store.sqlite import SQLITE_BUSY_TIMEOUT_S, SqliteDriver
 
@@ -55,35 +56,22 @@ __all__ = [
     "redact_dsn",
 ]
 
-_POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-
-
 def parse_target(target: str | os.PathLike[str]) -> tuple[str, str]:
-    """Return ``(backend, location)`` for a store URL or path.
+    """Return ``(backend, location)`` for a store URL, DSN or path.
 
     ``sqlite:///abs/path.db`` -> ("sqlite", "/abs/path.db"); ``sqlite:rel.db`` or a bare path
-    -> ("sqlite", path); ``postgresql://...`` or ``postgres://...`` -> ("postgres", the DSN).
-    Raises ValueError for an empty target or another URL scheme.
+    -> ("sqlite", path); ``postgresql://...``, ``postgres://...`` or libpq ``key=value`` text
+    -> ("postgres", the DSN). Raises ValueError for an empty target, another URL scheme or
+    ``key=value`` text that is not a valid DSN (see :func:`llmgw.config.dsn.store_backend`);
+    the message never repeats the target.
     """
-    text = os.fspath(target)
-    if text.startswith(_POSTGRES_SCHEMES):
-        return "postgres", text
-    if text.startswith("sqlite:"):
-        path = text[len("sqlite:") :]
-        if path.startswith("//"):
-            path = path[2:]
-        if not path:
-            raise ValueError(f"store URL {text!r} names no file: use sqlite:///path/to/llmgw.db")
-        return "sqlite", path
-    if "://" in text:
-        scheme = text.split("://", 1)[0]
-        raise ValueError(
-            f"unsupported store URL scheme {scheme!r}: use sqlite:///path/to/file.db, "
-            "a plain path, or postgresql://user@host:port/database"
-        )
-    if not text:
-        raise ValueError("store location is empty: give a path or a postgresql:// DSN")
-    return "sqlite", text
+    if isinstance(target, os.PathLike):
+        text = os.fspath(target)
+        if not text:
+            raise ValueError("the store location is empty: give a SQLite file or a PostgreSQL DSN")
+        return "sqlite", text  # a path object is a file, whatever its name
+    backend, location = store_backend(target)
+    return ("postgres" if backend == "postgresql" else "sqlite"), location
 
 
 async def _open(
@@ -142,8 +130,11 @@ def open_store(
 ) -> _OpenStore:
     """Open the store at ``target`` and bring its schema up to date.
 
-    ``target`` is ``sqlite:///path/to/file.db`` or a bare path (SQLite; the file is created,
-    its directory must exist) or ``postgresql://user[:password]@host[:port]/database``.
+    ``target`` is ``sqlite:///path/to/file.db`` or a bare path (SQLite; the file is created
+    0600 and its directory must exist; see :mod:`.sqlite` for the modes it enforces), or a
+    PostgreSQL DSN: ``postgresql://user[:password]@host[:port]/database`` or libpq's
+    ``key=value`` form. A read, or a write that is safe to repeat, that finds its PostgreSQL
+    connection lost is retried once on a new connection (see :mod:`.postgres`).
     ``timeout_s`` bounds each statement (PostgreSQL statement and lock timeouts; SQLite's
     wait for another writer's lock); None means the backend's default. ``migrations`` is
     for tests; the default is the schema this llmgw ships.

@@ -3,26 +3,33 @@
 psycopg's async API is asyncio-only, so :class:`PostgresDriver` is blocking and is only
 called from worker threads, one call at a time. The connection runs in autocommit mode and
 every store operation is one explicit ``conn.transaction()``. A connection that broke (server
-restart, Patroni failover) is replaced at the start of the next operation; the operation
-that saw the break fails with StoreUnavailableError and is not retried (it may not be
-idempotent), so the caller decides.
+restart, Patroni failover, ``pg_terminate_backend``) is replaced, and the operation that found
+it broken is run once more on the new connection when that cannot apply it twice: always when
+the break came before COMMIT was sent (PostgreSQL rolled the transaction back), and after a
+break during COMMIT only for reads and writes the caller marks idempotent. Any other write
+whose COMMIT was cut fails with StoreUnavailableError saying it may or may not have been
+applied. The DSN's password never appears in a message: the DSN is shown redacted, and
+every driver message is masked (:func:`llmgw.config.dsn.mask_secrets`).
 """
 
 from __future__ import annotations
 
-import urllib.parse
+import logging
 from typing import Any, Callable, Sequence, TypeVar
 
 import psycopg
 import psycopg.errors
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.types.string import TextLoader
 
+from llmgw.config.dsn import mask_secrets, redact_dsn
 from llmgw.control.store.base import StoreError, StoreTimeoutError, StoreUnavailableError
 from llmgw.control.store.migrations import POSTGRES
 from llmgw.control.store.sql import Row, Tx
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 #: Seconds to wait for the server to accept a connection (libpq's minimum is 2).
 PG_CONNECT_TIMEOUT_S = 5
@@ -50,26 +57,6 @@ _CHECK = (
 )
 
 
-def redact_dsn(dsn: str) -> str:
-    """Return ``dsn`` (a URL or key=value conninfo) with any password removed."""
-    if "://" in dsn:
-        parts = urllib.parse.urlsplit(dsn)
-        netloc = parts.netloc
-        if "@" in netloc:
-            userinfo, hosts = netloc.rsplit("@", 1)
-            netloc = f"{userinfo.split(':', 1)[0]}@{hosts}"
-        query = urllib.parse.urlencode(
-            [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "password"]
-        )
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "<unparseable DSN>"
-    params.pop("password", None)
-    return make_conninfo(**{k: str(v) for k, v in params.items()})
-
-
 class _PostgresTx:
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._conn = conn
@@ -78,6 +65,17 @@ class _PostgresTx:
         # The store writes '?' placeholders and never a literal '?' or '%'.
         cur = self._conn.execute(sql.replace("?", "%s"), tuple(params))  # type: ignore[arg-type]
         return cur.fetchall() if cur.description is not None else []
+
+
+class _ConnectionLost(Exception):
+    """The connection broke during one attempt: ``error`` to raise, ``reason`` the driver's
+    (masked) words, ``committing``: it broke while COMMIT was sent."""
+
+    def __init__(self, error: StoreError, reason: str, committing: bool) -> None:
+        super().__init__(reason)
+        self.error = error
+        self.reason = reason
+        self.committing = committing
 
 
 class PostgresDriver:
@@ -107,8 +105,8 @@ class PostgresDriver:
     def _connect(self) -> None:
         try:
             params = conninfo_to_dict(self._dsn)
-        except psycopg.ProgrammingError as exc:
-            raise StoreUnavailableError(f"invalid PostgreSQL DSN {redact_dsn(self._dsn)}: {exc}") from exc
+        except psycopg.Error as exc:
+            raise StoreUnavailableError(f"invalid {self.description}: {self._masked(exc)}") from None
         # Settings the operator put in the DSN win over our defaults.
         options: dict[str, Any] = {"connect_timeout": str(PG_CONNECT_TIMEOUT_S), "application_name": "llmgw"}
         options.update(PG_KEEPALIVES)
@@ -118,9 +116,8 @@ class PostgresDriver:
         try:
             conn = psycopg.connect(self._dsn, autocommit=True, **options)
         except psycopg.Error as exc:
-            raise StoreUnavailableError(
-                f"cannot connect to {self.description}: {str(exc).strip()}; {_CHECK}"
-            ) from exc
+            # Not chained: the driver's own exception could carry what the mask removed.
+            raise StoreUnavailableError(f"cannot connect to {self.description}: {self._masked(exc)}; {_CHECK}") from None
         try:
             # JSON columns are read as text, exactly like SQLite's, and parsed by the store.
             conn.adapters.register_loader("jsonb", TextLoader)
@@ -136,8 +133,12 @@ class PostgresDriver:
             raise self._error(exc) from exc
         self._conn = conn
 
+    def _masked(self, exc: BaseException) -> str:
+        """``exc``'s message, stripped, with the DSN's passwords masked."""
+        return mask_secrets(str(exc).strip(), self._dsn)
+
     def _error(self, exc: psycopg.Error) -> StoreError:
-        message = str(exc).strip()
+        message = self._masked(exc)
         if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
             return StoreTimeoutError(
                 f"{self.description}: statement or lock wait exceeded {self._timeout_s:g}s "
@@ -148,21 +149,56 @@ class PostgresDriver:
             return StoreUnavailableError(f"{self.description}: {message}; {_CHECK}")
         return StoreError(f"{self.description}: {message}")
 
-    def transaction(self, fn: Callable[[Tx], T], *, write: bool) -> T:
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The open connection, made anew if there is none or the last one broke."""
+        if self._conn is not None and (self._conn.closed or self._conn.broken):
+            self._conn.close()
+            self._conn = None
+        if self._conn is None:
+            self._connect()
+        assert self._conn is not None
+        return self._conn
+
+    def transaction(self, fn: Callable[[Tx], T], *, write: bool, idempotent: bool = False) -> T:
+        """Run ``fn`` in one transaction; see :class:`llmgw.control.store.sql.Driver`.
+
+        A lost connection is replaced and ``fn`` run once more if that cannot apply it twice
+        (the break came before COMMIT, or ``write`` is false, or ``idempotent`` is true);
+        otherwise, and if the second attempt fails too, StoreUnavailableError.
+        """
         if self._closed:
             raise StoreError(f"{self.description} is closed")
-        if self._conn is None or self._conn.closed or self._conn.broken:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            self._connect()
-        conn = self._conn
-        assert conn is not None
+        try:
+            return self._attempt(fn)
+        except _ConnectionLost as lost:
+            if lost.committing and write and not idempotent:
+                raise StoreUnavailableError(
+                    f"{self.description}: the connection was lost while committing ({lost.reason}): "
+                    "the change may or may not have been applied; check before repeating it"
+                ) from None
+            log.warning("%s: the connection was lost (%s); retrying once on a new connection",
+                        self.description, lost.reason)
+        try:
+            return self._attempt(fn)
+        except _ConnectionLost as lost:
+            raise lost.error from None
+
+    def _attempt(self, fn: Callable[[Tx], T]) -> T:
+        """Run ``fn`` in one transaction on the connection, once. Raises _ConnectionLost
+        (the connection is dropped) if the connection broke, a StoreError for other failures."""
+        conn = self._connection()
+        committing = False
         try:
             with conn.transaction():
-                return fn(_PostgresTx(conn))
+                result = fn(_PostgresTx(conn))
+                committing = True  # set before the context manager sends COMMIT
+            return result
         except psycopg.Error as exc:
-            raise self._error(exc) from exc
+            if not (conn.closed or conn.broken):
+                raise self._error(exc) from exc
+            conn.close()
+            self._conn = None
+            raise _ConnectionLost(self._error(exc), self._masked(exc), committing) from None
 
     def lock_migrations(self, tx: Tx) -> None:
         tx.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK_KEY,))

@@ -56,9 +56,11 @@ class Driver(Protocol):
     dialect: Dialect
     description: str  # the path, or the DSN without its password
 
-    def transaction(self, fn: Callable[[Tx], T], *, write: bool) -> T:
+    def transaction(self, fn: Callable[[Tx], T], *, write: bool, idempotent: bool = False) -> T:
         """Run ``fn`` in a transaction and commit; roll back and re-raise if it raises.
 
+        ``idempotent``: running ``fn`` twice leaves the database and the result as once, so
+        a driver may repeat a write whose COMMIT it lost (reads are always safe to repeat).
         Driver errors come out as StoreError subclasses naming the database.
         """
         ...
@@ -172,7 +174,7 @@ def apply_migrations(driver: Driver, migrations: Sequence[Migration]) -> int:
         (current,) = tx.execute("SELECT MAX(version) FROM schema_migrations")[0]
         return current or 0
 
-    current = driver.transaction(ensure_table, write=True)
+    current = driver.transaction(ensure_table, write=True, idempotent=True)
     if current > known:
         raise SchemaTooNewError(
             f"{driver.description}: database schema version {current} is newer than this llmgw "
@@ -192,7 +194,7 @@ def apply_migrations(driver: Driver, migrations: Sequence[Migration]) -> int:
                 (migration.version, migration.name, time.time()),
             )
 
-        driver.transaction(apply, write=True)
+        driver.transaction(apply, write=True, idempotent=True)
     return max(current, known)
 
 
@@ -208,13 +210,16 @@ class SqlStore(Store):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
 
-    async def _run(self, fn: Callable[[Tx], T], *, write: bool) -> T:
-        """Run ``fn`` in one transaction in a worker thread; return what it returns."""
+    async def _run(self, fn: Callable[[Tx], T], *, write: bool, idempotent: bool = False) -> T:
+        """Run ``fn`` in one transaction in a worker thread; return what it returns.
+
+        ``idempotent`` marks a write that is safe to repeat (see :meth:`Driver.transaction`).
+        """
         async with self._lock:
             if self._closed:
                 raise StoreClosedError(f"store {self.description} is closed")
             return await trio.to_thread.run_sync(
-                lambda: self._driver.transaction(fn, write=write)
+                lambda: self._driver.transaction(fn, write=write, idempotent=idempotent)
             )
 
     async def migrate(self, migrations: Sequence[Migration]) -> int:
@@ -282,7 +287,8 @@ class SqlStore(Store):
                 )
             return _model(rows[0])
 
-        return await self._run(write, write=True)
+        # An upsert is safe to repeat; a create is not (the repeat would find its own row).
+        return await self._run(write, write=True, idempotent=not create_only)
 
     async def get_model(self, name: str) -> ModelSpec | None:
         def read(tx: Tx) -> ModelSpec | None:
@@ -318,7 +324,7 @@ class SqlStore(Store):
             )
             return _node(rows[0])
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, idempotent=True)
 
     async def list_known_nodes(self) -> list[NodeRecord]:
         def read(tx: Tx) -> list[NodeRecord]:
@@ -428,7 +434,7 @@ class SqlStore(Store):
                     raise NotFoundError(f"no tenant {tenant.name!r} (see `llmgw ctl tenants list`)")
             return _tenant(rows[0])
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, idempotent=not create_only)
 
     async def list_tenants(self) -> list[TenantRecord]:
         def read(tx: Tx) -> list[TenantRecord]:
@@ -482,7 +488,7 @@ class SqlStore(Store):
             rows = tx.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,))
             return _api_key(rows[0]) if rows else None
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, idempotent=True)
 
     async def add_usage(self, rows: list[UsageRecord]) -> None:
         if not rows:
