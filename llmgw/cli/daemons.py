@@ -138,6 +138,7 @@ def agent(config_path: Path | None) -> None:
     from llmgw.node.engines import node_engines
     from llmgw.node.fetch import FetchSettings
     from llmgw.node.install import Converger, InstallSettings, build_installers
+    from llmgw.node.statelock import StateDirLocked
     from llmgw.node.supervisor import Supervisor
     from llmgw.rpc.kjtrio import capnp_runtime
 
@@ -174,4 +175,10 @@ def agent(config_path: Path | None) -> None:
             )
             await node.run()
 
-    run_trio(main)
+    try:
+        run_trio(main)
+    except* StateDirLocked as group:  # another agent runs on this state directory
+        locked: BaseException = group
+        while isinstance(locked, BaseExceptionGroup):
+            locked = locked.exceptions[0]
+        fail(str(locked))

@@ -8,20 +8,25 @@
   (:meth:`~llmgw.router.interface.GatewayInterface.apply_access`). It reloads at start,
   right after every change made through this control plane's Admin API
   (:meth:`AccessSync.reload`), and every :data:`RELOAD_INTERVAL_S` for changes made
-  through another control plane. It also flushes the gateway's usage counters into the store every ``usage_flush_interval``.
+  through another control plane. It also flushes the gateway's usage counters into the store every ``usage_flush_interval``,
+  and at start, before the gateway serves, stores what the gateway's usage journal holds
+  beyond the store (:mod:`llmgw.control.usage_replay`): a crash loses no finished request.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import trio
 
+from llmgw import usage_journal
 from llmgw.catalog.access import TenantSpec, check_key_name, generate_key
 from llmgw.config.defaults import DEFAULT_USAGE_FLUSH_INTERVAL
 from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
+from llmgw.control.usage_replay import replay_usage_journals
 from llmgw.router.interface import AccessState, GatewayInterface, KeyEntry, Tenant
 
 log = logging.getLogger(__name__)
@@ -66,14 +71,20 @@ def key_entries(tenants: Iterable[TenantRecord], keys: Iterable[ApiKeyRecord]) -
 
 class AccessSync:
     """Keeps ``gateway``'s keys, tenants and ``serving.stopped`` equal to the store's;
-    flushes its usage counters into the store."""
+    flushes its usage counters into the store.
+
+    ``usage_journal`` is the directory the gateway journals its usage in
+    (:mod:`llmgw.usage_journal`; None: it keeps none): replayed into the store at start,
+    and pruned after every flush."""
 
     def __init__(
-        self, store: Store, gateway: GatewayInterface, *, usage_flush_interval: float = DEFAULT_USAGE_FLUSH_INTERVAL
+        self, store: Store, gateway: GatewayInterface, *, usage_flush_interval: float = DEFAULT_USAGE_FLUSH_INTERVAL,
+        usage_journal: Path | None = None,
     ) -> None:
         self.store = store
         self.gateway = gateway
         self.usage_flush_interval = usage_flush_interval
+        self.usage_journal = usage_journal
         self._reload_lock = trio.Lock()
         # Held while counts move from the gateway to the store, so a reader sees them in
         # exactly one of the two places (usage_totals).
@@ -98,20 +109,25 @@ class AccessSync:
     async def flush_usage(self) -> None:
         """Write the usage counted since the last flush to the store.
 
-        On failure the counts are kept for the next flush and the error is raised.
+        The counts carry their usage journals' marks into the same transaction, and the
+        journal segments the store now holds are deleted. On failure the counts are kept
+        for the next flush and the error is raised.
         """
         async with self._flush_lock:
             drained = self.gateway.drain_usage()
             if not drained:
                 return
             rows = [UsageRecord(tenant, model, c.requests, c.prompt_tokens, c.completion_tokens)
-                    for (tenant, model), c in drained.items()]
+                    for (tenant, model), c in drained.counts.items()]
             try:
                 with trio.fail_after(STORE_CALL_TIMEOUT_S):
-                    await self.store.add_usage(rows)
+                    await self.store.add_usage(rows, marks=drained.marks)
             except BaseException:
                 self.gateway.restore_usage(drained)
                 raise
+            if self.usage_journal is not None and drained.marks:
+                # The store holds them now: their journal segments may go.
+                await trio.to_thread.run_sync(usage_journal.release, self.usage_journal, drained.marks)
 
     async def usage_totals(self) -> list[UsageRecord]:
         """Return the stored usage plus what this gateway counted since the last flush,
@@ -129,10 +145,14 @@ class AccessSync:
         return [UsageRecord(tenant, model, *row) for (tenant, model), row in sorted(totals.items())]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Load once (errors propagate, so a broken store stops start-up), report started,
-        then reload and flush periodically until cancelled; later errors are logged and
-        retried. On cancellation the pending usage gets one last, shielded flush."""
+        """Load once and replay the usage journals left by the last run (errors propagate,
+        so a broken store stops start-up), report started (the gateway may serve now), then
+        reload and flush periodically until cancelled; later errors are logged and retried.
+        On cancellation the pending usage gets one last, shielded flush."""
         await self.reload()
+        if self.usage_journal is not None:
+            with trio.fail_after(STORE_CALL_TIMEOUT_S):
+                await replay_usage_journals(self.store, self.usage_journal)
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:

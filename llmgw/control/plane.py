@@ -22,6 +22,7 @@ import functools
 import ipaddress
 import logging
 import ssl
+from pathlib import Path
 from typing import Callable, Mapping
 
 import attrs
@@ -76,6 +77,7 @@ async def run_control_plane(
     auth: AuthConfig = AuthConfig(),
     serving: ServingConfig = ServingConfig(),
     engines: Mapping[str, str] | None = None,
+    usage_journal: Path | None = None,
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane, and serve ``gateway``, until cancelled.
@@ -87,7 +89,9 @@ async def run_control_plane(
     every connection, stops the gateway and stores its last usage, then closes the store;
     engines on the nodes are not touched. ``auth`` is the gateway's API-key switch (read
     only to warn when keys are off beyond loopback: the gateway was built with it),
-    ``serving`` gives the usage flush interval (``server.yaml`` sections). ``engines``
+    ``serving`` gives the usage flush interval (``server.yaml`` sections); ``usage_journal``
+    is the directory the gateway journals its usage in (replayed into the store before the
+    gateway serves: :mod:`llmgw.control.usage_replay`). ``engines``
     (name -> version, "" = the installer's default) is what every node is told to install.
     """
     with unwrap_single_group():
@@ -106,7 +110,8 @@ async def run_control_plane(
                 reconciler.catalog_changed()
                 routes.catalog_changed()
 
-            access = AccessSync(store, gateway, usage_flush_interval=serving.usage_flush_interval)
+            access = AccessSync(store, gateway, usage_flush_interval=serving.usage_flush_interval,
+                                usage_journal=usage_journal)
             await nursery.start(access.run)
             if not auth.enabled and not _is_loopback(http_host):
                 log.warning(

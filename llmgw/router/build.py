@@ -10,6 +10,8 @@ master state and for each worker process.
 
 from __future__ import annotations
 
+from llmgw.usage_journal import UsageJournal
+
 from .admission import Admission, AdmissionLimits
 from .app import Gateway
 from .auth import AuthTable
@@ -19,6 +21,7 @@ from .local import GatewayState, LocalGateway
 from .replicas import LoadTracker, ReplicaTable
 from .settings import GatewaySettings
 from .tracing import create_tracer
+from .usage import UsageMeter
 from .workers.pool import GatewayPool, ObservedAuthTable, ObservedTable, PooledAdmission
 
 
@@ -47,9 +50,11 @@ def assemble_gateway(
     """Return a :class:`Gateway` configured by ``settings`` over ``table`` (None: a new one).
 
     ``auth`` and ``admission`` default to a fresh :class:`AuthTable` (``auth.enabled``) and
-    :class:`Admission` (``serving`` limits). With ``served`` False the gateway only holds
+    :class:`Admission` (``serving`` limits). A served gateway journals its usage in
+    ``settings.usage_journal`` when that is set. With ``served`` False the gateway only holds
     state for others to serve (the pool's master): it gets no routing policy, upstream
-    deadlines or tracer of its own. Raises ``RuntimeError`` if tracing is on but
+    deadlines, tracer or usage journal of its own (its usage comes from the workers). Raises
+    ``RuntimeError`` if tracing is on but
     OpenTelemetry is not installed, ``ValueError`` for a malformed tracing endpoint.
     """
     table = table if table is not None else ReplicaTable()
@@ -58,11 +63,15 @@ def assemble_gateway(
     if not served:
         return Gateway(table, auth=auth, admission=admission, max_request_bytes=settings.serving.max_request_bytes)
     load = LoadTracker()
-    return Gateway(
+    journal = UsageJournal(settings.usage_journal) if settings.usage_journal is not None else None
+    gateway = Gateway(
         table, load=load, policy=make_policy(settings.routing, load), timeouts=upstream_timeouts(settings),
-        tracer=create_tracer(settings.tracing), auth=auth, admission=admission,
+        tracer=create_tracer(settings.tracing), auth=auth, admission=admission, usage=UsageMeter(journal),
         max_request_bytes=settings.serving.max_request_bytes, metrics_config=settings.metrics,
     )
+    if journal is not None:
+        journal.on_failure = gateway.metrics.usage_journal_failed
+    return gateway
 
 
 def build_gateway(settings: GatewaySettings) -> GatewayState:

@@ -29,11 +29,11 @@ from llmgw.spec import KvDelta
 from .admission import TenantCounters
 from .auth import KeyEntry, Tenant
 from .replicas import ModelInfo, Replica
-from .usage import UsageCounts
+from .usage import UsageBatch, UsageCounts
 
 __all__ = [
     "AccessState", "GatewayInterface", "GatewayStatus", "KeyEntry", "ModelInfo", "Replica", "Tenant",
-    "TenantCounters", "UsageCounts", "UsageCountsByKey",
+    "TenantCounters", "UsageBatch", "UsageCounts", "UsageCountsByKey",
 ]
 
 #: Usage counts keyed by ``(tenant, model)``.
@@ -98,12 +98,12 @@ class GatewayInterface(abc.ABC):
     # -- usage and status (up) -----------------------------------------------------------
 
     @abc.abstractmethod
-    def drain_usage(self) -> dict[tuple[str, str], UsageCounts]:
+    def drain_usage(self) -> UsageBatch:
         """Return the usage counted since the last drain and reset it (the caller now owns
-        it: store it, or give it back with :meth:`restore_usage`)."""
+        it: store its counts with its journal marks, or give it back with :meth:`restore_usage`)."""
 
     @abc.abstractmethod
-    def restore_usage(self, drained: UsageCountsByKey) -> None:
+    def restore_usage(self, drained: UsageBatch) -> None:
         """Add ``drained`` back (a store write failed; the next drain returns it again)."""
 
     @abc.abstractmethod

@@ -18,7 +18,7 @@ from llmgw.spec import KvDelta
 from .app import Gateway
 from .http.serve import serve_gateway
 from .interface import (
-    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageCounts, UsageCountsByKey,
+    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageBatch, UsageCounts,
 )
 
 
@@ -45,10 +45,10 @@ class GatewayState(GatewayInterface):
         self.gateway.auth.replace(access.keys)
         self.gateway.stopped = access.stopped
 
-    def drain_usage(self) -> dict[tuple[str, str], UsageCounts]:
+    def drain_usage(self) -> UsageBatch:
         return self.gateway.usage.drain()
 
-    def restore_usage(self, drained: UsageCountsByKey) -> None:
+    def restore_usage(self, drained: UsageBatch) -> None:
         self.gateway.usage.restore(drained)
 
     async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:

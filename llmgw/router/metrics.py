@@ -17,6 +17,7 @@ Request path (admission, routing, upstream)::
     metrics.upstream_error(replica, kind)            # kind: "connect", "timeout", "status_5xx",
                                                      #   "protocol", "first_byte_timeout", "chunk_timeout"
     metrics.retry(model)                             # a request was retried on another replica
+    metrics.usage_journal_failed()                   # a finished request's usage was not journaled
     metrics.in_flight(replica, delta)                # +1 when sent to a replica, -1 when finished
                                                      #   (no-op when ``in_flight_source`` is given)
     metrics.forget_replica(replica)                  # drop a departed replica's series
@@ -164,6 +165,11 @@ class GatewayMetrics:
             f"{PREFIX}_upstream_retries", "Requests retried on another replica, by model.",
             ("model",), registry=r,
         )
+        self.usage_journal_failures = Counter(
+            f"{PREFIX}_usage_journal_write_failures",
+            "Finished requests whose usage could not be journaled (disk full?): a crash before the "
+            "next usage flush would lose them.", registry=r,
+        )
         # KV-aware routing (llmgw/router/kvrouting.py): decisions, hit share, hash agreement.
         self.routing_decisions = Counter(
             f"{PREFIX}_routing_decisions", "Routing decisions among several replicas, by model and kind "
@@ -288,6 +294,10 @@ class GatewayMetrics:
     def retry(self, model: str) -> None:
         """Count one retry of a request for ``model`` on another replica."""
         self.retries.labels(self.model_label(model)).inc()
+
+    def usage_journal_failed(self) -> None:
+        """Count one request whose usage the journal could not write (:mod:`llmgw.usage_journal`)."""
+        self.usage_journal_failures.inc()
 
     def adapter_loaded(self, adapter: str, seconds: float) -> None:
         """Count one adapter load that succeeded, and how long it took."""

@@ -7,9 +7,11 @@
   drops that chunk when the gateway asked for it and the client did not.
 * :class:`UsageMeter` adds usage up in memory; the control plane drains it into the
   store every few seconds (:meth:`UsageMeter.drain`, :meth:`UsageMeter.restore` if the
-  write fails).
+  write fails). Given a :class:`~llmgw.usage_journal.UsageJournal`, it also journals each
+  request, and what it drains (a :class:`UsageBatch`) names the journal's last sequence,
+  so the store can tell what a replay after a crash must still add.
 
-Everything here is synchronous and does no I/O.
+Everything here is synchronous; the only I/O is the journal's one ``write`` per request.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import re
 from typing import Any, Mapping
 
 import attrs
+
+from llmgw.usage_journal import UsageJournal
 
 #: An SSE stream whose events never end (no blank line) is passed on once this much is
 #: held, so a non-conforming engine cannot make the gateway buffer without bound.
@@ -151,14 +155,31 @@ class StreamUsage:
         return self.strip and not parsed.get("choices")
 
 
-class UsageMeter:
-    """Requests and tokens per (tenant, model) since the last :meth:`drain`."""
+@attrs.define
+class UsageBatch:
+    """Usage handed from a gateway to whoever stores it: ``counts`` per (tenant, model), and
+    per usage journal the last sequence those counts include (``marks``: the store keeps
+    them with the counts, :mod:`llmgw.usage_journal`)."""
 
-    def __init__(self) -> None:
+    counts: dict[tuple[str, str], UsageCounts] = attrs.Factory(dict)
+    marks: dict[str, int] = attrs.Factory(dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.counts or self.marks)
+
+
+class UsageMeter:
+    """Requests and tokens per (tenant, model) since the last :meth:`drain`; each one also
+    appended to ``journal`` when there is one."""
+
+    def __init__(self, journal: UsageJournal | None = None) -> None:
+        self.journal = journal
         self._counts: dict[tuple[str, str], UsageCounts] = {}
+        self._marks: dict[str, int] = {}
 
     def record(self, tenant: str, model: str, usage: Usage | None) -> None:
-        """Count one finished request of ``tenant`` on ``model`` and the tokens it used (if known)."""
+        """Count one finished request of ``tenant`` on ``model`` and the tokens it used (if
+        known), and journal it. Never raises (a journal write failure is the journal's to count)."""
         counts = self._counts.get((tenant, model))
         if counts is None:
             counts = self._counts[(tenant, model)] = UsageCounts()
@@ -166,17 +187,30 @@ class UsageMeter:
         if usage is not None:
             counts.prompt_tokens += usage.prompt_tokens
             counts.completion_tokens += usage.completion_tokens
+        if self.journal is not None:
+            known = usage if usage is not None else Usage()
+            self._marks[self.journal.id] = self.journal.append(
+                tenant, model, known.prompt_tokens, known.completion_tokens)
 
-    def drain(self) -> dict[tuple[str, str], UsageCounts]:
-        """Return the counts since the last drain and start again from zero."""
-        counts, self._counts = self._counts, {}
-        return counts
+    def drain(self) -> UsageBatch:
+        """Return the counts (and journal marks) since the last drain and start again from zero."""
+        batch = UsageBatch(self._counts, self._marks)
+        self._counts, self._marks = {}, {}
+        return batch
 
-    def restore(self, drained: Mapping[tuple[str, str], UsageCounts]) -> None:
-        """Add back counts from :meth:`drain` that could not be stored."""
-        for key, counts in drained.items():
+    def restore(self, drained: UsageBatch) -> None:
+        """Add back a batch from :meth:`drain` that could not be stored (or a pool worker's
+        batch, handed to the pool's meter); a journal's mark only goes up."""
+        for key, counts in drained.counts.items():
             self._counts.setdefault(key, UsageCounts()).add(counts)
+        for journal_id, seq in drained.marks.items():
+            self._marks[journal_id] = max(seq, self._marks.get(journal_id, 0))
 
     def pending(self) -> dict[tuple[str, str], UsageCounts]:
         """Return a copy of the counts not yet drained."""
         return {key: attrs.evolve(counts) for key, counts in self._counts.items()}
+
+    def close(self) -> None:
+        """Close the journal's open segment (the gateway stopped serving). Never raises."""
+        if self.journal is not None:
+            self.journal.close()

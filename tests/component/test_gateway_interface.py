@@ -18,7 +18,7 @@ from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.store import open_store
 from llmgw.control.store.base import TenantRecord
 from llmgw.router.interface import (
-    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageCounts, UsageCountsByKey,
+    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageBatch, UsageCounts,
 )
 from llmgw.spec import Hardware, KvDelta
 
@@ -55,12 +55,12 @@ class RecordingGateway(GatewayInterface):
     async def apply_access(self, access: AccessState) -> None:
         self.access.append(access)
 
-    def drain_usage(self) -> dict[tuple[str, str], UsageCounts]:
+    def drain_usage(self) -> UsageBatch:
         drained, self.counted = self.counted, {}
-        return drained
+        return UsageBatch(drained)
 
-    def restore_usage(self, drained: UsageCountsByKey) -> None:
-        self.counted.update(drained)
+    def restore_usage(self, drained: UsageBatch) -> None:
+        self.counted.update(drained.counts)
 
     async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
         return dict(self.counted)

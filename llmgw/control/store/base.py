@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from types import TracebackType
-from typing import Any, Mapping, Self
+from typing import Any, Iterable, Mapping, Self
 
 import attrs
 
@@ -259,8 +259,21 @@ class Store(abc.ABC):
         """Revoke key ``key_id`` (no-op if already revoked); return it, or None if unknown."""
         raise NotImplementedError
 
-    async def add_usage(self, rows: list[UsageRecord]) -> None:
-        """Add ``rows``' counts to the stored totals of each (tenant, model), in one transaction."""
+    async def add_usage(self, rows: list[UsageRecord], *, marks: Mapping[str, int] | None = None) -> None:
+        """Add ``rows``' counts to the stored totals of each (tenant, model), in one transaction.
+
+        ``marks`` (usage journal id -> sequence) are raised, in the same transaction, to at
+        least the given sequence: the rows hold that journal's usage up to it
+        (:mod:`llmgw.usage_journal`). A mark never goes down.
+        """
+        raise NotImplementedError
+
+    async def usage_marks(self) -> dict[str, int]:
+        """Return every usage journal's mark (the highest sequence whose usage is stored)."""
+        raise NotImplementedError
+
+    async def forget_usage_marks(self, journals: Iterable[str]) -> None:
+        """Delete the marks of ``journals`` (their files are gone: nothing can replay them)."""
         raise NotImplementedError
 
     async def list_usage(self) -> list[UsageRecord]:

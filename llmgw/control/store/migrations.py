@@ -168,6 +168,22 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE models ADD COLUMN max_loaded_adapters INTEGER NOT NULL DEFAULT 0",
         ),
     ),
+    Migration(
+        version=4,
+        name="usage journal marks",
+        statements=(
+            # Per gateway usage journal (llmgw/usage_journal.py), the highest sequence whose
+            # usage the usage table holds: written in the same transaction as that usage,
+            # so replaying a journal after a crash never counts a request twice.
+            """
+            CREATE TABLE usage_journals (
+                journal TEXT PRIMARY KEY,
+                seq BIGINT NOT NULL,
+                updated_at {ts} NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 
 

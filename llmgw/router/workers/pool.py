@@ -424,7 +424,7 @@ class GatewayPool(GatewayState):
     # -- reports up ---------------------------------------------------------------------
 
     def _on_report(self, slot: _Slot, message: Message) -> None:
-        usage = decode_usage(message.get("usage") or ())
+        usage = decode_usage(message.get("usage") or {})
         if usage:
             self.master.usage.restore(usage)
         self.load[slot.index] = {str(k): int(v) for k, v in (message.get("load") or {}).items()}

@@ -12,7 +12,7 @@ Each message is a dict whose ``"t"`` names its kind, sent over a
     control -> worker   {"t": "state", "version", ...}      routing state (whole); first one before listening
     worker  -> control  {"t": "applied", "version"}         after every state
     worker  -> control  {"t": "ready", "port", "pid"}       listening (or {"t": "failed", "error"})
-    worker  -> control  {"t": "report", "id", ...}          usage drained, in-flight, admission counters,
+    worker  -> control  {"t": "report", "id", ...}          usage drained (with its journal mark), in-flight, admission counters,
                                                             KV hash alarms ("kv_alarms", a list of strings);
                                                             every REPORT_INTERVAL_S (id None) or when asked
     control -> worker   {"t": "collect", "id", "metrics"}   asks for a report now (metrics: with samples)
@@ -47,7 +47,7 @@ from ..auth import KeyEntry, Tenant
 from ..metrics import SHARED_FAMILIES
 from ..replicas import ModelInfo, Replica, ReplicaTable
 from ..settings import GatewaySettings
-from ..usage import UsageCounts
+from ..usage import UsageBatch, UsageCounts
 from .channel import Message
 
 
@@ -71,6 +71,7 @@ def worker_config(index: int, host: str, port: int, settings: GatewaySettings) -
             "gateway": attrs.asdict(settings.gateway), "serving": attrs.asdict(serving),
             "auth": attrs.asdict(settings.auth), "routing": attrs.asdict(settings.routing),
             "tracing": attrs.asdict(tracing) if tracing is not None and tracing.endpoint else None,
+            "usage_journal": str(settings.usage_journal) if settings.usage_journal is not None else None,
             "metrics": attrs.asdict(settings.metrics),
         },
     }
@@ -81,10 +82,12 @@ def decode_settings(config: Message) -> GatewaySettings:
     already this worker's share). Raises KeyError or TypeError for a malformed one."""
     sections = config["settings"]
     tracing = sections.get("tracing")
+    journal = sections.get("usage_journal")
     return GatewaySettings(
         gateway=GatewayConfig(**sections["gateway"]), serving=ServingConfig(**sections["serving"]),
         auth=AuthConfig(**sections["auth"]), routing=RoutingConfig(**sections["routing"]),
         tracing=TracingConfig(**tracing) if tracing else None,
+        usage_journal=Path(journal) if journal else None,
         metrics=_decode_metrics(sections["metrics"]),
     )
 
@@ -206,12 +209,16 @@ def decode_kv_delta(data: Sequence[Any]) -> KvDelta:
 # -- reports (up) -------------------------------------------------------------------------
 
 
-def encode_usage(drained: Mapping[tuple[str, str], UsageCounts]) -> list[list[Any]]:
-    return [[t, m, c.requests, c.prompt_tokens, c.completion_tokens] for (t, m), c in drained.items()]
+def encode_usage(drained: UsageBatch) -> dict[str, Any]:
+    """Return a drained :class:`UsageBatch` (counts and the worker's journal mark) as msgpack values."""
+    rows = [[t, m, c.requests, c.prompt_tokens, c.completion_tokens] for (t, m), c in drained.counts.items()]
+    return {"counts": rows, "marks": dict(drained.marks)}
 
 
-def decode_usage(rows: Sequence[Sequence[Any]]) -> dict[tuple[str, str], UsageCounts]:
-    return {(t, m): UsageCounts(int(r), int(p), int(c)) for t, m, r, p, c in rows}
+def decode_usage(value: Mapping[str, Any]) -> UsageBatch:
+    """Return the :class:`UsageBatch` of :func:`encode_usage`'s value."""
+    counts = {(t, m): UsageCounts(int(r), int(p), int(c)) for t, m, r, p, c in value.get("counts") or ()}
+    return UsageBatch(counts, {str(j): int(s) for j, s in (value.get("marks") or {}).items()})
 
 
 def encode_admission(snapshot: Mapping[str, TenantCounters]) -> dict[str, list[int]]:

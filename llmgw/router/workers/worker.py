@@ -216,7 +216,8 @@ async def _main(fd: int) -> None:
                     await channel.send({"t": "ready", "port": port, "pid": os.getpid()})
                     inner.start_soon(worker.report_periodically)
             # Stopped: every request is finished (serve_gateway's graceful shutdown), so
-            # this last report carries all of the usage.
+            # this last report carries all of the usage (and the journal holds all of it).
+            worker.gateway.usage.close()
             try:
                 await channel.send(worker.report())
             except ChannelClosed:
