@@ -2,7 +2,8 @@
 
 The TLS client certificate says who is calling: ``join`` is for the node named
 in the certificate, ``admin`` for admin certificates. A refused call raises
-``PermissionError`` with a message naming both sides. The handlers act on the
+``PermissionError`` with a message naming both sides, and is logged and audited with
+the certificate's name (:mod:`llmgw.control.refusals`). The handlers act on the
 :class:`ClusterServices` the control plane's wiring gives them.
 """
 
@@ -14,13 +15,14 @@ from typing import Any, Callable
 import attrs
 import trio
 
+from llmgw.control import refusals
 from llmgw.control.registry import Registry
 from llmgw.control.sessions import NodeSession, NodeSessions, SessionConflict, watch_heartbeats
 from llmgw.control.store import Store
 from llmgw.logthrottle import LogThrottle
 from llmgw.rpc import convert, schema
 from llmgw.rpc.connection import serve_stream
-from llmgw.rpc.tls import Identity, Role, require_role
+from llmgw.rpc.tls import Identity, Role
 
 log = logging.getLogger(__name__)
 #: A refused second agent retries every second or so: one line per node, then one per interval.
@@ -70,7 +72,7 @@ def _make_cluster(
     class ClusterServer(s.Cluster.Server):
         async def join(self, registration: Any, _context: Any, **_: Any) -> None:
             node_id = str(registration.nodeId)
-            require_role(identity, Role.NODE, name=node_id)
+            await refusals.require(services.store, identity, Role.NODE, call="join", name=node_id)
             if "session" in state:
                 raise RuntimeError("this connection has joined already")
             address = str(registration.address)
@@ -104,7 +106,7 @@ def _make_cluster(
             _context.results.heartbeatIntervalMs = int(services.heartbeat_interval * 1000)
 
         async def admin(self, _context: Any, **_: Any) -> None:
-            require_role(identity, Role.ADMIN)
+            await refusals.require(services.store, identity, Role.ADMIN, call="admin", target="cluster")
             _context.results.admin = services.make_admin(identity.name)
 
     return ClusterServer()
