@@ -62,7 +62,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
 
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
-            gateway = build_gateway(GatewaySettings.of(config))
+            settings = GatewaySettings.of(config)
+            gateway = build_gateway(settings)
             await nursery.start(metrics_listener, gateway.scrape, config.metrics)
             plane = await nursery.start(
                 lambda task_status: run_control_plane(
@@ -79,6 +80,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     engines=config.engines,
                     auth=config.auth,
                     serving=config.serving,
+                    usage_journal=settings.usage_journal,
                     task_status=task_status,
                 )
             )

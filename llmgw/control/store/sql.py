@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 import attrs
 import trio
@@ -490,12 +490,21 @@ class SqlStore(Store):
 
         return await self._run(write, write=True, idempotent=True)
 
-    async def add_usage(self, rows: list[UsageRecord]) -> None:
-        if not rows:
+    async def add_usage(self, rows: list[UsageRecord], *, marks: Mapping[str, int] | None = None) -> None:
+        marks = dict(marks or {})
+        if not rows and not marks:
             return
         now = time.time()
 
         def write(tx: Tx) -> None:
+            for journal, seq in marks.items():
+                tx.execute(
+                    "INSERT INTO usage_journals (journal, seq, updated_at) VALUES (?, ?, ?) "
+                    "ON CONFLICT (journal) DO UPDATE SET "
+                    "seq = CASE WHEN excluded.seq > usage_journals.seq THEN excluded.seq ELSE usage_journals.seq END, "
+                    "updated_at = excluded.updated_at",
+                    (journal, seq, now),
+                )
             for row in rows:
                 tx.execute(
                     "INSERT INTO usage (tenant, model, requests, prompt_tokens, completion_tokens, updated_at) "
@@ -517,6 +526,23 @@ class SqlStore(Store):
             )]
 
         return await self._run(read, write=False)
+
+    async def usage_marks(self) -> dict[str, int]:
+        def read(tx: Tx) -> dict[str, int]:
+            return {journal: int(seq) for journal, seq in tx.execute("SELECT journal, seq FROM usage_journals")}
+
+        return await self._run(read, write=False)
+
+    async def forget_usage_marks(self, journals: Iterable[str]) -> None:
+        names = list(journals)
+        if not names:
+            return
+
+        def write(tx: Tx) -> None:
+            for journal in names:
+                tx.execute("DELETE FROM usage_journals WHERE journal = ?", (journal,))
+
+        await self._run(write, write=True)
 
 
 _TENANT_COLUMNS = "name, models, max_concurrency, rpm, tpm, created_at, updated_at"
