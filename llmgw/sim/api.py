@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 from llmgw.sim import metrics, tokenizer
 from llmgw.sim.engine import Engine, EngineError, Output, Run, embedding, plan_output
 from llmgw.sim.httpserver import Request, Responder
+from llmgw.sim.validate import check_sampling
 
 SIM_VERSION = "0.32.0+llmgw.sim"
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -72,7 +73,8 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = body.get("stream") is True
+    """Returns (stream, include usage) once the sampling fields pass vLLM's checks (raises EngineError(400))."""
+    stream = check_sampling(body)
     opts = body.get("stream_options")
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
     return stream, include_usage
@@ -95,6 +97,7 @@ def _max_tokens_field(body: dict[str, Any]) -> object:
 async def chat_completions(engine: Engine, req: Request, resp: Responder) -> None:
     body = _json_body(req)
     lora = engine.resolve_model(body.get("model"))
+    stream, include_usage = _stream_flags(body)
     try:
         prompt = tokenizer.encode_chat(body.get("messages"), add_generation_prompt=body.get("add_generation_prompt", True) is not False)
     except ValueError as exc:
@@ -103,7 +106,6 @@ async def chat_completions(engine: Engine, req: Request, resp: Responder) -> Non
     max_tokens = engine.max_tokens_for(len(prompt), _max_tokens_field(body))
     stop = _stop_list(body)
     salt = _cache_salt(body)
-    stream, include_usage = _stream_flags(body)
     model = body.get("model") or engine.cfg.model
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -182,6 +184,7 @@ def _completion_prompts(prompt: object) -> list[list[int]]:
 async def completions(engine: Engine, req: Request, resp: Responder) -> None:
     body = _json_body(req)
     lora = engine.resolve_model(body.get("model"))
+    stream, include_usage = _stream_flags(body)
     prompts = _completion_prompts(body.get("prompt"))
     if any(not p for p in prompts):
         raise EngineError(400, "the prompt is empty", param="prompt")
@@ -189,7 +192,6 @@ async def completions(engine: Engine, req: Request, resp: Responder) -> None:
     limits = [engine.max_tokens_for(len(p), _max_tokens_field(body)) for p in prompts]
     stop = _stop_list(body)
     salt = _cache_salt(body)
-    stream, include_usage = _stream_flags(body)
     model = body.get("model") or engine.cfg.model
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -23,6 +23,7 @@ import trio
 from llmgw.sim import tokenizer
 from llmgw.sim.cache import LoraRef, PrefixCache
 from llmgw.sim.config import SimConfig
+from llmgw.sim.echo import echo
 from llmgw.sim.publisher import KvEventPublisher
 
 #: Shortest and longest "natural" answer (before max_tokens); the length is derived from the prompt.
@@ -170,7 +171,7 @@ class Engine:
             return None
         if isinstance(name, str) and name in self.loras:
             return self.loras[name]
-        raise EngineError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+        raise EngineError(404, f"The model `{echo(name)}` does not exist.", "NotFoundError", "model")
 
     def _add_lora(self, name: str, path: str) -> LoraRef:
         ref = LoraRef(name=name, path=path, int_id=self._next_lora_id)
@@ -214,7 +215,7 @@ class Engine:
                 raise EngineError(400, f"This model's maximum context length is {limit} tokens. However, your request has {prompt_len} input tokens. Please reduce the length of the input messages.", param="messages")
             return min(self.cfg.max_tokens_default, limit - prompt_len)
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise EngineError(400, f"max_tokens must be an integer of at least 1, got {requested!r}.", param="max_tokens")
+            raise EngineError(400, f"max_tokens must be an integer of at least 1, got {echo(repr(requested))}.", param="max_tokens")
         if prompt_len + requested > limit:
             raise EngineError(400, f"This model's maximum context length is {limit} tokens. However, you requested {prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion). Please reduce the length of the messages or completion.", param="max_tokens")
         return requested
