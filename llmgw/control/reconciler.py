@@ -42,10 +42,14 @@ import trio
 from llmgw.control import placement
 from llmgw.control.placement import Action, StartReplica, StopReplica, Unplaceable, Waiting
 from llmgw.control.registry import Registry
+from llmgw.logthrottle import LogThrottle
 from llmgw.rpc.errors import remote_reason
 from llmgw.spec import ModelSpec, ShardSpec, ShardState, ShardStatus, UnknownShard
 
 log = logging.getLogger(__name__)
+#: An unplaceable model, or a start or stop that keeps failing, repeats every pass until
+#: something changes: one line per kind, then one per interval with a count.
+_repeats = LogThrottle(log)
 
 # Safety net: even if a change notification were missed (or free GPU memory moved, which
 # heartbeats do not announce), a pass runs at least this often.
@@ -197,7 +201,8 @@ class Reconciler:
         self.last_unplaceable = tuple(a for a in actions if isinstance(a, Unplaceable))
         self.last_waiting = tuple(a for a in actions if isinstance(a, Waiting))
         for u in self.last_unplaceable:
-            log.warning("cannot place %d replica(s): %s", u.missing, u.reason)
+            _repeats.failure(("unplaceable", u.model, u.reason), logging.WARNING,
+                             "cannot place %d replica(s): %s", u.missing, u.reason)
 
         errors: list[tuple[Action, str]] = []
         async with trio.open_nursery() as nursery:
@@ -234,9 +239,11 @@ class Reconciler:
                 text = _describe(exc, self._action_timeout)
                 errors.append((action, text))
                 if isinstance(action, StopReplica):
-                    log.warning("stop of %s on node %s failed (will retry): %s", action.shard_id, node_id, text)
+                    _repeats.failure(("stop", node_id, action.shard_id), logging.WARNING,
+                                     "stop of %s on node %s failed (will retry): %s", action.shard_id, node_id, text)
                 else:
-                    log.warning("start of %s on node %s failed: %s", action.shard_spec.id, node_id, text)
+                    _repeats.failure(("start", node_id, action.shard_spec.model), logging.WARNING,
+                                     "start of %s on node %s failed: %s", action.shard_spec.id, node_id, text)
                     self._start_failed(node_id, action.shard_spec, text)
                 continue
             if isinstance(action, StopReplica):
