@@ -37,6 +37,7 @@ import zmq
 
 from llmgw import kvhash
 from llmgw import kvwire as wire
+from llmgw.logthrottle import LogThrottle, reason
 from llmgw.spec import KvDelta, split_delta
 
 __all__ = [
@@ -49,6 +50,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+#: Sends fail on every retry while the agent is cut off from its control plane: one line
+#: per endpoint, then one per interval with a count.
+_send_failures = LogThrottle(log)
 
 #: At most one send per this many seconds: a busy engine publishes a batch per step
 #: (hundreds per second); the router needs changes within a fraction of a second, not each step.
@@ -462,8 +466,11 @@ class KvSubscriber:
             try:
                 for part in split_delta(delta):
                     await send(part)
-            except Exception:  # noqa: BLE001 - a broken session must not end the subscriber
-                log.warning("KV events on %s: sending a delta failed; a full copy follows", self.endpoint, exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - a broken session must not end the subscriber
+                _send_failures.failure(
+                    self.endpoint, logging.WARNING, "KV events on %s: sending a delta failed (%s); a full copy follows",
+                    self.endpoint, reason(exc), exc_info=True,
+                )
                 self.mirror.reset_pending = True
                 await trio.sleep(SEND_RETRY_INTERVAL)
                 self._wake.set()
