@@ -36,6 +36,14 @@ def with_database(dsn: str, dbname: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(path="/" + dbname))
 
 
+def as_conninfo(dsn: str) -> str:
+    """Return the URL ``dsn`` in libpq's key=value form (host, port, dbname, user; password if any)."""
+    parts = urllib.parse.urlsplit(dsn)
+    pairs = {"host": parts.hostname, "port": parts.port or 5432, "dbname": parts.path[1:],
+             "user": parts.username, "password": parts.password}
+    return " ".join(f"{key}={value}" for key, value in pairs.items() if value)
+
+
 def _admin_connect(dsn: str) -> psycopg.Connection:
     try:
         return psycopg.connect(dsn, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)

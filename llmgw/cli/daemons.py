@@ -14,7 +14,7 @@ from llmgw.cli.common import run_trio, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
 from llmgw.config import ConfigError, load_agent_config, load_server_config
-from llmgw.control.store import StoreError
+from llmgw.control.store import STORE_DIR_MODE, StoreError
 from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials, server_ssl_context
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def server_init(ctx: click.Context, name: str | None) -> None:
     config = _server_config(ctx.obj["config_path"])
     state = config.state_dir
     try:
-        state.mkdir(parents=True, exist_ok=True)
+        state.mkdir(mode=STORE_DIR_MODE, parents=True, exist_ok=True)  # it holds the SQLite store
         ca, created = ensure_cluster_pki(
             state, server_name=name or socket.gethostname(),
             sans=[*config.advertise_hosts, config.rpc_listen.host],

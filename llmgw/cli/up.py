@@ -28,6 +28,7 @@ from llmgw.catalog import CatalogError, validate_model
 from llmgw.config import AuthConfig, GatewayConfig
 from llmgw.config.defaults import DEFAULT_GATEWAY_WORKERS, DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT, DEFAULT_SQLITE_NAME
 from llmgw.control.plane import ControlPlane, run_control_plane
+from llmgw.control.store import STORE_DIR_MODE
 from llmgw.router.build import build_gateway
 from llmgw.router.settings import GatewaySettings
 from llmgw.node.agent import Agent
@@ -89,7 +90,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
     """Start a one-machine cluster: control plane, gateway and an agent, on 127.0.0.1."""
     setup_logging(log_level)
     state_dir = (state_dir or default_up_dir()).expanduser().resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(mode=STORE_DIR_MODE, parents=True, exist_ok=True)  # it holds the SQLite store
     node_id = socket.gethostname().split(".")[0] or "local"
     ca, created = ensure_cluster_pki(state_dir, server_name="llmgw-up")
     if not (state_dir / "node" / CERT_FILE).exists():
@@ -121,7 +122,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
             try:
                 plane: ControlPlane = await nursery.start(
                     lambda task_status: run_control_plane(
-                        store_url=str(state_dir / DEFAULT_SQLITE_NAME),
+                        store_url=f"sqlite:///{state_dir / DEFAULT_SQLITE_NAME}",
                         rpc_host="127.0.0.1",
                         rpc_port=rpc_port,
                         http_host="127.0.0.1",

@@ -7,7 +7,6 @@ import os
 import socket
 import sqlite3
 import stat
-import urllib.parse
 from typing import Any, Iterator, Sequence
 
 import attrs
@@ -32,6 +31,7 @@ from llmgw.control.store import (
 from llmgw.control.store.base import UsageRecord
 from llmgw.control.store.postgres import PostgresDriver
 from llmgw.spec import Adapter, ModelSpec, Profile
+from tests.pg import as_conninfo
 
 LATEST = MIGRATIONS[-1].version
 
@@ -464,9 +464,7 @@ async def test_driver_messages_are_masked() -> None:
 
 @pytest.mark.postgres
 async def test_postgres_in_key_value_form(pg_dsn: str) -> None:  # noqa: F811
-    parts = urllib.parse.urlsplit(pg_dsn)
-    conninfo = f"host={parts.hostname} port={parts.port or 5432} dbname={parts.path[1:]} user={parts.username}"
-    async with open_store(conninfo) as store:
+    async with open_store(as_conninfo(pg_dsn)) as store:
         await store.set_setting("k", 1, "alice")
     assert raw_query(pg_dsn, "SELECT key FROM settings") == [("k",)]
 

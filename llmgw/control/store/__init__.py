@@ -36,12 +36,13 @@ from llmgw.control.store.base import (
 from llmgw.control.store.migrations import MIGRATIONS, Migration
 from llmgw.control.store.postgres import PG_STATEMENT_TIMEOUT_S, PostgresDriver
 from llmgw.control.store.sql import Driver, SqlStore
-from llmgw.control.store.sqlite import SQLITE_BUSY_TIMEOUT_S, SqliteDriver
+from llmgw.control.store.sqlite import SQLITE_BUSY_TIMEOUT_S, SQLITE_DIR_MODE, SqliteDriver
 
 __all__ = [
     "AuditEntry",
     "ConflictError",
     "MIGRATIONS",
+    "STORE_DIR_MODE",
     "Migration",
     "NodeRecord",
     "SchemaTooNewError",
@@ -55,6 +56,10 @@ __all__ = [
     "parse_target",
     "redact_dsn",
 ]
+
+#: The mode of a directory that holds a SQLite store (llmgw creates its state directory so).
+STORE_DIR_MODE = SQLITE_DIR_MODE
+
 
 def parse_target(target: str | os.PathLike[str]) -> tuple[str, str]:
     """Return ``(backend, location)`` for a store URL, DSN or path.

@@ -1,0 +1,80 @@
+"""`llmgw server` and its store location: a PostgreSQL DSN in either form is PostgreSQL or a
+refusal with the reason, never a SQLite file named after it, and no password is ever printed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import psycopg
+import pytest
+import yaml
+
+from tests.pg import as_conninfo
+from tests.system.harness import LLMGW, WAIT, Cluster
+
+pytestmark = pytest.mark.system
+
+SECRET = "s3cretPW"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_server(cluster: Cluster, store: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run `llmgw server` in ``cwd`` with ``store`` as its store section; return when it exits."""
+    raw = yaml.safe_load(cluster.server_yaml.read_text())
+    raw["store"] = store
+    cluster.server_yaml.write_text(yaml.safe_dump(raw))
+    return subprocess.run([*LLMGW, "server", "-c", str(cluster.server_yaml)], cwd=cwd,
+                          capture_output=True, text=True, timeout=WAIT)
+
+
+@pytest.mark.parametrize(
+    ("store", "reason"),
+    [
+        # The tester's drill: libpq's key=value form, which docs/config.md shows.
+        ({"dsn": f"host=127.0.0.1 port={{port}} dbname=x user=postgres password={SECRET}"},
+         "cannot connect to PostgreSQL database host=127.0.0.1 port={port} dbname=x user=postgres"),
+        ({"url": f"host=127.0.0.1 port={{port}} dbname=x user=postgres password={SECRET}"},
+         "cannot connect to PostgreSQL database host=127.0.0.1 port={port} dbname=x user=postgres"),
+        ({"url": f"postgresql://postgres:{SECRET}@127.0.0.1:{{port}}/x"},
+         "cannot connect to PostgreSQL database postgresql://postgres@127.0.0.1:{port}/x"),
+        ({"dsn": f"host=127.0.0.1 password='{SECRET}"},
+         "server.yaml: store.dsn: looks like a libpq key=value DSN but is not one"),
+        ({"dsn": "/srv/llmgw.db"}, "server.yaml: store.dsn: is for PostgreSQL"),
+    ],
+)
+async def test_a_dsn_that_cannot_connect_is_refused_with_its_reason(
+    tmp_path: Path, store: dict[str, str], reason: str
+) -> None:
+    cluster = Cluster(tmp_path)
+    await cluster.init()
+    port = _closed_port()
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    out = _run_server(cluster, {k: v.format(port=port) for k, v in store.items()}, workdir)
+    printed = out.stdout + out.stderr
+    assert out.returncode != 0, printed
+    assert reason.format(port=port) in printed
+    assert SECRET not in printed
+    assert list(workdir.iterdir()) == []  # no SQLite file named after the DSN
+    assert not list(cluster.server_dir.glob("*.db*"))
+
+
+@pytest.mark.postgres
+async def test_server_on_a_key_value_dsn_uses_postgresql(tmp_path: Path, pg_dsn: str) -> None:
+    cluster = Cluster(tmp_path, extra={"store": {"dsn": as_conninfo(pg_dsn)}})
+    try:
+        await cluster.init()
+        await cluster.start_server()
+        assert cluster.ctl("models", "add", "m1", "--engine", "sim").returncode == 0
+    finally:
+        cluster.stop()
+    with psycopg.connect(pg_dsn, connect_timeout=3) as conn:
+        assert conn.execute("SELECT name FROM models").fetchall() == [("m1",)]
+    assert not list(cluster.server_dir.glob("*.db*"))
