@@ -126,7 +126,7 @@ class Cluster:
             "auth": {"enabled": auth},
         }
         if store_url:
-            config["store"] = {"dsn": store_url} if store_url.startswith("postgres") else {"path": store_url}
+            config["store"] = {"url": store_url}  # a SQLite file or a PostgreSQL DSN
         self.server_yaml = root / "server.yaml"
         config.update(extra or {})
         self.server_yaml.write_text(yaml.safe_dump(config))
