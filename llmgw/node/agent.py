@@ -34,6 +34,7 @@ from llmgw.node.supervisor import Supervisor
 from llmgw.node.weights import disk_usage, prepare_weights_dir
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
+from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardStatus
 
 log = logging.getLogger(__name__)
@@ -306,13 +307,11 @@ class Agent:
 
 
 def _describe(exc: capnp.KjException, joined: bool) -> str:
-    text = (exc.description or str(exc)).strip()
-    last = text.splitlines()[-1] if text else exc.type
+    """Returns one line saying why a session ended: the control plane's own words."""
+    reason = remote_reason(exc)
     if not joined and exc.type == "DISCONNECTED":
         return (
-            f"the control plane closed the connection on the first call ({last}): it refused this "
+            f"the control plane closed the connection on the first call ({reason}): it refused this "
             "node's certificate (another cluster's CA, expired, or issued for another node id)"
         )
-    if "PermissionError" in text:
-        return f"refused: {last.split(': ', 1)[-1]}"
-    return last
+    return reason
