@@ -23,14 +23,6 @@ INTERVAL = 60.0
 DEADLINE_S = 30
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class CountingThrottle(LogThrottle):
     """A LogThrottle that lets a test wait until it has seen a number of failures."""
 
@@ -65,8 +57,8 @@ async def _refused(port: int) -> None:
 async def test_a_flood_of_refused_connections_writes_one_line_then_one_per_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = FakeClock()
-    throttle = CountingThrottle(net.log, interval=INTERVAL, clock=clock)
+    now = [0.0]  # the throttle's fake clock
+    throttle = CountingThrottle(net.log, interval=INTERVAL, clock=lambda: now[0])
     monkeypatch.setattr(net, "_refusals", throttle)
     caplog.set_level(logging.INFO, logger=net.log.name)
     ca = ClusterCA.create(tmp_path / "ca")
@@ -82,7 +74,7 @@ async def test_a_flood_of_refused_connections_writes_one_line_then_one_per_inter
             for _ in range(FLOOD):
                 await _refused(port)
             await throttle.wait_seen(FLOOD)
-            clock.now += INTERVAL
+            now[0] += INTERVAL
             await _refused(port)
             await throttle.wait_seen(FLOOD + 1)
         nursery.cancel_scope.cancel()
