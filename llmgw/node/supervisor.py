@@ -169,7 +169,10 @@ class Supervisor:
         engine.check_args(spec)
         port = free_port(self.host, self._ports())
         record = ShardRecord(spec=spec, port=port, kv_events=kv_events_for(engine, spec))
-        await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
+        try:
+            await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot record shard {spec.id} in {self.state_dir}: {exc.strerror or exc}") from None
         if self._nursery is None:
             raise RuntimeError("the supervisor stopped while the shard was being started")
         shard = self._new_shard(record, engine, reporter=reporter)

@@ -7,8 +7,9 @@ import os
 import signal
 import sys
 import textwrap
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import attrs
 import httpx
@@ -155,6 +156,32 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
 def make_supervisor(state_dir: Path, policy: RestartPolicy = FAST, **engine_options: float) -> Supervisor:
     engine = FakeEngine(tag=str(state_dir), **engine_options)  # type: ignore[arg-type]
     return Supervisor(state_dir, engines={"fake": engine}, policy=policy)
+
+
+async def ready_then_agent_exits(state_dir: Path, *args: str) -> ShardStatus:
+    """Runs a first agent until shard s1 (fake engine options ``args``) is READY, then ends
+    that agent (its engine keeps running); returns the READY status."""
+    rec = Recorder()
+    async with trio.open_nursery() as agent1:
+        sup1 = make_supervisor(state_dir)
+        await agent1.start(sup1.run)
+        await sup1.start_shard(spec("s1", *args), rec)
+        ready = await rec.wait_state(ShardState.READY)
+        agent1.cancel_scope.cancel()  # the agent exits
+    return ready
+
+
+@asynccontextmanager
+async def next_agent(state_dir: Path) -> AsyncIterator[tuple[Supervisor, Recorder]]:
+    """The next agent's supervisor on ``state_dir``, running, with a recorder bound to s1;
+    the agent ends (engines left running) when the block does."""
+    async with trio.open_nursery() as agent:
+        sup = make_supervisor(state_dir)
+        await agent.start(sup.run)
+        rec = Recorder()
+        sup.bind_reporter("s1", rec)
+        yield sup, rec
+        agent.cancel_scope.cancel()
 
 
 async def test_start_becomes_ready_and_serves(state_dir: Path, nursery: trio.Nursery) -> None:
@@ -306,13 +333,7 @@ async def test_stop_kills_group_of_engine_ignoring_sigterm(state_dir: Path, nurs
 
 
 async def test_agent_exit_leaves_engine_running_and_next_agent_adopts_it(state_dir: Path) -> None:
-    rec = Recorder()
-    async with trio.open_nursery() as agent1:
-        sup1 = make_supervisor(state_dir)
-        await agent1.start(sup1.run)
-        await sup1.start_shard(spec("s1", "--lines", "2"), rec)
-        ready = await rec.wait_state(ShardState.READY)
-        agent1.cancel_scope.cancel()  # the agent exits
+    ready = await ready_then_agent_exits(state_dir, "--lines", "2")
     port = int(ready.endpoint.rsplit(":", 1)[1])
     assert identity_of(ready.pid) is not None  # the engine keeps running ...
     async with httpx.AsyncClient(timeout=5) as client:  # ... and serving
@@ -379,13 +400,7 @@ async def test_engine_survives_agent_killed_with_sigkill(state_dir: Path) -> Non
 
 
 async def test_persisted_shard_whose_engine_died_is_restarted_on_its_port(state_dir: Path) -> None:
-    rec = Recorder()
-    async with trio.open_nursery() as agent1:
-        sup1 = make_supervisor(state_dir)
-        await agent1.start(sup1.run)
-        await sup1.start_shard(spec(), rec)
-        ready = await rec.wait_state(ShardState.READY)
-        agent1.cancel_scope.cancel()
+    ready = await ready_then_agent_exits(state_dir)
     kill_group(ready.pid)
     await wait_until(lambda: dead(ready.pid))
 

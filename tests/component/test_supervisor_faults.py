@@ -29,6 +29,8 @@ from tests.component.test_supervisor import (  # noqa: F401  (state_dir is a fix
     fake_engine_processes,
     kill_group,
     make_supervisor,
+    next_agent,
+    ready_then_agent_exits,
     spec,
     state_dir,
     wait_until,
@@ -37,13 +39,7 @@ from tests.component.test_supervisor import (  # noqa: F401  (state_dir is a fix
 
 async def _ready_then_agent_exits(state_dir: Path) -> tuple[int, str]:  # noqa: F811
     """Runs a first agent until shard s1 is READY, then ends it; returns (engine pid, endpoint)."""
-    rec = Recorder()
-    async with trio.open_nursery() as agent1:
-        sup1 = make_supervisor(state_dir)
-        await agent1.start(sup1.run)
-        await sup1.start_shard(spec(), rec)
-        ready = await rec.wait_state(ShardState.READY)
-        agent1.cancel_scope.cancel()
+    ready = await ready_then_agent_exits(state_dir)
     return ready.pid, ready.endpoint
 
 
@@ -119,17 +115,12 @@ async def test_engine_whose_record_lost_its_pid_is_adopted_by_its_marker(state_d
     record.identity = None  # the pid was never persisted (or the file went stale)
     shard_state.save(state_dir, record)
 
-    async with trio.open_nursery() as agent2:
-        sup2 = make_supervisor(state_dir)
-        await agent2.start(sup2.run)
-        rec2 = Recorder()
-        sup2.bind_reporter("s1", rec2)
+    async with next_agent(state_dir) as (sup2, rec2):
         adopted = await rec2.wait_state(ShardState.READY)
         assert (adopted.pid, adopted.endpoint, adopted.restarts) == (pid, endpoint, 0)
         assert [p.pid for p in fake_engine_processes(_port(endpoint))] == [pid]  # no second engine
         await sup2.stop_shard("s1", grace=5)
         await wait_until(lambda: dead(pid))
-        agent2.cancel_scope.cancel()
 
 
 async def test_marked_engine_without_a_record_is_stopped(state_dir: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
@@ -159,11 +150,7 @@ async def test_port_taken_by_a_stranger_moves_the_engine(state_dir: Path, caplog
         stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         stranger.bind(("127.0.0.1", port))
         stranger.listen()
-        async with trio.open_nursery() as agent2:
-            sup2 = make_supervisor(state_dir)
-            await agent2.start(sup2.run)
-            rec2 = Recorder()
-            sup2.bind_reporter("s1", rec2)
+        async with next_agent(state_dir) as (sup2, rec2):
             again = await rec2.wait_state(ShardState.READY)
             new_port = _port(again.endpoint)
             assert new_port != port and again.pid != pid
@@ -171,7 +158,6 @@ async def test_port_taken_by_a_stranger_moves_the_engine(state_dir: Path, caplog
             persisted = json.loads((shard_state.shard_dir(state_dir, "s1") / shard_state.STATE_FILE).read_text())
             assert persisted["port"] == new_port
             await sup2.stop_shard("s1", grace=5)
-            agent2.cancel_scope.cancel()
     assert any(f"port {port} is taken" in r.getMessage() and str(new_port) in r.getMessage() for r in caplog.records)
 
 
