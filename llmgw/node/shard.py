@@ -30,7 +30,7 @@ import math
 import os
 import signal
 from pathlib import Path
-from typing import Callable, Protocol, Set
+from typing import Callable, Protocol
 
 import attrs
 import httpx
@@ -93,6 +93,11 @@ STOP_GRACE = 30.0
 # this time is treated as gone (the status is kept for the next binding).
 REPORT_TIMEOUT = 10.0
 
+# SIGTERM grace for an engine stopped because its pid could not be recorded: it has just
+# started and served nothing, so there is no in-flight work to finish, and the stop must
+# not hold up the shard (or an agent's exit) for the full STOP_GRACE.
+UNRECORDED_STOP_GRACE = 5.0
+
 # How many of the engine's last lines go into a crash or failure report.
 LAST_OUTPUT_LINES = 20
 
@@ -147,7 +152,7 @@ class ShardContext:
     host: str
     policy: RestartPolicy
     fetch_settings: FetchSettings
-    taken_ports: Callable[[], Set[int]] = set
+    taken_ports: Callable[[], set[int]] = set
 
 
 class Shard:
@@ -571,7 +576,7 @@ class Shard:
         logger.error("shard %s: cannot record engine pid %d (%s); stopping it", self.spec.id, process.identity.pid, exc)
         with trio.CancelScope(shield=True):
             try:
-                await terminate(process, self._policy.kill_grace)
+                await terminate(process, min(self._policy.kill_grace, UNRECORDED_STOP_GRACE))
             except trio.TooSlowError:
                 logger.error("shard %s: engine pid %d survived SIGKILL", self.spec.id, process.identity.pid)
             finally:
