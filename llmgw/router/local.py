@@ -72,5 +72,9 @@ class LocalGateway(GatewayState):
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the gateway's app (:func:`~llmgw.router.http.serve.serve_gateway`): reports
-        the bound port, raises ``OSError`` if it cannot bind, shuts down gracefully when cancelled."""
-        await serve_gateway(self.gateway.app, host, port, task_status=task_status)
+        the bound port, raises ``OSError`` if it cannot bind, shuts down gracefully when cancelled
+        (its usage journal closed: every request it counted is journaled)."""
+        try:
+            await serve_gateway(self.gateway.app, host, port, task_status=task_status)
+        finally:
+            self.gateway.usage.close()
