@@ -13,7 +13,7 @@ from llmgw.logthrottle import LogThrottle
 from llmgw.rpc.tls import Identity, explain_tls_error, peer_identity
 
 log = logging.getLogger(__name__)
-#: Refused, idle and failed connections, per kind and peer host: a scanner or a node with
+#: Refused, idle and failed connections, per reason and peer host: a scanner or a node with
 #: the wrong certificate retrying every second writes one line, then one per interval.
 _refusals = LogThrottle(log)
 
@@ -93,12 +93,12 @@ async def _accept(handler: Handler, context: ssl.SSLContext, tcp: trio.SocketStr
         await trio.aclose_forcefully(stream)
         return
     except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
-        _refusals.failure(("tls", host), logging.WARNING,
-                          "rpc: refused a connection: %s", explain_tls_error(exc, side="server", peer=peer))
+        reason = explain_tls_error(exc, side="server", peer=host)  # the same text for each retry
+        _refusals.failure(("tls", reason), logging.WARNING, "rpc: refused a connection: %s", reason)
         await trio.aclose_forcefully(stream)
         return
     except PermissionError as exc:
-        _refusals.failure(("identity", host), logging.WARNING, "rpc: refused %s: %s", peer, exc)
+        _refusals.failure(("identity", host, str(exc)), logging.WARNING, "rpc: refused %s: %s", peer, exc)
         await trio.aclose_forcefully(stream)
         return
     try:
