@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 #: refusal (the log line is written first, and a failed write is logged).
 AUDIT_TIMEOUT_S = 2.0
 
-# Shared by every connection: the kinds are (certificate, call), wherever they come from.
+# Shared by every connection: the kinds are (certificate, call, name claimed), wherever they come from.
 _refusals = LogThrottle(log)
 
 
@@ -57,7 +57,7 @@ async def require(
     try:
         require_role(identity, role, name=name)
     except PermissionError as exc:
-        key = (identity.role, identity.name, call)
+        key = (identity.role, identity.name, call, name)  # joining as node-b and as node-c are two kinds
         repeated = _refusals.suppressed(key)
         if _refusals.failure(key, logging.WARNING, "refused %s from %s: %s", call, identity, exc) and store is not None:
             await _audit(store, identity, call, target or (name or ""), str(exc), repeated)
