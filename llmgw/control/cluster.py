@@ -17,6 +17,7 @@ import trio
 
 from llmgw.control import refusals
 from llmgw.control.registry import Registry
+from llmgw.control.reports import endpoint_hosts, screen_shards
 from llmgw.control.sessions import NodeSession, NodeSessions, SessionConflict, watch_heartbeats
 from llmgw.control.store import Store
 from llmgw.logthrottle import LogThrottle
@@ -55,7 +56,7 @@ async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, 
     state: dict[str, NodeSession] = {}
     try:
         async with trio.open_nursery() as nursery:
-            bootstrap = _make_cluster(services, identity, nursery, state)
+            bootstrap = _make_cluster(services, identity, nursery, state, _peer_host(stream))
             await serve_stream(stream, bootstrap)
             nursery.cancel_scope.cancel()
     finally:
@@ -64,8 +65,18 @@ async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, 
             services.sessions.detach(session)
 
 
+def _peer_host(stream: trio.abc.Stream) -> str | None:
+    """Returns the address ``stream``'s peer connects from (None when it is not a socket)."""
+    transport = getattr(stream, "transport_stream", stream)
+    try:
+        return str(transport.socket.getpeername()[0])  # type: ignore[attr-defined]
+    except (AttributeError, OSError, IndexError):
+        return None
+
+
 def _make_cluster(
-    services: ClusterServices, identity: Identity, nursery: trio.Nursery, state: dict[str, NodeSession]
+    services: ClusterServices, identity: Identity, nursery: trio.Nursery, state: dict[str, NodeSession],
+    peer: str | None,
 ) -> Any:
     s = schema.load()
 
@@ -92,8 +103,10 @@ def _make_cluster(
             if "session" in state:  # a second join on this connection while the ping was out
                 raise RuntimeError("this connection has joined already")
 
+            hosts = endpoint_hosts(address, peer)
+            shards = screen_shards(node_id, hosts, shards, services.registry.shard_owner)
             epoch = services.registry.node_joined(node_id, address, hardware, engines, shards)
-            session = NodeSession(services.registry, node_id, epoch, agent, nursery.cancel_scope.cancel)
+            session = NodeSession(services.registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
             state["session"] = session
             services.sessions.attach(session)
             services.sessions.agent_versions[node_id] = version

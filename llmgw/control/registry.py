@@ -15,6 +15,7 @@ except the two ``async`` ones)::
     reg.shard_status(node_id, status, epoch=epoch)          # -> bool (False: shard unknown)
     reg.shard_started(node_id, spec)                        # placement reserved it: STARTING
     reg.shard_removed(node_id, shard_id)                    # idempotent
+    reg.shard_owner(shard_id) -> str | None                 # the node holding that shard id
     reg.node_disconnected(node_id, epoch)                   # -> bool; DISCONNECTED (False: stale session)
     reg.forget_node(node_id)                                # -> bool; operator removed the node
     reg.snapshot() -> Fleet                                 # immutable, for placement/display
@@ -242,6 +243,7 @@ class Registry:
         self._changed = trio.Event()
         self._views: dict[str, NodeView] = {}  # cache; a node's entry is dropped on change
         self._by_model: dict[str, set[tuple[str, str]]] = {}  # model -> {(node_id, shard_id)}
+        self._owners: dict[str, str] = {}  # shard id -> node id
         #: Called with a shard id when what its agent reported about it stops holding: the shard
         #: stopped, failed or was removed, its node was lost or forgotten, or it is missing from
         #: the node's new registration (the gateway then drops the shard's KV-cache state).
@@ -393,6 +395,7 @@ class Registry:
             self._unindex_one(node_id, prev.spec)
         node.shards[spec.id] = _Shard(spec, status, prev.since if prev else self._clock())
         self._by_model.setdefault(spec.model, set()).add((node_id, spec.id))
+        self._owners[spec.id] = node_id
         self._touch(node_id)
         self._bump()
 
@@ -442,6 +445,10 @@ class Registry:
         return True
 
     # -- reads -----------------------------------------------------------------------
+
+    def shard_owner(self, shard_id: str) -> str | None:
+        """Returns the id of the node that holds shard ``shard_id`` in the view, or None."""
+        return self._owners.get(shard_id)
 
     def snapshot(self) -> Fleet:
         """Return an immutable :class:`Fleet` of the current view (O(changed nodes))."""
@@ -582,12 +589,15 @@ class Registry:
     def _index(self, node: _Node) -> None:
         for shard_id, shard in node.shards.items():
             self._by_model.setdefault(shard.spec.model, set()).add((node.id, shard_id))
+            self._owners[shard_id] = node.id
 
     def _unindex(self, node: _Node) -> None:
         for shard in node.shards.values():
             self._unindex_one(node.id, shard.spec)
 
     def _unindex_one(self, node_id: str, spec: ShardSpec) -> None:
+        if self._owners.get(spec.id) == node_id:
+            del self._owners[spec.id]
         keys = self._by_model.get(spec.model)
         if keys is not None:
             keys.discard((node_id, spec.id))

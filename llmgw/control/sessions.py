@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import capnp
 import trio
 
 from llmgw.control.registry import Registry
+from llmgw.control.reports import endpoint_refusal, log_refusal
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardSpec, UnknownShard
@@ -84,6 +85,7 @@ class NodeSession:
         epoch: int,
         agent: Any,
         close: Callable[[], None],
+        endpoint_hosts: Collection[str] = (),
     ) -> None:
         self.registry = registry
         self.node_id = node_id
@@ -91,6 +93,8 @@ class NodeSession:
         self.agent = agent
         self.shards: dict[str, Any] = {}
         self._close = close
+        #: The hosts this node's shard endpoints may name (:func:`llmgw.control.reports.endpoint_hosts`).
+        self.endpoint_hosts = frozenset(endpoint_hosts)
         self.last_heartbeat = trio.current_time()
         self.closed = False
         #: Gets the KV deltas of this session's shards (set by :meth:`NodeSessions.attach`; None: dropped).
@@ -126,7 +130,13 @@ class NodeSession:
             async def status(self, status: Any, **_: Any) -> None:
                 report = convert.shard_status_from(status)
                 if report.id != shard_id:
-                    raise PermissionError(f"reporter of shard {shard_id!r} cannot report for {report.id!r}")
+                    log_refusal(session.node_id, "report-shard-id", f"a report for shard {report.id[:200]!r} "
+                                f"through the reporter of {shard_id!r}")
+                    raise PermissionError(f"reporter of shard {shard_id!r} cannot report for {report.id[:200]!r}")
+                refusal = endpoint_refusal(report.endpoint, session.endpoint_hosts)
+                if refusal is not None:
+                    log_refusal(session.node_id, "report-endpoint", f"a status of shard {shard_id!r}: {refusal}")
+                    raise PermissionError(f"shard {shard_id!r}: {refusal}")
                 session.registry.shard_status(session.node_id, report, epoch=session.epoch)
 
             async def kvUpdate(self, update: Any, **_: Any) -> None:

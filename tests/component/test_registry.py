@@ -231,3 +231,17 @@ async def test_rejoin_with_another_engine_process_is_not_held() -> None:
     reg.node_disconnected("a", e)
     reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), adopted("m-1", 42))])
     assert reg.replicas_of("m") == []
+
+
+async def test_shard_owner_follows_joins_starts_and_removals() -> None:
+    reg = Registry()
+    reg.node_joined("a", "h", HW, ENGINES, [(spec("m-1"), ready("m-1"))])
+    reg.shard_started("a", spec("m-2"))
+    assert (reg.shard_owner("m-1"), reg.shard_owner("m-2"), reg.shard_owner("m-3")) == ("a", "a", None)
+    reg.shard_removed("a", "m-2")
+    assert reg.shard_owner("m-2") is None
+    reg.node_joined("a", "h", HW, ENGINES)  # rejoined without it
+    assert reg.shard_owner("m-1") is None
+    reg.node_joined("b", "h", HW, ENGINES, [(spec("m-1"), ready("m-1"))])
+    reg.forget_node("b")
+    assert reg.shard_owner("m-1") is None
