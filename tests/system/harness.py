@@ -258,6 +258,17 @@ async def ready_replicas(cluster: Cluster, model: str, count: int = 1, timeout: 
     return await eventually(check, f"{count} ready replica(s) of {model}", timeout=timeout)
 
 
+async def serve_sim_model(cluster: Cluster, model: str = "m1", replicas: int = 2, *args: str) -> Proc:
+    """Start agent ``node-a``, add ``model`` on the simulated engine (``args``: more
+    ``ctl models add`` options) and wait for its ``replicas`` to be ready; return the server."""
+    await cluster.start_agent("node-a")
+    out = cluster.ctl("models", "add", model, "--engine", "sim", "--replicas", str(replicas), *args)
+    assert out.returncode == 0, out.stderr
+    await ready_replicas(cluster, model, replicas)
+    assert cluster.server is not None
+    return cluster.server
+
+
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Return the sum of every sample of ``name`` in a Prometheus scrape ``text`` whose
     labels include ``labels`` (0 when there is none)."""

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from llmgw.config.defaults import DEFAULT_SQLITE_NAME
-from tests.system.harness import WAIT, Cluster, eventually, ready_replicas
+from tests.system.harness import WAIT, Cluster, eventually, serve_sim_model
 
 pytestmark = pytest.mark.system
 
@@ -111,12 +111,7 @@ def stored_usage(cluster: Cluster) -> tuple[int, int, int]:
 async def test_server_kill_loses_only_the_requests_in_flight(tmp_path: Path, flushes: bool) -> None:
     extra = {"serving": {"usage_flush_interval": "0.2s" if flushes else "1h"}}
     async with Cluster(tmp_path, extra=extra) as cluster:
-        await cluster.start_agent("node-a")
-        assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
-        await ready_replicas(cluster, "m1", 2)
-        assert cluster.server is not None
-        server = cluster.server
-
+        server = await serve_sim_model(cluster)
         tally = Tally()
         async with trio.open_nursery() as nursery:
             for index in range(CLIENTS):
