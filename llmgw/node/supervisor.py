@@ -24,10 +24,9 @@ directory (:mod:`llmgw.node.statelock`): a second agent on it is refused at once
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Mapping
-
-import logging
 
 import trio
 
@@ -36,7 +35,7 @@ from llmgw.node.engines import ENGINES, Engine, get_engine
 from llmgw.node.fetch import FetchSettings
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.node.ports import free_port
-from llmgw.node.process import adopt, terminate
+from llmgw.node.process import adopt, describe_exit, terminate
 from llmgw.node.shard import STOP_GRACE, RestartPolicy, Shard, ShardContext, ShardReporter
 from llmgw.node.shard_state import ShardRecord
 from llmgw.node.statelock import lock_state_dir
@@ -133,8 +132,8 @@ class Supervisor:
             process.close()
         logger.warning(
             "stopped engine pid %d of shard %s: it carried this agent's marker but no shard here owns it "
-            "(its record was lost, or another engine serves that shard); exit: %s",
-            stray.identity.pid, stray.shard_id, code,
+            "(its record was lost, or another engine serves that shard); it %s",
+            stray.identity.pid, stray.shard_id, describe_exit(code),
         )
 
     async def start_shard(self, spec: ShardSpec, reporter: ShardReporter | None) -> None:
