@@ -199,6 +199,8 @@ async def metrics_listener(
     if config.listen is None:
         task_status.started(None)
         return
-    log.info("metrics on %s (token %s)", config.listen, "required" if config.token else "not required")
-    await serve_metrics(scrape, config.listen.host, config.listen.port, MetricsAccess.on_listener(config),
-                        task_status=task_status)
+    host = config.listen.host
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_metrics, scrape, host, config.listen.port, MetricsAccess.on_listener(config))
+        log.info("metrics on %s:%d (token %s)", host, port, "required" if config.token else "not required")
+        task_status.started(port)
