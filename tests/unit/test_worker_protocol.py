@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgpack
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -12,9 +14,10 @@ from llmgw.config import GatewayConfig, RoutingConfig, ServingConfig, TracingCon
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.metrics import GatewayMetrics
 from llmgw.router.settings import GatewaySettings
+from llmgw.router.usage import UsageBatch, UsageCounts
 from llmgw.router.workers.protocol import (
-    SHARED_FAMILIES, decode_kv_delta, decode_settings, encode_kv_delta, encode_metrics, merge_metrics,
-    worker_config,
+    SHARED_FAMILIES, decode_kv_delta, decode_settings, decode_usage, encode_kv_delta, encode_metrics, encode_usage,
+    merge_metrics, worker_config,
 )
 from llmgw.spec import KvDelta
 
@@ -38,6 +41,15 @@ def test_a_worker_gets_the_settings_with_its_share_of_the_admission_limits(traci
     share = ServingConfig(max_request_bytes=1000, max_inflight_per_replica=4, queue_size=3, queue_timeout=2.0)
     assert got == GatewaySettings(gateway=settings.gateway, serving=share, routing=settings.routing,
                                   tracing=tracing if tracing is not None and tracing.endpoint else None)
+
+
+def test_a_worker_gets_the_usage_journal_directory_and_reports_its_mark(tmp_path: Path) -> None:
+    settings = GatewaySettings(gateway=GatewayConfig(workers=2), usage_journal=tmp_path / "journal")
+    assert decode_settings(through_channel(worker_config(0, "127.0.0.1", 0, settings))).usage_journal == (
+        tmp_path / "journal")
+    batch = UsageBatch({("acme", "m"): UsageCounts(2, 3, 4)}, {"j1": 7})
+    assert decode_usage(through_channel(encode_usage(batch))) == batch  # type: ignore[arg-type]
+    assert not decode_usage({})
 
 
 @pytest.mark.parametrize("delta", [

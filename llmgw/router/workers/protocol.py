@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
