@@ -79,12 +79,13 @@ def find_marked(state_dir: Path) -> list[MarkedEngine]:
 def match_marked(records: Sequence[ShardRecord], marked: Sequence[MarkedEngine]) -> list[MarkedEngine]:
     """Points each record at its shard's marked engine; returns the marked engines to stop.
 
-    For a record that is not FAILED and has marked engines: the one its identity names
-    (same pid and start time) is kept, else the oldest (the one a lost record was
+    For a record with marked engines: the one its identity names (same pid and start
+    time) is kept, else, unless the shard is FAILED, the oldest (the one a lost record was
     written for; later ones could not bind its port); the record's identity is set to
-    that engine's current identity, so adoption finds it. Every other marked engine is
-    returned: a second engine of a shard, an engine of a FAILED shard whose record no
-    longer names it, and an engine of a shard with no record at all. Pure: no I/O.
+    that engine's current identity (its current command line), so adoption finds it.
+    Every other marked engine is returned: a second engine of a shard, an engine of a
+    FAILED shard whose record does not name it, and an engine of a shard with no record
+    at all. Pure: no I/O.
     """
     by_id = {r.spec.id: r for r in records}
     strays: list[MarkedEngine] = []
@@ -107,4 +108,5 @@ def match_marked(records: Sequence[ShardRecord], marked: Sequence[MarkedEngine])
 
 
 def _named_by(record: ShardRecord, engine: MarkedEngine) -> bool:
+    """Returns True if ``record``'s identity is ``engine``'s process."""
     return record.identity is not None and same_process(record.identity, engine.identity)
