@@ -183,8 +183,10 @@ def dsn_passwords(dsn: str) -> list[str]:
     """
     found: list[str] = []
     if _scheme(dsn) is not None:
-        netloc = dsn.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
-        userinfo = netloc.rsplit("@", 1)[0] if "@" in netloc else ""
+        # Up to the last '@' before any query: a password with an unencoded '/' or '@' in it
+        # (a malformed URL) is still found whole; a spurious match only masks more.
+        rest = dsn.split("://", 1)[1].split("?", 1)[0]
+        userinfo = rest.rsplit("@", 1)[0] if "@" in rest else ""
         if ":" in userinfo:
             written = userinfo.split(":", 1)[1]
             found += [written, urllib.parse.unquote(written)]

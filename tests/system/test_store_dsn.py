@@ -17,6 +17,8 @@ from tests.system.harness import LLMGW, WAIT, Cluster
 pytestmark = pytest.mark.system
 
 SECRET = "s3cretPW"
+#: How long pg_terminate_backend waits for the backend to exit (it is local: far less).
+TERMINATE_WAIT_MS = 5000
 
 
 def _closed_port() -> int:
@@ -67,14 +69,28 @@ async def test_a_dsn_that_cannot_connect_is_refused_with_its_reason(
 
 
 @pytest.mark.postgres
-async def test_server_on_a_key_value_dsn_uses_postgresql(tmp_path: Path, pg_dsn: str) -> None:
+async def test_server_on_a_key_value_dsn_uses_postgresql_and_survives_a_terminated_connection(
+    tmp_path: Path, pg_dsn: str
+) -> None:
     cluster = Cluster(tmp_path, extra={"store": {"dsn": as_conninfo(pg_dsn)}})
     try:
         await cluster.init()
         await cluster.start_server()
         assert cluster.ctl("models", "add", "m1", "--engine", "sim").returncode == 0
+        # A DBA (or a failover) ends the store's connection: the next admin calls, a write
+        # that is not safe to repeat among them, each succeed once on a new connection.
+        with psycopg.connect(pg_dsn, autocommit=True, connect_timeout=3) as admin:
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = 'llmgw'", (TERMINATE_WAIT_MS,),
+            ).fetchall()
+        assert killed and all(ok for (ok,) in killed)
+        added = cluster.ctl("models", "add", "m2", "--engine", "sim")
+        assert added.returncode == 0, added.stderr
+        assert [m["name"] for m in cluster.ctl_json("models", "list")] == ["m1", "m2"]
     finally:
         cluster.stop()
     with psycopg.connect(pg_dsn, connect_timeout=3) as conn:
-        assert conn.execute("SELECT name FROM models").fetchall() == [("m1",)]
+        assert conn.execute("SELECT name FROM models ORDER BY name").fetchall() == [("m1",), ("m2",)]
     assert not list(cluster.server_dir.glob("*.db*"))
+    assert "the connection was lost" in (tmp_path / "server-1.log").read_text()

@@ -101,6 +101,7 @@ _ENCODED = SECRET.replace(" ", "%20").replace("=", "%3D")
         (f"host=h sslpassword='{SECRET}'", (SECRET,)),
         (f"host=h password='{SECRET}", (SECRET,)),  # unterminated: masked all the same
         ("host=h password=hunter2", ("hunter2",)),
+        ("postgresql://u:pa/s@s@h/db", ("pa/s@s",)),  # malformed: '/' and '@' not encoded
     ],
 )
 def test_mask_secrets(dsn: str, forms: tuple[str, ...]) -> None:

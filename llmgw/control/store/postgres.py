@@ -117,7 +117,9 @@ class PostgresDriver:
             conn = psycopg.connect(self._dsn, autocommit=True, **options)
         except psycopg.Error as exc:
             # Not chained: the driver's own exception could carry what the mask removed.
-            raise StoreUnavailableError(f"cannot connect to {self.description}: {self._masked(exc)}; {_CHECK}") from None
+            raise StoreUnavailableError(
+                f"cannot connect to {self.description}: {self._masked(exc)}; {_CHECK}"
+            ) from None
         try:
             # JSON columns are read as text, exactly like SQLite's, and parsed by the store.
             conn.adapters.register_loader("jsonb", TextLoader)
