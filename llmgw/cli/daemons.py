@@ -10,9 +10,10 @@ from pathlib import Path
 import click
 import trio
 
-from llmgw.cli.common import run_trio, setup_logging
+from llmgw.cli.common import setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
+from llmgw.cli.signals import run_daemon
 from llmgw.config import ConfigError, load_agent_config, load_server_config
 from llmgw.control.store import STORE_DIR_MODE, StoreError
 from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials, server_ssl_context
@@ -43,7 +44,13 @@ def _server_config(path: Path | None):  # type: ignore[no-untyped-def]
               help="server.yaml [/etc/llmgw/server.yaml when present, else defaults].")
 @click.pass_context
 def server(ctx: click.Context, config_path: Path | None) -> None:
-    """Run the control plane and gateway (`llmgw server init` first)."""
+    """Run the control plane and gateway (`llmgw server init` first).
+
+    SIGTERM or SIGINT drains it: no new connections, in-flight requests get
+    ``gateway.shutdown_grace`` seconds (streams still open then end with an SSE error
+    event), the usage counted is stored, node sessions close, exit status 0. A second
+    signal exits at once.
+    """
     ctx.ensure_object(dict)
     ctx.obj["config_path"] = config_path
     if ctx.invoked_subcommand is not None:
@@ -88,7 +95,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                        f"gateway {plane.gateway_url}/v1", err=True)
 
     try:
-        run_trio(main)
+        run_daemon(main, "llmgw server")
     except StoreError as exc:
         fail(str(exc))
     except OSError as exc:
@@ -122,7 +129,12 @@ def server_init(ctx: click.Context, name: str | None) -> None:
 @click.option("--config", "-c", "config_path", type=click.Path(path_type=Path), default=None,
               help="agent.yaml [/etc/llmgw/agent.yaml when present, else defaults].")
 def agent(config_path: Path | None) -> None:
-    """Run the node agent: join the control plane and supervise engines."""
+    """Run the node agent: join the control plane and supervise engines.
+
+    SIGTERM or SIGINT closes the session and exits 0, leaving the engines running: the
+    next agent adopts them (restart and upgrade cost no request). Only an explicit stop
+    from the control plane ends an engine.
+    """
     try:
         config = load_agent_config(_config_path(config_path, "agent.yaml"))
     except ConfigError as exc:
@@ -178,7 +190,7 @@ def agent(config_path: Path | None) -> None:
             await node.run()
 
     try:
-        run_trio(main)
+        run_daemon(main, "llmgw agent")
     except* StateDirLocked as group:  # another agent runs on this state directory
         locked: BaseException = group
         while isinstance(locked, BaseExceptionGroup):

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import socket
 from pathlib import Path
 
 import click
 import trio
 
-from llmgw.cli.common import UP_FILE, default_up_dir, run_trio, setup_logging
+from llmgw.cli.common import UP_FILE, default_up_dir, setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, SERVER_DIR, ensure_cluster_pki, issue_to
+from llmgw.cli.signals import run_daemon
 from llmgw.catalog import CatalogError, validate_model
 from llmgw.config import AuthConfig, GatewayConfig
 from llmgw.config.defaults import DEFAULT_GATEWAY_WORKERS, DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT, DEFAULT_SQLITE_NAME
@@ -119,21 +119,28 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
         async with capnp_runtime(), trio.open_nursery() as nursery:
             settings = GatewaySettings(gateway=GatewayConfig(workers=gateway_workers), auth=AuthConfig(enabled=auth))
             gateway = build_gateway(settings)
+            plane_scope, plane_stopped = trio.CancelScope(), trio.Event()
+
+            async def serve_plane(task_status: trio.TaskStatus[ControlPlane]) -> None:
+                try:
+                    with plane_scope:
+                        await run_control_plane(
+                            store_url=f"sqlite:///{state_dir / DEFAULT_SQLITE_NAME}",
+                            rpc_host="127.0.0.1",
+                            rpc_port=rpc_port,
+                            http_host="127.0.0.1",
+                            http_port=http_port,
+                            server_context=server_ssl_context(server_creds.ca_pem, server_creds.cert_pem,
+                                                              server_creds.key_pem),
+                            gateway=gateway,
+                            auth=settings.auth,
+                            task_status=task_status,
+                        )
+                finally:
+                    plane_stopped.set()
+
             try:
-                plane: ControlPlane = await nursery.start(
-                    lambda task_status: run_control_plane(
-                        store_url=f"sqlite:///{state_dir / DEFAULT_SQLITE_NAME}",
-                        rpc_host="127.0.0.1",
-                        rpc_port=rpc_port,
-                        http_host="127.0.0.1",
-                        http_port=http_port,
-                        server_context=server_ssl_context(server_creds.ca_pem, server_creds.cert_pem,
-                                                          server_creds.key_pem),
-                        gateway=gateway,
-                        auth=settings.auth,
-                        task_status=task_status,
-                    )
-                )
+                plane: ControlPlane = await nursery.start(serve_plane)
             except OSError as exc:
                 fail(f"cannot listen on 127.0.0.1 ({exc.strerror or exc}): another llmgw up or server running? "
                      "Stop it, or pick other ports with --http-port/--rpc-port.")
@@ -169,18 +176,20 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                 _print_banner(plane, first, endpoints, state_dir, demo_key)
                 if tiny and models[0].source == demo.source:
                     _print_tiny_warning(demo.source)
-                # SIGTERM (a service manager, `kill`) ends `up` like Ctrl-C: engines stopped unless kept.
-                with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        click.echo("\nllmgw up: terminated; stopping", err=True)
-                        break
+                # Until SIGTERM (a service manager, `kill`) or SIGINT (Ctrl-C): run_daemon cancels
+                # this, the gateway drains, and the engines are stopped unless kept.
+                await trio.sleep_forever()
             finally:
-                if not keep_engines:
-                    with trio.CancelScope(shield=True):
+                # The gateway drains first (its streams may still need the engines), then
+                # the engines stop: shielded, each step bounded by its own timeouts.
+                with trio.CancelScope(shield=True):
+                    plane_scope.cancel()
+                    await plane_stopped.wait()
+                    if not keep_engines:
                         await _stop_all(supervisor)
                 nursery.cancel_scope.cancel()
 
-    run_trio(main)
+    run_daemon(main, "llmgw up")
 
 
 def _ensure_llama_server() -> None:

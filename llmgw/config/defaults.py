@@ -65,6 +65,10 @@ DEFAULT_UPSTREAM_CHUNK_TIMEOUT = 60.0
 #: Gateway processes on the HTTP port: one, in the server process, until the operator
 #: measures that one core is the limit (docs/gateway.md).
 DEFAULT_GATEWAY_WORKERS = 1
+#: Seconds a stopping gateway (SIGTERM/SIGINT) gives its in-flight requests to finish
+#: before it ends the streams still running with an SSE error event. Long enough for
+#: most answers to complete; short enough to fit systemd's default 90 s stop timeout.
+DEFAULT_GATEWAY_SHUTDOWN_GRACE = 30.0
 
 # --- tracing (server.yaml ``tracing:``) --------------------------------------------------
 

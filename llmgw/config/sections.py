@@ -48,6 +48,9 @@ class GatewayConfig:
     #: Gateway processes on the HTTP port (1: in the server process; N > 1: N worker
     #: processes with SO_REUSEPORT, fed by the control plane; docs/gateway.md).
     workers: int = defaults.DEFAULT_GATEWAY_WORKERS
+    #: Seconds in-flight requests get to finish when the server stops (SIGTERM/SIGINT);
+    #: streams still running then end with an SSE error event.
+    shutdown_grace: float = defaults.DEFAULT_GATEWAY_SHUTDOWN_GRACE
 
 
 @attrs.frozen
@@ -157,6 +160,7 @@ def read_gateway(reader: Reader, raw: Any) -> GatewayConfig:
                                        defaults.DEFAULT_UPSTREAM_FIRST_BYTE_TIMEOUT),
         chunk_timeout=section.get("chunk_timeout", seconds, defaults.DEFAULT_UPSTREAM_CHUNK_TIMEOUT),
         workers=section.get("workers", count(1), defaults.DEFAULT_GATEWAY_WORKERS),
+        shutdown_grace=section.get("shutdown_grace", parse_duration, defaults.DEFAULT_GATEWAY_SHUTDOWN_GRACE),
     )
     section.finish()
     return config

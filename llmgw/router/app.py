@@ -40,6 +40,7 @@ from .admission import Admission, Ticket, estimate_tokens, request_too_large, sy
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
 from .http.cleanup import RequestCleanup, request_stack
+from .http.drain import StreamCut, StreamCuts
 from .http.extensions import REQUEST_ID_KEY
 from .http.forward import FastForward, ForwardCall, ForwardResult
 from .http.upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
@@ -143,6 +144,9 @@ class Gateway:
         #: ``metrics:`` of server.yaml: who may read /metrics here, or that it moved to its
         #: own address (llmgw/router/metrics_access.py).
         self.metrics_config = metrics_config if metrics_config is not None else MetricsConfig()
+        #: The relayed streams' upstream reads; a stopping server cuts them when its
+        #: shutdown grace runs out (each stream then ends with an SSE error event).
+        self.streams = StreamCuts()
         self.app = self._build_app()
 
     # -- app wiring ---------------------------------------------------------------------
@@ -440,7 +444,7 @@ class Gateway:
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
             chunks = self.upstream_client().iter_body(upstream, lease.replica_id)  # under deadlines
-            return upstream.status_code, headers, _relay_stream(upstream, forwarded, chunks)
+            return upstream.status_code, headers, _relay_stream(upstream, forwarded, chunks, self.streams)
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
@@ -524,14 +528,17 @@ def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]
     return json.dumps(changed).encode(), True
 
 
-async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _relay_stream(
+    upstream: H1Response, forwarded: _Request, body: AsyncIterator[bytes], streams: StreamCuts
+) -> AsyncIterator[bytes]:
     """Yield the upstream body's bytes as they arrive; at the end release the request's
     lease, close ``upstream`` and account the request.
 
     If the replica breaks the stream (closes it early, goes silent past the read
-    deadline) the client gets one final SSE event ``data: {"error": {...}}`` (which
-    OpenAI clients raise as an error) instead of a silently truncated answer.
-    Cancellation (client gone) closes the upstream connection and propagates.
+    deadline), or the stopping gateway cuts it (``streams``: its shutdown grace ran
+    out), the client gets one final SSE event ``data: {"error": {...}}`` (which OpenAI
+    clients raise as an error) and the stream's end instead of a silently truncated
+    answer. Cancellation (client gone) closes the upstream connection and propagates.
     """
     watch = forwarded.stream
     assert watch is not None  # set when admitted, before any answer
@@ -539,7 +546,7 @@ async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIt
     try:
         try:
             async with contextlib.aclosing(body) as chunks:  # type: ignore[type-var]
-                async for chunk in chunks:
+                while (chunk := await streams.read(chunks)) is not None:
                     out = watch.feed(chunk)
                     if out:
                         yield out
@@ -547,6 +554,8 @@ async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIt
             failure = errors.upstream_timeout(model, describe_error(error))
         except httpx.HTTPError as error:
             failure = errors.upstream_failed(model, describe_error(error))
+        except StreamCut:
+            failure = errors.shutting_down(model)
         else:
             rest = watch.flush()
             if rest:
@@ -555,7 +564,7 @@ async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIt
         rest = watch.flush()
         if rest:
             yield rest
-        log.warning("request %s: stream from replica broke: %s", forwarded.call.request_id, failure.message)
+        log.warning("request %s: stream ended early: %s", forwarded.call.request_id, failure.message)
         yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
     finally:
         lease = forwarded.lease

@@ -86,4 +86,4 @@ def build_gateway(settings: GatewaySettings) -> GatewayState:
             admission=PooledAdmission(admission_limits(settings)), served=False,
         )
         return GatewayPool(master, settings)
-    return LocalGateway(assemble_gateway(settings))
+    return LocalGateway(assemble_gateway(settings), shutdown_grace=settings.gateway.shutdown_grace)

@@ -186,6 +186,17 @@ def upstream_timeout(model: str, detail: str) -> GatewayError:
     )
 
 
+def shutting_down(model: str) -> GatewayError:
+    """503: the gateway is stopping and its shutdown grace ran out while this answer streamed."""
+    return GatewayError(
+        503,
+        f"The gateway is shutting down and ended this answer from '{model}' before it was complete; "
+        "retry the request.",
+        "service_unavailable",
+        code="server_shutting_down",
+    )
+
+
 def http_error(status: int, message: str) -> GatewayError:
     """A routing-level HTTP error (unknown path, wrong method, body too large)."""
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"

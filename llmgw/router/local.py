@@ -16,7 +16,7 @@ import trio
 from llmgw.spec import KvDelta
 
 from .app import Gateway
-from .http.serve import serve_gateway
+from .http.serve import GRACEFUL_SHUTDOWN_S, serve_gateway
 from .interface import (
     AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageBatch, UsageCounts,
 )
@@ -68,13 +68,21 @@ class GatewayState(GatewayInterface):
 
 
 class LocalGateway(GatewayState):
-    """One gateway serving in this process (``gateway.workers: 1``)."""
+    """One gateway serving in this process (``gateway.workers: 1``); when it stops, in-flight
+    requests get ``shutdown_grace`` seconds (``gateway.shutdown_grace``) to finish."""
+
+    def __init__(self, gateway: Gateway, *, shutdown_grace: float = GRACEFUL_SHUTDOWN_S) -> None:
+        super().__init__(gateway)
+        self.shutdown_grace = shutdown_grace
 
     async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the gateway's app (:func:`~llmgw.router.http.serve.serve_gateway`): reports
-        the bound port, raises ``OSError`` if it cannot bind, shuts down gracefully when cancelled
-        (its usage journal closed: every request it counted is journaled)."""
+        the bound port, raises ``OSError`` if it cannot bind. Cancellation drains: no new
+        connections, in-flight requests get ``shutdown_grace`` seconds, then the streams
+        still open end with an SSE error event; returns once the app has stopped (its usage
+        journal closed: every request it counted is journaled)."""
         try:
-            await serve_gateway(self.gateway.app, host, port, task_status=task_status)
+            await serve_gateway(self.gateway.app, host, port, graceful_timeout=self.shutdown_grace,
+                                on_grace_over=self.gateway.streams.cut_all, task_status=task_status)
         finally:
             self.gateway.usage.close()

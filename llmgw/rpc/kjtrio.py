@@ -293,8 +293,14 @@ class TrioLoop:
 
     # -- trio side ----------------------------------------------------------------------
 
+    # KeyboardInterrupt-protected: pycapnp runs Python callbacks (server method dispatch,
+    # done callbacks) from inside a KJ turn and turns any exception raised there into an
+    # RPC error for the peer, so a Ctrl-C raised in one would be sent to the peer instead
+    # of stopping this program. Protected, trio delivers it to the main task instead.
+    @trio.lowlevel.enable_ki_protection
     async def _drain(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run queued callbacks (KJ turns, done callbacks) until cancelled."""
+        """Run queued callbacks (KJ turns, done callbacks) until cancelled. A Ctrl-C
+        (``KeyboardInterrupt``) never interrupts a callback: trio raises it in the main task."""
         task_status.started()
         queue = self._queue
         while True:

@@ -91,7 +91,7 @@ async def test_up_serves_the_demo_model_and_ctl_finds_it(tmp_path: Path) -> None
         assert replica["model"] == "demo" and replica["state"] == "ready"
         assert alive(replica["pid"])
         up.signal(signal.SIGINT)
-        assert await up.wait_exit() == 130
+        assert await up.wait_exit() == 0  # Ctrl-C drains and ends `up` cleanly, like SIGTERM
         assert not alive(replica["pid"]), "llmgw up stops its engines on Ctrl-C"
         assert engines_under(tmp_path) == []
     finally:

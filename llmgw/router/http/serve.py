@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 from wsgiref.handlers import format_date_time
 
 import trio
@@ -26,9 +26,15 @@ from . import hypercorn_patch
 log = logging.getLogger(__name__)
 
 # Seconds open connections get to finish (e.g. a stream in progress) once shutdown
-# starts; after that they are cancelled. Short, because an LLM stream could otherwise
-# hold shutdown for minutes; clients of a stopped gateway retry elsewhere.
+# starts, unless the caller says otherwise (the server passes ``gateway.shutdown_grace``).
+# Short, because an LLM stream could otherwise hold shutdown for minutes; clients of a
+# stopped gateway retry elsewhere.
 GRACEFUL_SHUTDOWN_S = 3.0
+
+# Seconds streams that were cut when the grace ran out get to write their last SSE event
+# and end, before Hypercorn cancels the connections still open. Writing one event to a
+# client socket takes microseconds; this only covers a client that reads slowly.
+CUT_SLACK_S = 2.0
 
 # Seconds on top of the graceful period for the app's own shutdown (closing the
 # upstream client). Past it the server task is cancelled outright.
@@ -62,7 +68,7 @@ class _GatewayConfig(Config):
 
 def _config(graceful_timeout: float) -> Config:
     config = _GatewayConfig()
-    config.graceful_timeout = graceful_timeout
+    config.graceful_timeout = graceful_timeout + CUT_SLACK_S  # Hypercorn cancels what is left then
     config.keep_alive_timeout = KEEP_ALIVE_S
     config.backlog = LISTEN_BACKLOG
     config.accesslog = None
@@ -110,6 +116,7 @@ async def serve_gateway(
     port: int,
     *,
     graceful_timeout: float = GRACEFUL_SHUTDOWN_S,
+    on_grace_over: Callable[[], object] | None = None,
     reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -120,11 +127,15 @@ async def serve_gateway(
     startup hooks have run; use it as ``port = await nursery.start(serve_gateway, app,
     host, 0)``. Runs until cancelled.
 
-    Cancellation shuts down cleanly: no new connections are accepted, open requests get
-    ``graceful_timeout`` seconds to finish and are then cancelled, the app's shutdown
-    hooks run (closing the upstream client), and the listening socket is closed before
-    this returns. That shutdown is shielded from the cancellation and bounded by
-    ``graceful_timeout +`` :data:`SHUTDOWN_SLACK_S`.
+    Cancellation shuts down cleanly: no new connections are accepted, idle keep-alive
+    connections are closed, open requests get ``graceful_timeout`` seconds to finish;
+    then ``on_grace_over()`` is called (the gateway cuts its streams there:
+    :meth:`~llmgw.router.http.drain.StreamCuts.cut_all`), and what is still open
+    :data:`CUT_SLACK_S` later is cancelled. The app's shutdown hooks run (closing the
+    upstream client), and the listening socket is closed before this returns. That
+    shutdown is shielded from the cancellation and bounded by ``graceful_timeout +``
+    :data:`CUT_SLACK_S` ``+`` :data:`SHUTDOWN_SLACK_S`; it returns as soon as the open
+    requests are done.
 
     Raises ``OSError`` (before ``started``) if the address cannot be bound, e.g. the
     port is in use, and :class:`~llmgw.router.http.hypercorn_patch.HypercornUnchecked`
@@ -138,26 +149,40 @@ async def serve_gateway(
     bound_port: int = sock.getsockname()[1]
     shutdown = trio.Event()
     server_scope = trio.CancelScope(shield=True)
+    grace_scope = trio.CancelScope(shield=True)
 
     async def run_server(*, task_status: trio.TaskStatus[list[str]]) -> None:
         # Shielded: the caller's cancellation reaches the server as `shutdown` instead,
         # so Hypercorn runs its graceful shutdown and the app's lifespan shutdown.
         with server_scope:
-            await worker_serve(
-                wrap_app(app, config.wsgi_max_body_size, "asgi"),
-                config,
-                sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
-                shutdown_trigger=shutdown.wait,
-                task_status=task_status,
-            )
+            try:
+                await worker_serve(
+                    wrap_app(app, config.wsgi_max_body_size, "asgi"),
+                    config,
+                    sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
+                    shutdown_trigger=shutdown.wait,
+                    task_status=task_status,
+                )
+            finally:
+                grace_scope.cancel()  # every request done: no grace left to watch
+
+    async def end_of_grace() -> None:
+        # Shielded like the server: runs from shutdown until the server has stopped.
+        with grace_scope:
+            await shutdown.wait()
+            await trio.sleep(graceful_timeout)
+            log.info("gateway shutdown grace (%gs) over: ending the streams still open", graceful_timeout)
+            if on_grace_over is not None:
+                on_grace_over()
 
     with sock:
         async with trio.open_nursery() as nursery:
             try:
+                nursery.start_soon(end_of_grace)
                 await nursery.start(run_server)
                 log.info("gateway listening on %s:%d", host, bound_port)
                 task_status.started(bound_port)
                 await trio.sleep_forever()
             finally:
                 shutdown.set()
-                server_scope.deadline = trio.current_time() + graceful_timeout + SHUTDOWN_SLACK_S
+                server_scope.deadline = trio.current_time() + graceful_timeout + CUT_SLACK_S + SHUTDOWN_SLACK_S

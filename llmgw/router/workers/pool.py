@@ -48,7 +48,7 @@ from llmgw.trioutil import unwrap_single_group
 from ..admission import Admission, AdmissionLimits, TenantCounters
 from ..app import Gateway
 from ..auth import AuthTable, KeyEntry
-from ..http.serve import GRACEFUL_SHUTDOWN_S, SHUTDOWN_SLACK_S
+from ..http.serve import CUT_SLACK_S, SHUTDOWN_SLACK_S
 from ..interface import AccessState, GatewayStatus, UsageCounts
 from ..local import GatewayState
 from ..replicas import ModelInfo, Replica, ReplicaTable
@@ -67,9 +67,9 @@ START_TIMEOUT_S = 60.0
 #: starts again from the first once a worker has run for STABLE_S.
 RESTART_BACKOFF_S = (0.2, 10.0)
 STABLE_S = 30.0
-#: Seconds a stopped worker gets to finish its requests and hand over its last usage
-#: (its own graceful shutdown plus slack) before it is killed.
-STOP_TIMEOUT_S = GRACEFUL_SHUTDOWN_S + SHUTDOWN_SLACK_S + 2.0
+#: Seconds a stopped worker gets, beyond its shutdown grace (``gateway.shutdown_grace``)
+#: and its own shutdown slack, to hand over its last usage before it is killed.
+STOP_SLACK_S = CUT_SLACK_S + SHUTDOWN_SLACK_S + 2.0
 #: Seconds to push one state snapshot into one worker's socket; a worker that does not
 #: read for that long is stuck and is killed (then restarted).
 PUSH_TIMEOUT_S = 10.0
@@ -500,8 +500,8 @@ class GatewayPool(GatewayState):
         """Run one worker process until it exits; call ``on_ready(port)`` once it listens.
 
         Raises :class:`WorkerStartError` if it fails before listening. Cancellation
-        stops it gracefully (its last usage is collected) and kills it past
-        :data:`STOP_TIMEOUT_S`.
+        stops it gracefully (its requests get ``gateway.shutdown_grace``, then its last
+        usage is collected) and kills it :data:`STOP_SLACK_S` past that grace.
         """
         slot = await self._spawn(index)
         try:
@@ -552,7 +552,8 @@ class GatewayPool(GatewayState):
         slot.kv_resync = True  # and nothing more is queued for it
         slot.kv_queue.clear()
         if slot.process.returncode is None:
-            with trio.move_on_after(STOP_TIMEOUT_S):
+            stop_timeout = self.settings.gateway.shutdown_grace + STOP_SLACK_S
+            with trio.move_on_after(stop_timeout):
                 try:
                     await slot.channel.send({"t": "stop"})
                     while True:
@@ -561,7 +562,7 @@ class GatewayPool(GatewayState):
                     pass
                 await slot.process.wait()
             if slot.process.returncode is None:
-                log.warning("gateway worker %d did not stop in %gs; killing it", slot.index, STOP_TIMEOUT_S)
+                log.warning("gateway worker %d did not stop in %gs; killing it", slot.index, stop_timeout)
                 slot.process.kill()
         await slot.process.wait()
         await slot.channel.aclose()

@@ -90,7 +90,10 @@ class Worker:
         self.table = MirrorTable()
         # Routes like the single-process gateway: the KV index is the control plane's
         # (fed over the channel), load and routed-but-unconfirmed blocks are this worker's.
-        self.gateway: Gateway = assemble_gateway(decode_settings(config), table=self.table)
+        settings = decode_settings(config)
+        self.gateway: Gateway = assemble_gateway(settings, table=self.table)
+        #: Seconds in-flight requests get when the control plane says "stop" (``gateway.shutdown_grace``).
+        self.shutdown_grace = settings.gateway.shutdown_grace
         # /metrics is refused before the merge by the rule a single gateway applies.
         access = MetricsAccess.on_gateway(self.gateway.metrics_config, self.gateway.auth.enabled)
         self.front = MetricsGate(WorkerFront(self.gateway.app, self.index, self.scrape), access)
@@ -209,7 +212,9 @@ async def _main(fd: int) -> None:
                 async with trio.open_nursery() as inner:
                     try:
                         port = await inner.start(lambda task_status: serve_gateway(
-                            worker.front, worker.host, worker.port, reuse_port=True, task_status=task_status))
+                            worker.front, worker.host, worker.port, graceful_timeout=worker.shutdown_grace,
+                            on_grace_over=worker.gateway.streams.cut_all, reuse_port=True,
+                            task_status=task_status))
                     except OSError as error:
                         await channel.send({"t": "failed", "error": str(error)})
                         raise
@@ -231,8 +236,11 @@ async def _main(fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: ``argv`` is ``[FD]``. SIGINT is ignored: the control plane decides when to stop."""
+    """Entry point: ``argv`` is ``[FD]``. SIGINT and SIGTERM are ignored: the control plane
+    decides when to stop (Ctrl-C reaches the whole process group, and systemd's stop sends
+    SIGTERM to every process of the service; the server then drains its workers itself)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     level = os.environ.get("LLMGW_WORKER_LOG_LEVEL", "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trio.run(_main, int(argv[0]))
