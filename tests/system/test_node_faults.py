@@ -8,6 +8,7 @@ agent finds them, and by every engine process whose working directory is the clu
 from __future__ import annotations
 
 import errno
+import re
 import os
 import signal
 import subprocess
@@ -104,3 +105,28 @@ async def test_full_state_disk_leaves_no_orphan_engine(cluster: Cluster, small_s
     shards = small_state_dir / "shards"
     assert [m.identity.pid for m in markers.find_marked(shards)] == [after["pid"]]
     assert [p.pid for p in engines_under(cluster.root)] == [after["pid"]]
+
+
+async def test_start_the_node_could_not_record_is_cleared_at_once_and_placed_anew(
+    cluster: Cluster, small_state_dir: Path
+) -> None:
+    """A start refused for want of space leaves a failed row for a shard the node never
+    had: its stop is answered "unknown shard", so the row goes on that one call (never
+    retried) and the model is placed anew once there is space."""
+    await cluster.start_agent("node-a")
+    filler = _fill(small_state_dir)
+    assert cluster.ctl("models", "add", "m1", "--engine", "sim").returncode == 0
+    assert cluster.server is not None
+    await cluster.server.wait_for_line(r"node-a: unknown shard '\S+': .*; counting it as stopped")
+    filler.unlink()
+
+    async def one_ready() -> list[dict] | None:
+        rows = list(iter_replicas(cluster, "m1"))
+        return rows if [r["state"] for r in rows] == ["ready"] else None
+
+    await eventually(one_ready, "one ready replica of m1 once there is space")
+    log = cluster.server.output()
+    assert "will retry" not in log
+    cleared = log.count("counting it as stopped")
+    refused = len(re.findall(r"start of \S+ on node node-a failed", log))
+    assert cleared == refused >= 1  # every refused start's row cleared by exactly one stop call
