@@ -31,7 +31,7 @@ from llmgw.control.store import (
 from llmgw.control.store.base import UsageRecord
 from llmgw.control.store.postgres import PostgresDriver
 from llmgw.spec import Adapter, ModelSpec, Profile
-from tests.pg import as_conninfo
+from tests.pg import as_conninfo, server_dsn
 
 LATEST = MIGRATIONS[-1].version
 
@@ -339,7 +339,7 @@ def terminate_store_connection(dsn: str) -> None:
     name llmgw) and wait until each has exited, as a DBA or a failover would."""
     dbname = dsn.rsplit("/", 1)[1]
     killed = raw_query(
-        dsn,
+        server_dsn(),  # the maintenance database: the store's own may refuse connections
         "SELECT pg_terminate_backend(pid, ?) FROM pg_stat_activity "
         "WHERE datname = ? AND application_name = 'llmgw'",
         (TERMINATE_WAIT_MS, dbname),
@@ -417,6 +417,24 @@ def test_postgres_commit_cut_is_repeated_only_when_idempotent(pg_dsn: str, idemp
     keys = [k for (k,) in raw_query(pg_dsn, "SELECT key FROM settings ORDER BY key")]
     # The cut transaction never committed; only the repeat (when allowed) did.
     assert (body.runs, keys) == ((2, ["run-2"]) if idempotent else (1, []))
+
+
+@pytest.mark.postgres
+async def test_postgres_that_refuses_the_new_connection_fails_the_call_with_the_reason(
+    pg_dsn: str  # noqa: F811
+) -> None:
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    async with open_store(pg_dsn) as store:
+        await store.set_setting("k", 1, "alice")
+        raw_query(server_dsn(), f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS false')
+        try:
+            terminate_store_connection(pg_dsn)
+            with pytest.raises(StoreUnavailableError, match="cannot connect to .*not currently accepting"):
+                await store.get_setting("k")
+        finally:
+            raw_query(server_dsn(), f'ALTER DATABASE "{dbname}" ALLOW_CONNECTIONS true')
+        setting = await store.get_setting("k")  # the server takes connections again: so does the store
+        assert setting is not None and setting.value == 1
 
 
 async def _migrated(dsn: str) -> None:
