@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from llmgw.node.process import (
     terminate,
 )
 from llmgw.node.shard import RestartPolicy, endpoint_url
-from llmgw.node.ports import free_port
+from llmgw.node.ports import free_port, port_is_free
 from llmgw.node.supervisor import Supervisor
 from llmgw.spec import ShardSpec, ShardState
 
@@ -96,6 +97,16 @@ def test_free_port_and_endpoint() -> None:
     assert free_port("127.0.0.1", avoid={port}) != port
     assert endpoint_url("127.0.0.1", 80) == "http://127.0.0.1:80"
     assert endpoint_url("::1", 80) == "http://[::1]:80"
+
+
+def test_port_is_free_sees_a_listener_on_the_address_or_the_wildcard() -> None:
+    for bind_to in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as listener:
+            listener.bind((bind_to, 0))
+            port = listener.getsockname()[1]
+            listener.listen()
+            assert not port_is_free("127.0.0.1", port)
+        assert port_is_free("127.0.0.1", port)
 
 
 # -- process helpers -----------------------------------------------------------------
