@@ -14,7 +14,8 @@ once in :mod:`llmgw.config.defaults` (which parts that run without a file import
 
 The modules: :mod:`.defaults` (every default and its reason), :mod:`.values` (value types
 and parsers), :mod:`.yaml_reader` (the file, overrides, key checking), :mod:`.sections`
-(the gateway's sections of server.yaml), :mod:`.server` and :mod:`.agent` (one per file).
+(the gateway's sections of server.yaml), :mod:`.server` and :mod:`.agent` (one per file),
+:mod:`.dsn` (which backend a store location names; DSNs and messages without passwords).
 This package is neutral: it imports no other part of llmgw but :mod:`llmgw.credentials`.
 Reading is blocking file I/O of a small file, done once at start-up. The names below load
 on first use (PEP 562), so a part that needs only :mod:`.defaults` does not load YAML and
