@@ -2,10 +2,11 @@
 the middle of it, started again on the same store, and the stored usage is exactly what the
 clients were answered, give or take only the requests in flight at the kill.
 
-Real processes on loopback. With a flush interval of an hour nothing reaches the store
-before the kill but through the journal replayed at the restart; with a short one, the kill
-waits for a flush (read from the SQLite file), so the replay must add only what the flushes
-had not stored. No timing is asserted.
+Real processes on loopback. A single-process gateway with a flush interval of an hour:
+nothing reaches the store before the kill but through the journal replayed at the restart.
+Two gateway workers with a short interval: the kill waits for a flush (read from the SQLite
+file), so the workers' journal marks travel through the pool's master to the store, and
+the replay must add only what the flushes had not stored. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -107,9 +108,10 @@ def stored_usage(cluster: Cluster) -> tuple[int, int, int]:
             sum(u["completion_tokens"] for u in rows))
 
 
-@pytest.mark.parametrize("flushes", [False, True], ids=["no-flush", "flushing"])
-async def test_server_kill_loses_only_the_requests_in_flight(tmp_path: Path, flushes: bool) -> None:
-    extra = {"serving": {"usage_flush_interval": "0.2s" if flushes else "1h"}}
+@pytest.mark.parametrize(("flushes", "workers"), [(False, 1), (True, 2)],
+                         ids=["one-gateway-no-flush", "two-workers-flushing"])
+async def test_server_kill_loses_only_the_requests_in_flight(tmp_path: Path, flushes: bool, workers: int) -> None:
+    extra = {"serving": {"usage_flush_interval": "0.2s" if flushes else "1h"}, "gateway": {"workers": workers}}
     async with Cluster(tmp_path, extra=extra) as cluster:
         server = await serve_sim_model(cluster)
         tally = Tally()
