@@ -80,7 +80,7 @@ def secure_files(path: str) -> None:
     dir_mode = stat.S_IMODE(os.stat(directory).st_mode)
     if dir_mode & 0o077:
         log.warning(
-            "the directory %s of SQLite database %s has mode %04o: others can list or change it, "
+            "the directory %s of SQLite database %s has mode %04o (group or others may use it), "
             "and it holds API key hashes, tenants and the audit log; run `chmod %o %s` "
             "(or give the store a directory of its own)",
             directory, path, dir_mode, SQLITE_DIR_MODE, directory,
