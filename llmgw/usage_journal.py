@@ -42,9 +42,11 @@ import secrets
 import time
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import attrs
+
+from llmgw.logthrottle import LogThrottle, reason
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +220,8 @@ class UsageJournal:
         self._size = 0  # bytes of whole records in the open segment
         self._torn = False  # the open segment may end in a partly written record
         self._opened_at = 0.0
-        self._unlogged_failures = 0
-        self._last_failure_log = float("-inf")
+        self._failing = False
+        self._throttle = LogThrottle(log, interval=FAILURE_LOG_INTERVAL_S, clock=clock)
 
     @property
     def seq(self) -> int:
@@ -255,6 +257,10 @@ class UsageJournal:
                 os.fdatasync(self._fd)
         except OSError as exc:
             self._failed(exc)
+        else:
+            if self._failing:
+                self._failing = False
+                self._throttle.recovered("write", "usage journal %s: journaling again", self.id)
         return self._seq
 
     def close(self) -> None:
@@ -280,18 +286,9 @@ class UsageJournal:
 
     def _failed(self, exc: OSError) -> None:
         self.failures += 1
-        self._unlogged_failures += 1
+        self._failing = True
         if self.on_failure is not None:
             self.on_failure()
-        now = self._clock()
-        if now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
-            log.warning("usage journal %s: %d record(s) not journaled (%s); usage is still counted in memory, "
-                        "but a crash before the next store flush would lose it", self.id,
-                        self._unlogged_failures, exc)
-            self._last_failure_log = now
-            self._unlogged_failures = 0
-
-
-def records_above(records: Iterable[JournalRecord], mark: int) -> list[JournalRecord]:
-    """Return the records with a sequence above ``mark`` (those the store does not hold)."""
-    return [r for r in records if r.seq > mark]
+        self._throttle.failure(
+            "write", logging.WARNING, "usage journal %s: a record was not journaled (%s); usage is still "
+            "counted in memory, but a crash before the next store flush would lose it", self.id, reason(exc))

@@ -4,8 +4,10 @@ segments rotate and are released once stored, a failed write is counted and neve
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
+import zlib
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,7 @@ def test_a_torn_last_record_and_a_corrupt_one_are_skipped(tmp_path: Path) -> Non
     assert [r.seq for r in read_journals(tmp_path)["j1"]] == [1, 3]
     assert decode_record(b"") is None and decode_record(b"0000000x []") is None
     body = b'[1,"t","m",-1,0]'
-    assert decode_record(b"%08x %s" % (__import__("zlib").crc32(body), body)) is None  # negative tokens
+    assert decode_record(b"%08x %s" % (zlib.crc32(body), body)) is None  # negative tokens
 
 
 def test_segments_rotate_and_release_deletes_only_what_is_stored(tmp_path: Path) -> None:
@@ -72,8 +74,9 @@ def test_segments_rotate_and_release_deletes_only_what_is_stored(tmp_path: Path)
 
 
 def test_a_failed_write_is_counted_and_its_torn_tail_cut_before_the_next_record(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.usage_journal")
     failures: list[None] = []
     journal = UsageJournal(tmp_path, journal_id="j1", on_failure=lambda: failures.append(None))
     journal.append("t", "m", 1, 1)
@@ -92,6 +95,9 @@ def test_a_failed_write_is_counted_and_its_torn_tail_cut_before_the_next_record(
     assert journal.failures == 2 and len(failures) == 2
     monkeypatch.setattr(usage_journal.os, "write", real_write)
     journal.append("t", "m", 1, 1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([line for line in lines if "not journaled" in line]) == 1, lines  # a full disk: one line
+    assert "journaling again" in lines[-1] and "1 more failures" in lines[-1]
     journal.close()
     assert [r.seq for r in read_journals(tmp_path)["j1"]] == [1, 4]
     [segment] = tmp_path.iterdir()  # one file, no torn bytes left in it
