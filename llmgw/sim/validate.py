@@ -27,7 +27,8 @@ def _shown(value: object) -> str:
 
 
 def _refuse(field: str, message: str) -> EngineError:
-    return EngineError(400, f"{field}: {message}", param=field)
+    """Returns the 400 for ``field``; ``message`` follows the field's name (as vLLM words it)."""
+    return EngineError(400, f"{field}{message}", param=field)
 
 
 def _number(field: str, value: object) -> float:
@@ -40,12 +41,12 @@ def _number(field: str, value: object) -> float:
             number = float(value.strip())
         except ValueError:
             raise _refuse(
-                field, f"Input should be a valid number, unable to parse string as a number, got {_shown(value)}"
+                field, f": Input should be a valid number, unable to parse string as a number, got {_shown(value)}"
             ) from None
     else:
-        raise _refuse(field, f"Input should be a valid number, got {_shown(value)}")
+        raise _refuse(field, f": Input should be a valid number, got {_shown(value)}")
     if not math.isfinite(number):
-        raise _refuse(field, f"Input should be a finite number, got {_shown(value)}")
+        raise _refuse(field, f": Input should be a finite number, got {_shown(value)}")
     return number
 
 
@@ -56,7 +57,7 @@ def _integer(field: str, value: object) -> int:
         return int(value)
     number = _number(field, value) if isinstance(value, (float, str)) else None
     if number is None or not number.is_integer():
-        raise _refuse(field, f"Input should be a valid integer, got {_shown(value)}")
+        raise _refuse(field, f": Input should be a valid integer, got {_shown(value)}")
     return int(number)
 
 
@@ -68,7 +69,7 @@ def _boolean(field: str, value: object) -> bool:
         return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
         return value.lower() in _TRUE
-    raise _refuse(field, f"Input should be a valid boolean, got {_shown(value)}")
+    raise _refuse(field, f": Input should be a valid boolean, got {_shown(value)}")
 
 
 #: (field, read, the range vLLM accepts, how vLLM words a value outside it).
@@ -97,6 +98,6 @@ def check_sampling(body: Mapping[str, Any]) -> bool:
     for field, read, accepts, words in _RANGES:
         value = body.get(field)
         if value is not None and not accepts(read(field, value)):
-            raise _refuse(field, f"{field} {words}, got {_shown(value)}.")
+            raise _refuse(field, f" {words}, got {_shown(value)}.")
     stream = body.get("stream")
     return False if stream is None else _boolean("stream", stream)
