@@ -29,6 +29,7 @@ __all__ = [
     "INTERNAL_ERROR",
     "MAX_REMOTE_MESSAGE",
     "RemoteError",
+    "TIMED_OUT",
     "UNEXPECTED_TYPES",
     "is_expected",
     "one_line",
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 MAX_REMOTE_MESSAGE = 2000
 #: What a caller reads for an unexpected error; ``{id}`` finds its traceback in the log.
 INTERNAL_ERROR = "internal error (see the server log, id {id})"
+#: What a caller reads when the server gave up waiting (trio.TooSlowError has no text).
+TIMED_OUT = "timed out waiting for another part of the cluster"
 #: Exceptions whose message is meant for the caller (refused input, an unknown id, a full
 #: disk, a peer that did not answer). Programming errors (TypeError, AttributeError,
 #: AssertionError...) are not.
@@ -81,11 +84,14 @@ def one_line(text: str, limit: int = MAX_REMOTE_MESSAGE) -> str:
 
 def _message(exc: BaseException) -> str:
     """Returns ``exc``'s own text for a caller: a KeyError's key without quotes, a remote
-    error's reason, else ``str(exc)``; the type's name when there is no text."""
+    error's reason, :data:`TIMED_OUT` for a bare timeout, else ``str(exc)``; the type's name
+    when there is no text."""
     if isinstance(exc, capnp.KjException):
         return remote_reason(exc)
     if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
         return exc.args[0]
+    if isinstance(exc, trio.TooSlowError) and not str(exc):
+        return TIMED_OUT
     return str(exc) or type(exc).__name__
 
 

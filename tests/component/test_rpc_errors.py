@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from llmgw.rpc.connection import open_client, serve_stream
-from llmgw.rpc.errors import INTERNAL_ERROR, MAX_REMOTE_MESSAGE, remote_reason
+from llmgw.rpc.errors import INTERNAL_ERROR, MAX_REMOTE_MESSAGE, TIMED_OUT, remote_reason
 from llmgw.rpc.kjtrio import capnp_runtime
 from tests.component.rpc_echo import EchoImpl, load_schema
 
@@ -48,6 +48,7 @@ EXPECTED = [
     (ValueError("line one\n  line two\n"), "line one; line two"),
     (_chained(), "cannot record shard m-1"),
     (ExceptionGroup("nursery", [ValueError("the only one")]), "the only one"),
+    (trio.TooSlowError(), TIMED_OUT),
     (ValueError("x" * 10 * MAX_REMOTE_MESSAGE), "x" * (MAX_REMOTE_MESSAGE - 3) + "..."),
 ]
 #: Programming errors: the caller reads an id, the server's log has the traceback.
