@@ -70,6 +70,8 @@ struct ShardSpec {
   gpus @8 :List(UInt32);
   adapters @9 :List(Adapter);    # LoRA adapters of the model; the node fetches each like the weights
   maxLoadedAdapters @10 :UInt32; # 0: every adapter loaded at start; N: at most N at a time (vLLM, runtime API)
+  fingerprint @11 :Text;        # the model definition this shard runs (rollouts compare it; kept across adoption)
+  apiKey @12 :Text;             # the engine's secret: the gateway sends it as a Bearer token; never logged or shown
 }
 
 enum ShardState {
