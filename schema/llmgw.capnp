@@ -33,6 +33,8 @@ struct EngineInfo {
   installable @3 :Bool;
   detail @4 :Text;
   state @5 :Text;          # what the agent is doing about it ("installing: downloading X (16 MB)"); "" = idle
+  path @6 :Text;           # what the agent runs: llama-server, or the Python of vLLM/SGLang ("" = none/built in)
+  origin @7 :Text;         # where that path comes from: "agent.yaml" (named by the operator), "installed", "built-in"
 }
 
 struct Adapter {
