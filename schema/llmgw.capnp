@@ -214,6 +214,15 @@ struct ReplicaView {
   compute @9 :Compute;
   hasCompute @10 :Bool;
   computeSummary @11 :Text;  # one line for tables: "CPU, 0.4 MiB model, 0.5 MiB KV"
+  fingerprint @12 :Text;     # of the model definition the replica runs
+  outdated @13 :Bool;        # the catalog's definition of its model has changed since: a rollout replaces it
+}
+
+struct Rollout {
+  # What saving a model's definition does to its running replicas.
+  kind @0 :Text;       # "new", "unchanged", "surge" (new ready before old stops), "in-place" (no room), "blocked"
+  outdated @1 :UInt32; # running replicas of an older definition that will be replaced
+  message @2 :Text;    # the same in words, for people
 }
 
 struct ClusterStatus {
@@ -274,8 +283,9 @@ interface Admin {
   listNodes @1 () -> (nodes :List(NodeView));
   listReplicas @2 () -> (replicas :List(ReplicaView), unplaceable :List(Text));
   listModels @3 () -> (models :List(Model));
-  addModel @4 (model :Model, replace :Bool) -> (model :Model);
+  addModel @4 (model :Model, replace :Bool) -> (model :Model, rollout :Rollout);
   # Fails with the validation error, naming the field, when the model is invalid.
+  # rollout: what the cluster will do about running replicas of an older definition.
   removeModel @5 (name :Text) -> (removed :Bool);
   replicaLogs @6 (id :Text, lines :UInt32) -> (lines :List(Text));
   # Tenants and API keys (issue 3). Each change is audited and reaches the gateway at once.
