@@ -163,6 +163,10 @@ class ShardSpec:
     gpus: tuple[int, ...] = ()
     adapters: tuple[Adapter, ...] = ()  # the model's LoRA adapters (fetched by the node like the weights)
     max_loaded_adapters: int = 0  # 0: all loaded at start; N: at most N at a time, loaded on demand
+    # The engine's secret (minted by the control plane when it places the shard): the engine
+    # answers only requests that carry it as a Bearer token, and the gateway sends it. Kept out
+    # of reprs, logs and ctl output; the agent hands it to the engine in its environment.
+    api_key: str = attrs.field(default="", repr=False)
 
 
 #: How an "unknown shard" answer begins, on the node and across the RPC (where only the

@@ -9,7 +9,8 @@ Public API::
 node and shard), then :class:`StartReplica` entries in placement order, then
 :class:`Waiting` (a model held back by failure backoff) and :class:`Unplaceable` (a
 replica no node can take, with a sentence saying why). It does no I/O, reads no clock and,
-given the same inputs and an id factory that returns the same ids, returns the same list.
+given the same inputs and id and secret factories that return the same values, returns the
+same list.
 
 Rules, in order:
 
@@ -169,6 +170,16 @@ def note_failures(
 def random_shard_id(model: str) -> str:
     """Return a fresh shard id ``"<model>-<8 hex digits>"``."""
     return f"{model}-{secrets.token_hex(4)}"
+
+
+#: Random bytes in an engine's secret (``ShardSpec.api_key``): 256 bits, as URL-safe text
+#: (43 characters), so it can be neither guessed nor brute-forced over HTTP.
+ENGINE_SECRET_BYTES = 32
+
+
+def new_engine_secret() -> str:
+    """Return a fresh secret for one shard's engine (the gateway sends it as a Bearer token)."""
+    return secrets.token_urlsafe(ENGINE_SECRET_BYTES)
 
 
 class SequentialIds:
@@ -400,11 +411,13 @@ def plan(
     now: float,
     failures: Mapping[str, FailureRecord] | None = None,
     new_id: Callable[[str], str] = random_shard_id,
+    new_secret: Callable[[], str] = new_engine_secret,
 ) -> list[Action]:
     """Return the actions that bring ``fleet`` towards ``desired`` (see the module docstring).
 
     ``now`` is on the same clock as the fleet's times (trio's). ``failures`` is the
-    per-model failure book from :func:`note_failures`. ``new_id(model)`` names new shards.
+    per-model failure book from :func:`note_failures`. ``new_id(model)`` names new shards;
+    ``new_secret()`` gives each new shard its engine's secret.
     Raises nothing for unfit input: what cannot be placed is reported as :class:`Unplaceable`.
     """
     failures = failures or {}
@@ -516,6 +529,7 @@ def plan(
                 gpus=gpus,
                 adapters=model.adapters,
                 max_loaded_adapters=model.max_loaded_adapters,
+                api_key=new_secret(),
             )
             cap.reserve(spec)
             cap.version += 1

@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
 LOG_FILE = "engine.log"
+#: state.json holds the engine's secret: readable by the agent's user only, in directories
+#: only that user can enter.
+STATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
 
 # Shard ids become directory names: keep them to a safe, portable alphabet.
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
@@ -72,6 +76,7 @@ class ShardRecord:
                 "gpus": list(spec.gpus),
                 "adapters": adapters_to_dicts(spec.adapters),
                 "max_loaded_adapters": spec.max_loaded_adapters,
+                "api_key": spec.api_key,
             },
             "port": self.port,
             "identity": None if self.identity is None else self.identity.to_json(),
@@ -101,6 +106,7 @@ class ShardRecord:
             gpus=tuple(int(g) for g in s.get("gpus", ())),
             adapters=adapters_from_dicts(s.get("adapters", ())),
             max_loaded_adapters=int(s.get("max_loaded_adapters", 0)),
+            api_key=str(s.get("api_key", "")),  # "": an engine started before engines had secrets
         )
         identity = data.get("identity")
         kv_events = data.get("kv_events")
@@ -137,15 +143,34 @@ def shard_dir(state_dir: Path, shard_id: str) -> Path:
     return shards_root(state_dir) / shard_id
 
 
+def make_private_dirs(state_dir: Path, directory: Path) -> None:
+    """Creates ``directory`` (under ``state_dir``) and the directories between them, each 0700.
+
+    Shard directories hold the engine's secret (state.json) and its log: only the agent's
+    user may list or read them. Directories that exist already are narrowed to 0700 too.
+    Raises OSError if one cannot be created or changed.
+    """
+    parts = directory.relative_to(state_dir).parts
+    path = state_dir
+    for part in parts:
+        path = path / part
+        try:
+            path.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            pass
+        if path.stat().st_mode & 0o777 != PRIVATE_DIR_MODE:
+            os.chmod(path, PRIVATE_DIR_MODE)
+
+
 def save(state_dir: Path, record: ShardRecord) -> None:
-    """Atomically writes ``record`` to its shard's state.json, creating directories.
+    """Atomically writes ``record`` to its shard's state.json (0600), creating directories (0700).
 
     Raises OSError if the disk refuses (full, read-only); the old file then stays intact.
     """
     directory = shard_dir(state_dir, record.spec.id)
-    directory.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(state_dir, directory)
     payload = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
-    atomic_write(directory / STATE_FILE, payload, mode=0o600)
+    atomic_write(directory / STATE_FILE, payload, mode=STATE_FILE_MODE)
 
 
 def load_all(state_dir: Path) -> list[ShardRecord]:

@@ -99,6 +99,7 @@ def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
         "gpus": list(s.gpus),
         "adapters": adapters_to_dicts(s.adapters),
         "maxLoadedAdapters": s.max_loaded_adapters,
+        "apiKey": s.api_key,
     }
 
 
@@ -143,6 +144,7 @@ def shard_spec_from(r: Any) -> ShardSpec:
         gpus=tuple(r.gpus),
         adapters=adapters_from(r.adapters),
         max_loaded_adapters=r.maxLoadedAdapters,
+        api_key=r.apiKey,
     )
 
 

@@ -214,6 +214,25 @@ def test_state_roundtrip_and_bad_files(tmp_path: Path) -> None:
             shard_state.shard_dir(tmp_path, bad)
 
 
+def test_state_keeps_the_engine_secret_private(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o755)
+    (state_dir / "shards").mkdir(mode=0o755)  # left by an older agent: narrowed on the next save
+    spec = ShardSpec(id="a", model="m", engine="sim", source="/w", api_key="engine-s3cret")
+    shard_state.save(state_dir, shard_state.ShardRecord(spec=spec, port=1))
+    [loaded] = shard_state.load_all(state_dir)
+    assert loaded.spec.api_key == "engine-s3cret"
+    assert "engine-s3cret" not in repr(loaded)
+    state = state_dir / "shards" / "a" / "state.json"
+    assert state.stat().st_mode & 0o777 == 0o600
+    assert (state_dir / "shards").stat().st_mode & 0o777 == 0o700
+    assert (state_dir / "shards" / "a").stat().st_mode & 0o777 == 0o700
+    old = json.loads(state.read_text())
+    del old["spec"]["api_key"]  # written before engines had secrets
+    state.write_text(json.dumps(old))
+    assert shard_state.load_all(state_dir)[0].spec.api_key == ""
+
+
 # -- the real simulated engine -------------------------------------------------------
 
 

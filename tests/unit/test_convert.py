@@ -18,7 +18,7 @@ def test_hardware_roundtrip():
 
 
 def test_shard_spec_and_status_roundtrip():
-    spec = ShardSpec("m-1", "m", "sim", "/w", ("--a", "1"), {"X": "1"}, 512, 1.5, (0, 1))
+    spec = ShardSpec("m-1", "m", "sim", "/w", ("--a", "1"), {"X": "1"}, 512, 1.5, (0, 1), api_key="k3y")
     assert roundtrip(s.ShardSpec, convert.shard_spec_dict(spec), convert.shard_spec_from) == spec
     for state in ShardState:
         st = ShardStatus("m-1", state, "http://127.0.0.1:1", 42, 3, "msg", ("a", "b"))

@@ -99,7 +99,7 @@ def summary(actions) -> list[tuple]:
 
 
 def run(desired, f, *, now=NOW, failures=None):
-    return plan(desired, f, now=now, failures=failures, new_id=SequentialIds())
+    return plan(desired, f, now=now, failures=failures, new_id=SequentialIds(), new_secret=lambda: "secret")
 
 
 @attrs.frozen
@@ -227,11 +227,19 @@ def test_start_spec_carries_profile_and_fresh_ids() -> None:
                                                    engine_env={"OMP_NUM_THREADS": "2"}))
     f = fleet(node("a", shards=(shard("m-1", "m"),)), node("b"))
     ids = iter(["m-1", "m-1", "m-7"])  # the first two collide with the running shard
-    (start,) = plan([m], f, now=NOW, new_id=lambda _: next(ids))
+    (start,) = plan([m], f, now=NOW, new_id=lambda _: next(ids), new_secret=lambda: "s3cret")
     assert start.shard_spec == ShardSpec(
         id="m-7", model="m", engine=LLAMA, source="/w/m.gguf", args=("-c", "4096"),
-        env={"OMP_NUM_THREADS": "2"}, memory_mb=2048, cpu_cores=2.0, gpus=(),
+        env={"OMP_NUM_THREADS": "2"}, memory_mb=2048, cpu_cores=2.0, gpus=(), api_key="s3cret",
     )
+
+
+def test_each_new_shard_gets_its_own_engine_secret_kept_out_of_its_repr() -> None:
+    m = ModelSpec("m", LLAMA, "/w/m.gguf", Profile(replicas=3, memory_mb=1024))
+    starts = plan([m], fleet(node("a"), node("b"), node("c")), now=NOW)
+    keys = [s.shard_spec.api_key for s in starts]
+    assert len(starts) == 3 and len(set(keys)) == 3 and all(len(k) >= 43 for k in keys)
+    assert all(k not in repr(s) for k, s in zip(keys, starts))
 
 
 def test_start_spec_carries_the_models_adapters() -> None:
