@@ -40,6 +40,7 @@ import attrs
 __all__ = [
     "AGENT_ARGS",
     "AGENT_ENV",
+    "API_KEY_ENV",
     "ENV_FAMILIES",
     "LLMGW_OPTIONS",
     "REFUSED_ARGS",
@@ -191,12 +192,24 @@ REFUSED_ENV_NAMES: tuple[tuple[str, str], ...] = (
     ("VLLM_SERVER_DEV_MODE", "it opens the engine's development endpoints"),
     ("VLLM_USE_MODELSCOPE", "it downloads weights from elsewhere; llmgw fetches weights itself"),
 )
-#: Variables the agent sets itself, per engine (the simulator sets none of these).
+#: The variable through which the agent hands a shard's engine its secret (``ShardSpec.api_key``),
+#: per engine: never on the command line, which every local user can read in /proc. vLLM reads
+#: VLLM_API_KEY (vllm.envs) and llama-server LLAMA_API_KEY (its ``--api-key`` option's variable);
+#: the simulator reads LLMGW_SIM_API_KEY (:data:`llmgw.sim.config.API_KEY_ENV`). SGLang takes its
+#: key only as ``--api-key``, so its engines get none (the gateway's header is ignored there).
+API_KEY_ENV: Mapping[str, str] = {
+    "vllm": "VLLM_API_KEY",
+    "llama.cpp": "LLAMA_API_KEY",
+    "sim": "LLMGW_SIM_API_KEY",
+}
+#: Variables the agent sets itself, per engine.
 AGENT_ENV: Mapping[str, frozenset[str]] = {
     "vllm": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-                       "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"}),
+                       "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "VLLM_API_KEY"}),
     "sglang": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}),
-    "llama.cpp": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}),
+    "llama.cpp": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY",
+                            "LLAMA_ARG_API_KEY_FILE"}),
+    "sim": frozenset({"LLMGW_SIM_API_KEY"}),
 }
 #: Engines that get the name refusals only (no family allowlist): llmgw's own simulator.
 FREE_ENV_ENGINES = frozenset({"sim"})

@@ -8,6 +8,7 @@ Every refusal is an OpenAI-shaped JSON error
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 import struct
 import time
@@ -365,6 +366,34 @@ async def kv_event_sources(engine: Engine, req: Request, resp: Responder) -> Non
     )
 
 
+#: Paths answered without the engine's secret: the liveness check (vLLM and llama-server leave
+#: /health open too, so an agent or load balancer can probe without the key).
+OPEN_PATHS = frozenset({"/health"})
+_BEARER = "bearer "
+
+
+def authorized(req: Request, api_key: str) -> bool:
+    """Return whether ``req`` may be served: no secret is set, its path is open, or it carries
+    ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+    if not api_key or req.path in OPEN_PATHS:
+        return True
+    for name, value in req.headers:
+        if name.lower() == b"authorization":
+            text = value.decode("latin-1")
+            if text[: len(_BEARER)].lower() != _BEARER:
+                return False
+            return hmac.compare_digest(text[len(_BEARER):].strip().encode("latin-1"), api_key.encode())
+    return False
+
+
+def _unauthorized() -> dict[str, Any]:
+    """The 401 body, in OpenAI's shape (``invalid_api_key``); it never echoes the key sent."""
+    return {"error": {
+        "message": "Incorrect API key provided: send the engine's key as 'Authorization: Bearer <key>'.",
+        "type": "invalid_request_error", "param": None, "code": "invalid_api_key",
+    }}
+
+
 ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/chat/completions": ("POST", chat_completions),
     "/v1/completions": ("POST", completions),
@@ -385,9 +414,16 @@ ROUTES: dict[str, tuple[str, Route]] = {
 
 
 def make_handler(engine: Engine) -> Callable[[Request, Responder], Awaitable[None]]:
-    """Return the HTTP handler serving :data:`ROUTES` for ``engine``; refusals become JSON errors."""
+    """Return the HTTP handler serving :data:`ROUTES` for ``engine``; refusals become JSON errors.
+
+    With a secret (``engine.cfg.api_key``), a request without it gets 401 on every path but
+    :data:`OPEN_PATHS`, before anything else (even a 404 would tell a stranger what exists).
+    """
 
     async def handle(req: Request, resp: Responder) -> None:
+        if not authorized(req, engine.cfg.api_key):
+            await resp.send_json(401, _unauthorized())
+            return
         route = ROUTES.get(req.path)
         if route is None:
             await resp.send_json(404, _error_body(404, f"no route for {req.path}", "NotFoundError"))

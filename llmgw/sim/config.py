@@ -10,6 +10,11 @@ import attrs
 
 from llmgw import kvhash
 
+#: The variable the engine's secret comes in (set by the agent; never an option, since a
+#: command line is readable by every local user). Set: every route but /health needs
+#: ``Authorization: Bearer <secret>``; unset or empty: the engine answers anyone, as vLLM does.
+API_KEY_ENV = "LLMGW_SIM_API_KEY"
+
 
 @attrs.frozen
 class SimConfig:
@@ -37,6 +42,7 @@ class SimConfig:
     fail_after: int | None = None
     startup_delay_s: float = 0.0
     embedding_dim: int = 16
+    api_key: str = attrs.field(default="", repr=False)  # from $LLMGW_SIM_API_KEY ("" = no check)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> SimConfig:
-    """Return the config for ``argv``; exits with status 2 and a message on invalid arguments."""
+    """Return the config for ``argv`` and ``environ`` (default: this process's; the secret is
+    :data:`API_KEY_ENV`); exits with status 2 and a message on invalid arguments."""
     parser = build_parser()
     a = parser.parse_args(argv)
     loras = []
@@ -90,7 +97,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     for flag, value in (("--block-size", a.block_size), ("--num-blocks", a.num_blocks), ("--max-num-seqs", a.max_num_seqs), ("--max-model-len", a.max_model_len), ("--max-loras", a.max_loras)):
         if value <= 0:
             parser.error(f"{flag} must be positive, got {value}")
-    seed = a.hash_seed if a.hash_seed is not None else kvhash.seed_from_env(dict(os.environ if environ is None else environ))
+    env = os.environ if environ is None else environ
+    seed = a.hash_seed if a.hash_seed is not None else kvhash.seed_from_env(dict(env))
     return SimConfig(
         model=a.model,
         host=a.host,
@@ -114,4 +122,5 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         fail_after=a.fail_after,
         startup_delay_s=a.startup_delay,
         embedding_dim=a.embedding_dim,
+        api_key=env.get(API_KEY_ENV, ""),
     )

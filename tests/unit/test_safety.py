@@ -7,6 +7,8 @@ import pytest
 from llmgw.catalog import CatalogError, check_engine_args
 from llmgw.node.engines import EngineRefused, check_refused
 from llmgw.catalog.engine_options import UnsafeSetting, check, llmgw_options, option_name, violations
+from llmgw.catalog.engine_options import AGENT_ENV, API_KEY_ENV
+from llmgw.sim.config import API_KEY_ENV as SIM_API_KEY_ENV
 from llmgw.spec import ShardSpec
 
 
@@ -75,6 +77,14 @@ def test_engine_families_are_per_engine() -> None:
 def test_the_simulator_gets_name_refusals_but_no_family_allowlist() -> None:
     assert refused("sim", env={"ANYTHING": "1", "PLUGINS": "x", "CUDA_VISIBLE_DEVICES": "0"}) == []
     assert refused("sim", env={"LD_PRELOAD": "/x.so", "SIM_PLUGIN": "x"}) == ["LD_PRELOAD", "SIM_PLUGIN"]
+
+
+@pytest.mark.parametrize(("engine", "name"), sorted(API_KEY_ENV.items()) + [("llama.cpp", "LLAMA_ARG_API_KEY")])
+def test_a_profile_cannot_set_the_engine_secret_the_agent_sets(engine: str, name: str) -> None:
+    (v,) = violations(engine, [], {name: "guess"})
+    assert v.subject == name and v.reason.startswith("not allowed")
+    assert name in AGENT_ENV[engine] or name == "LLAMA_ARG_API_KEY"
+    assert API_KEY_ENV["sim"] == SIM_API_KEY_ENV  # the simulator reads the variable the agent sets
 
 
 @pytest.mark.parametrize(
