@@ -167,6 +167,9 @@ class ShardSpec:
     # answers only requests that carry it as a Bearer token, and the gateway sends it. Kept out
     # of reprs, logs and ctl output; the agent hands it to the engine in its environment.
     api_key: str = attrs.field(default="", repr=False)
+    # The model definition this shard runs (llmgw.catalog.fingerprint): the agent keeps it across
+    # adoption; a rollout replaces shards whose fingerprint is not their catalog model's ("" = unknown).
+    fingerprint: str = ""
 
 
 #: How an "unknown shard" answer begins, on the node and across the RPC (where only the

@@ -35,7 +35,7 @@ from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
 from llmgw.spec import EngineInfo, Hardware, ModelSpec
 from llmgw.spec import Compute
 
-__all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "connect",
+__all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "Rollout", "connect",
            "KeyRow", "TenantAdmission", "TenantRow", "UsageRow"]
 
 #: Admin calls read in-memory state or do one small store write.
@@ -71,6 +71,20 @@ class ReplicaRow:
     last_output: tuple[str, ...]
     compute: Compute | None = None  # what the engine computes on; None until it said (or was looked up)
     compute_summary: str = ""  # one line: "CPU, 0.4 MiB model, 0.5 MiB KV" / "CUDA0 H200, 33/33 layers"
+    fingerprint: str = ""  # of the model definition it runs
+    outdated: bool = False  # its model's definition changed since it started: a rollout replaces it
+
+
+@attrs.frozen
+class Rollout:
+    """What saving a model did to its running replicas. ``kind``: "new", "unchanged", "surge"
+    (one at a time, new ready before old stops), "in-place" (no room for a surge), "blocked" (the
+    new definition fits nowhere; old replicas keep serving) or "waiting" (failure backoff);
+    ``outdated``: replicas to replace; ``message``: the same for people."""
+
+    kind: str
+    outdated: int
+    message: str
 
 
 @attrs.frozen
@@ -227,7 +241,7 @@ class ClusterClient:
         result = await self._call("listReplicas")
         rows = [
             ReplicaRow(r.id, r.model, r.nodeId, r.state, r.endpoint, r.pid, r.restarts, r.message,
-                       tuple(r.lastOutput), convert.compute_from(r), r.computeSummary)
+                       tuple(r.lastOutput), convert.compute_from(r), r.computeSummary, r.fingerprint, r.outdated)
             for r in result.replicas
         ]
         return rows, list(result.unplaceable)
@@ -238,8 +252,13 @@ class ClusterClient:
 
     async def add_model(self, model: ModelSpec, *, replace: bool = False) -> ModelSpec:
         """Add (or with ``replace``, update) a catalog model; the control plane validates it."""
+        return (await self.save_model(model, replace=replace))[0]
+
+    async def save_model(self, model: ModelSpec, *, replace: bool = False) -> tuple[ModelSpec, Rollout]:
+        """Like :meth:`add_model`; returns the model as stored and what happens to its running replicas."""
         result = await self._call("addModel", convert.model_dict(model), replace)
-        return convert.model_from(result.model)
+        r = result.rollout
+        return convert.model_from(result.model), Rollout(r.kind, r.outdated, r.message)
 
     async def remove_model(self, name: str) -> bool:
         return bool((await self._call("removeModel", name)).removed)

@@ -16,8 +16,10 @@ import trio
 
 from llmgw import __version__
 from llmgw.catalog import model_to_dict, validate_model
+from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.keys import AccessSync
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
+from llmgw.control import rollout
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import NodeState, Registry
 from llmgw.control.sessions import NodeSessions
@@ -94,6 +96,7 @@ def make_admin(services: AdminServices, actor: str) -> Any:
 
         async def listReplicas(self, _context: Any, **_: Any) -> None:
             fleet = services.registry.snapshot()
+            current = {m.name: model_fingerprint(m) for m in await services.store.list_models()}
             rows = []
             for node in sorted(fleet.nodes.values(), key=lambda n: n.id):
                 for shard in sorted(node.shards.values(), key=lambda sh: (sh.model, sh.id)):
@@ -112,6 +115,8 @@ def make_admin(services: AdminServices, actor: str) -> Any:
                             "lastOutput": list(st.last_output),
                             **convert.compute_fields(st.compute),
                             "computeSummary": st.compute.summary() if st.compute is not None else "",
+                            "fingerprint": shard_fingerprint(shard.spec),
+                            "outdated": shard.model in current and shard_fingerprint(shard.spec) != current[shard.model],
                         }
                     )
             _context.results.replicas = rows
@@ -124,11 +129,16 @@ def make_admin(services: AdminServices, actor: str) -> Any:
         async def addModel(self, model: Any, replace: bool, _context: Any, **_: Any) -> None:
             spec = validate_model(model_to_dict(convert.model_from(model)))
             replace = bool(replace)
+            existed = replace and await services.store.get_model(spec.name) is not None
             saved = await services.store.put_model(spec, create_only=not replace)
+            plan = rollout.preview(saved, services.registry.snapshot(), now=trio.current_time(), existed=existed)
+            if plan.outdated:
+                log.info("model %s saved by %s: %s", saved.name, actor, plan.message)
             await services.store.audit(actor, "model.replace" if replace else "model.add", spec.name,
                                     model_to_dict(saved))
             services.catalog_changed()
             _context.results.model = convert.model_dict(saved)
+            _context.results.rollout = {"kind": plan.kind, "outdated": plan.outdated, "message": plan.message}
 
         async def removeModel(self, name: str, _context: Any, **_: Any) -> None:
             name = str(name)

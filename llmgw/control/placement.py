@@ -28,6 +28,18 @@ Rules, in order:
   one with the most free resources (for CPU replicas, nodes without GPUs first).
 * GPU replicas (``profile.gpus > 0``) reserve specific GPU indices, each with at least
   ``profile.memory_mb`` free; CPU replicas reserve ``memory_mb`` of host memory.
+* Rollout: a replica whose fingerprint (:func:`~llmgw.catalog.fingerprint.shard_fingerprint`)
+  is not its model's (:func:`~llmgw.catalog.fingerprint.model_fingerprint`) is *outdated*.
+  A model with outdated replicas and no replica missing takes one step per pass, one replica
+  at a time: while a current replica is not READY it waits; with one replica too many (the
+  replacement is READY) it stops the outdated surplus (not-ready first, then the oldest);
+  otherwise it starts one new replica beside the old ones (``rollout="surge"``), or, where
+  no node has room for it, stops one outdated replica whose node can take the new definition
+  once it is gone (``rollout="in-place"``: the next pass places its replacement as a missing
+  replica). If the new definition fits nowhere even then, the old replicas keep serving and
+  an :class:`Unplaceable` with ``rollout="blocked"`` says why. A failure backoff holds a
+  rollout like any start. A model short of replicas places the missing ones (with the new
+  definition) first.
 
 Cost: O(nodes + shards + models) to index, plus O(log nodes) per started replica when
 the best nodes fit (each candidate that does not fit costs one heap pop and push).
@@ -44,6 +56,7 @@ from typing import Callable, Iterable, Mapping, Sequence, Union
 
 import attrs
 
+from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.registry import Fleet, NodeState, NodeView, ShardView
 from llmgw.spec import GpuInfo, ModelSpec, ShardSpec, ShardState
 
@@ -58,6 +71,13 @@ REASON_MAX_NODES = 4
 # Core counts are floats; this absorbs rounding when reservations add up exactly.
 _EPSILON = 1e-9
 
+#: ``rollout`` of an action that is a rollout step: a new replica started beside the old ones ...
+ROLLOUT_SURGE = "surge"
+#: ... an old replica stopped first because no node has room for a surge ...
+ROLLOUT_IN_PLACE = "in-place"
+#: ... or (on an :class:`Unplaceable`) a new definition that fits nowhere, old replicas kept.
+ROLLOUT_BLOCKED = "blocked"
+
 
 @attrs.frozen
 class StartReplica:
@@ -67,6 +87,7 @@ class StartReplica:
     node_id: str
     shard_spec: ShardSpec
     reason: str = ""
+    rollout: str = ""  # ROLLOUT_SURGE when it replaces an outdated replica; "" otherwise
 
 
 @attrs.frozen
@@ -76,6 +97,7 @@ class StopReplica:
     node_id: str
     shard_id: str
     reason: str
+    rollout: str = ""  # ROLLOUT_SURGE / ROLLOUT_IN_PLACE when it ends an outdated replica; "" otherwise
 
 
 @attrs.frozen
@@ -85,6 +107,7 @@ class Unplaceable:
     model: str
     reason: str
     missing: int = 1
+    rollout: str = ""  # ROLLOUT_BLOCKED: the model's new definition fits nowhere; its old replicas keep serving
 
 
 @attrs.frozen
@@ -223,7 +246,8 @@ class _Need:
 class _Capacity:
     """What is still free on one ONLINE node during a planning pass."""
 
-    __slots__ = ("node", "node_id", "mem_free", "cores_free", "free_gpus", "gpu_total", "version", "pools")
+    __slots__ = ("node", "node_id", "mem_free", "cores_free", "free_gpus", "gpu_total", "version", "pools",
+                 "_gpus_by_index")
 
     def __init__(self, node: NodeView) -> None:
         hw = node.hardware
@@ -233,6 +257,7 @@ class _Capacity:
         self.cores_free = float(hw.cpu_count)
         self.free_gpus: list[GpuInfo] = sorted(hw.gpus, key=lambda g: g.index)
         self.gpu_total = len(hw.gpus)
+        self._gpus_by_index = {g.index: g for g in hw.gpus}
         self.version = 0  # bumped on every reservation; stale heap entries are skipped
         self.pools: list[_Pool] = []
 
@@ -243,6 +268,22 @@ class _Capacity:
         else:
             self.mem_free -= spec.memory_mb
         self.cores_free -= spec.cpu_cores
+
+    def fits_instead_of(self, spec: ShardSpec, need: _Need) -> bool:
+        """Returns True if ``need`` would fit here once ``spec`` (a shard on this node) is gone.
+
+        Leaves the capacity as it found it."""
+        saved = (self.mem_free, self.cores_free, list(self.free_gpus))
+        if spec.gpus:
+            back = [self._gpus_by_index[i] for i in spec.gpus if i in self._gpus_by_index]
+            self.free_gpus = sorted(self.free_gpus + back, key=lambda g: g.index)
+        else:
+            self.mem_free += spec.memory_mb
+        self.cores_free += spec.cpu_cores
+        try:
+            return self.fit(need) is not None
+        finally:
+            self.mem_free, self.cores_free, self.free_gpus = saved
 
     def fit(self, need: _Need) -> tuple[int, ...] | None:
         """Return the GPU indices the replica would get (``()`` for CPU), or None."""
@@ -404,6 +445,69 @@ def _fresh_id(new_id: Callable[[str], str], model: str, taken: set[str]) -> str:
     raise RuntimeError(f"shard id factory keeps returning ids already in use (last: {sid!r})")
 
 
+def _rollout_step(
+    model: ModelSpec,
+    want: int,
+    reps: list[_Alive],
+    outdated: list[_Alive],
+    need: _Need,
+    pool: _Pool | None,
+    caps: Mapping[str, _Capacity],
+    crowded: Mapping[str, int],
+    fleet: Fleet,
+    stops: list[StopReplica],
+    unplaceable: list[Unplaceable],
+    place: Callable[[_Capacity, tuple[int, ...], str, str], None],
+    backing_off: Callable[[int], bool],
+) -> None:
+    """Appends the next step of replacing ``model``'s ``outdated`` replicas (module docstring,
+    "Rollout"); ``reps`` (all alive replicas, at least ``want``) include them."""
+    name = model.name
+    current = [a for a in reps if a not in outdated]
+    if any(a.shard.status.state is not ShardState.READY for a in current):
+        return  # one at a time: the replacement started last is not READY yet
+    # Not-ready outdated replicas go first (they serve nothing), then the oldest.
+    order = sorted(
+        (a for a in outdated if a.online),
+        key=lambda a: (a.shard.status.state is ShardState.READY, a.shard.since, a.shard.spec.id),
+    )
+    if len(reps) > want:
+        for a in order[: len(reps) - want]:
+            sid = a.shard.spec.id
+            if current:
+                reason = (f"rollout: replica {sid} of {name} runs an older definition and a replacement "
+                          f"is ready ({len(outdated) - 1} outdated left)")
+            else:
+                reason = f"scale down: model {name} has {len(reps)} replicas, wants {want} (outdated ones first)"
+            stops.append(StopReplica(a.node_id, sid, reason, ROLLOUT_SURGE if current else ""))
+        return
+    if backing_off(0):
+        return
+    picked = pool.pick(need, crowded) if pool is not None else None
+    if picked is not None:
+        cap, gpus = picked
+        place(cap, gpus, f"rollout: model {name} changed; a new replica starts beside the {len(outdated)} "
+                         f"outdated one(s), one of which stops once it is ready", ROLLOUT_SURGE)
+        return
+    for a in order:
+        cap = caps.get(a.node_id)
+        if cap is not None and cap.fits_instead_of(a.shard.spec, need):
+            stops.append(StopReplica(
+                a.node_id, a.shard.spec.id,
+                f"rollout in place: model {name} changed and no node has room for a new replica beside the old "
+                f"ones; replica {a.shard.spec.id} stops first and is replaced ({len(outdated) - 1} outdated left)",
+                ROLLOUT_IN_PLACE,
+            ))
+            return
+    unplaceable.append(Unplaceable(
+        name,
+        f"{_explain(model, need, caps, fleet, 0)}; the changed definition fits on no node, not even in place of "
+        f"an old replica, so its {len(outdated)} outdated replica(s) keep serving",
+        len(outdated),
+        ROLLOUT_BLOCKED,
+    ))
+
+
 def plan(
     desired: Sequence[ModelSpec],
     fleet: Fleet,
@@ -484,6 +588,53 @@ def plan(
         name = model.name
         reps = alive.get(name, [])
         want = max(0, model.profile.replicas)
+        fingerprint = model_fingerprint(model)
+        outdated = [a for a in reps if shard_fingerprint(a.shard.spec) != fingerprint]
+        need = _Need.of(model)
+
+        def place(cap: _Capacity, gpus: tuple[int, ...], reason: str, rollout: str = "") -> None:
+            spec = ShardSpec(
+                id=_fresh_id(new_id, name, taken_ids),
+                model=name,
+                engine=model.engine,
+                source=model.source,
+                args=model.profile.engine_args,
+                env=model.profile.engine_env,
+                memory_mb=need.memory_mb,
+                cpu_cores=need.cpu_cores,
+                gpus=gpus,
+                adapters=model.adapters,
+                max_loaded_adapters=model.max_loaded_adapters,
+                fingerprint=fingerprint,
+                api_key=new_secret(),
+            )
+            cap.reserve(spec)
+            cap.version += 1
+            for p in cap.pools:
+                p.push(cap)
+            crowded[name][cap.node_id] += 1
+            starts.append(StartReplica(name, cap.node_id, spec, reason, rollout))
+
+        def backing_off(missing: int) -> bool:
+            rec = failures.get(name)
+            if rec is None or not rec.count or now >= rec.retry_at:
+                return False
+            last = f" (last: {rec.last_message})" if rec.last_message else ""
+            short = f"is missing {missing} replica(s)" if missing else f"has {len(outdated)} replica(s) to roll out"
+            waiting.append(
+                Waiting(
+                    name,
+                    rec.retry_at,
+                    f"model {name} {short} but failed {rec.count} time(s) in a row{last}; "
+                    f"next start in {rec.retry_at - now:.0f} s",
+                )
+            )
+            return True
+
+        if outdated and len(reps) >= want:
+            _rollout_step(model, want, reps, outdated, need, pool_for(need), caps, crowded[name], fleet,
+                          stops, unplaceable, place, backing_off)
+            continue
         if len(reps) > want:
             stoppable = sorted(
                 (a for a in reps if a.online),
@@ -497,19 +648,8 @@ def plan(
         missing = want - len(reps)
         if missing <= 0:
             continue
-        rec = failures.get(name)
-        if rec is not None and rec.count and now < rec.retry_at:
-            last = f" (last: {rec.last_message})" if rec.last_message else ""
-            waiting.append(
-                Waiting(
-                    name,
-                    rec.retry_at,
-                    f"model {name} is missing {missing} replica(s) but failed {rec.count} time(s) in a row{last}; "
-                    f"next start in {rec.retry_at - now:.0f} s",
-                )
-            )
+        if backing_off(missing):
             continue
-        need = _Need.of(model)
         pool = pool_for(need)
         for i in range(missing):
             picked = pool.pick(need, crowded[name]) if pool is not None else None
@@ -517,28 +657,7 @@ def plan(
                 unplaceable.append(Unplaceable(name, _explain(model, need, caps, fleet, i), missing - i))
                 break
             cap, gpus = picked
-            spec = ShardSpec(
-                id=_fresh_id(new_id, name, taken_ids),
-                model=name,
-                engine=model.engine,
-                source=model.source,
-                args=model.profile.engine_args,
-                env=model.profile.engine_env,
-                memory_mb=need.memory_mb,
-                cpu_cores=need.cpu_cores,
-                gpus=gpus,
-                adapters=model.adapters,
-                max_loaded_adapters=model.max_loaded_adapters,
-                api_key=new_secret(),
-            )
-            cap.reserve(spec)
-            cap.version += 1
-            for p in cap.pools:
-                p.push(cap)
-            crowded[name][cap.node_id] += 1
-            starts.append(
-                StartReplica(name, cap.node_id, spec, f"model {name} has {len(reps) + i} of {want} replicas")
-            )
+            place(cap, gpus, f"model {name} has {len(reps) + i} of {want} replicas")
 
     stops.sort(key=lambda s: (s.node_id, s.shard_id))
     return [*stops, *starts, *waiting, *unplaceable]

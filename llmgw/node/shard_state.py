@@ -77,6 +77,7 @@ class ShardRecord:
                 "adapters": adapters_to_dicts(spec.adapters),
                 "max_loaded_adapters": spec.max_loaded_adapters,
                 "api_key": spec.api_key,
+                "fingerprint": spec.fingerprint,
             },
             "port": self.port,
             "identity": None if self.identity is None else self.identity.to_json(),
@@ -107,6 +108,7 @@ class ShardRecord:
             adapters=adapters_from_dicts(s.get("adapters", ())),
             max_loaded_adapters=int(s.get("max_loaded_adapters", 0)),
             api_key=str(s.get("api_key", "")),  # "": an engine started before engines had secrets
+            fingerprint=str(s.get("fingerprint", "")),
         )
         identity = data.get("identity")
         kv_events = data.get("kv_events")

@@ -100,6 +100,7 @@ def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
         "adapters": adapters_to_dicts(s.adapters),
         "maxLoadedAdapters": s.max_loaded_adapters,
         "apiKey": s.api_key,
+        "fingerprint": s.fingerprint,
     }
 
 
@@ -145,6 +146,7 @@ def shard_spec_from(r: Any) -> ShardSpec:
         adapters=adapters_from(r.adapters),
         max_loaded_adapters=r.maxLoadedAdapters,
         api_key=r.apiKey,
+        fingerprint=r.fingerprint,
     )
 
 

@@ -20,6 +20,7 @@ from llmgw.control.placement import (
     note_failures,
     plan,
 )
+from llmgw.catalog.fingerprint import model_fingerprint
 from llmgw.control.registry import Fleet, NodeState, NodeView, ShardView
 from llmgw.spec import Adapter, EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
 
@@ -42,8 +43,11 @@ def shard(
     gpus: tuple[int, ...] = (),
     since: float = 0.0,
     message: str = "",
+    fingerprint: str = "",
 ) -> ShardView:
-    spec = ShardSpec(id=sid, model=model, engine=LLAMA, source="/m", memory_mb=mem, cpu_cores=cores, gpus=gpus)
+    # Without a fingerprint the shard's fields give it: those of model(name) with the same resources.
+    spec = ShardSpec(id=sid, model=model, engine=LLAMA, source=f"/models/{model}", memory_mb=mem, cpu_cores=cores,
+                     gpus=gpus, fingerprint=fingerprint)
     return ShardView(spec, ShardStatus(id=sid, state=state, message=message), since)
 
 
@@ -225,12 +229,13 @@ def test_plan(case: Case) -> None:
 def test_start_spec_carries_profile_and_fresh_ids() -> None:
     m = ModelSpec("m", LLAMA, "/w/m.gguf", Profile(replicas=2, memory_mb=2048, cpu_cores=2, engine_args=("-c", "4096"),
                                                    engine_env={"OMP_NUM_THREADS": "2"}))
-    f = fleet(node("a", shards=(shard("m-1", "m"),)), node("b"))
+    f = fleet(node("a", shards=(shard("m-1", "m", fingerprint=model_fingerprint(m)),)), node("b"))
     ids = iter(["m-1", "m-1", "m-7"])  # the first two collide with the running shard
     (start,) = plan([m], f, now=NOW, new_id=lambda _: next(ids), new_secret=lambda: "s3cret")
     assert start.shard_spec == ShardSpec(
         id="m-7", model="m", engine=LLAMA, source="/w/m.gguf", args=("-c", "4096"),
         env={"OMP_NUM_THREADS": "2"}, memory_mb=2048, cpu_cores=2.0, gpus=(), api_key="s3cret",
+        fingerprint=model_fingerprint(m),
     )
 
 

@@ -62,9 +62,13 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
 
     rows, unplaceable = call(ctx, as_json, listed,
                              as_data=lambda listed: {"replicas": listed[0], "unplaceable": listed[1]})
-    print_table(["REPLICA", "MODEL", "NODE", "STATE", "ENDPOINT", "PID", "RESTARTS", "COMPUTE", "MESSAGE"],
-                [[r.id, r.model, r.node_id, r.state, r.endpoint or "-", r.pid or "-", r.restarts,
+    print_table(["REPLICA", "MODEL", "NODE", "STATE", "DEFINITION", "ENDPOINT", "PID", "RESTARTS", "COMPUTE", "MESSAGE"],
+                [[r.id, r.model, r.node_id, r.state, _definition_cell(r), r.endpoint or "-", r.pid or "-", r.restarts,
                   r.compute_summary or "-", r.message[:60]] for r in rows], empty="no replicas")
+    outdated = sum(r.outdated for r in rows)
+    if outdated:
+        click.echo(f"\n{outdated} replica(s) run an older definition of their model; "
+                   "they are being replaced one at a time")
     for r in rows:
         if r.last_output and r.state.split()[0] in ("failed", "restarting"):
             click.echo(f"\n{r.id} ({r.state}): {r.message}\n  last output:")
@@ -72,6 +76,12 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
                 click.echo(f"    {line}")
     for reason in unplaceable:
         click.echo(f"not placed: {reason}")
+
+
+def _definition_cell(r: ReplicaRow) -> str:
+    """The definition column: the fingerprint's first 8 digits, marked when a rollout will replace it."""
+    short = r.fingerprint[:8] or "-"
+    return f"{short} (outdated)" if r.outdated else short
 
 
 def _engine_cell(e: Any) -> str:

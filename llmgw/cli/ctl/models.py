@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import click
 import yaml
 
 from llmgw.catalog import CatalogError, model_to_dict, validate_model
 from llmgw.cli.ctl.common import call, json_option, mb, remove
 from llmgw.cli.output import fail, print_table
+from llmgw.client import Rollout
 from llmgw.spec import ModelSpec
 
 
@@ -71,7 +73,8 @@ def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
               help="A LoRA adapter: its name (requests name it as their model) and where its files are (repeat).")
 @click.option("--max-loaded-adapters", type=int,
               help="vllm/sim: at most N adapters loaded per replica, loaded on first use [0: all at start].")
-@click.option("--replace", is_flag=True, help="Replace the model if it exists.")
+@click.option("--replace", is_flag=True,
+              help="Replace the model if it exists; replicas of the old definition are replaced one at a time.")
 @json_option
 @click.pass_context
 def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | None, source: str,
@@ -118,9 +121,18 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
         spec = validate_model(data)
     except CatalogError as exc:
         fail(str(exc))
-    saved = call(ctx, as_json, lambda c: c.add_model(spec, replace=replace), as_data=model_to_dict)
+    saved, rollout = call(ctx, as_json, lambda c: c.save_model(spec, replace=replace), as_data=_saved_data)
     click.echo(f"model {saved.name!r} {'saved' if replace else 'added'}: {saved.profile.replicas} replica(s) "
                f"on {saved.engine}; watch them with `llmgw ctl replicas -m {saved.name}`")
+    if rollout.kind != "new":
+        click.echo(rollout.message)
+
+
+def _saved_data(result: tuple[ModelSpec, Rollout]) -> dict[str, Any]:
+    """Returns ``models add --json``: ``{"model": the model as stored (as in `models list --json`),
+    "rollout": {"kind", "outdated", "message"}}``, what happens to replicas of an older definition."""
+    saved, rollout = result
+    return {"model": model_to_dict(saved), "rollout": attrs.asdict(rollout)}
 
 
 @models.command("remove")
