@@ -40,6 +40,7 @@ import zmq
 from llmgw.catalog.sources import is_remote
 from llmgw.logthrottle import LogThrottle, reason
 from llmgw.node import markers, shard_state
+from llmgw.node.engine_secret import auth_headers, secret_env
 from llmgw.node.engines import Engine, EngineRefused, base_environment
 from llmgw.node.engines import compute as engine_compute
 from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights
@@ -531,7 +532,7 @@ class Shard:
         (SIGTERM, grace, SIGKILL to its group) rather than left running unrecorded.
         """
         assert self.engine is not None
-        self.dir.mkdir(parents=True, exist_ok=True)
+        shard_state.make_private_dirs(self._context.state_dir, self.dir)
         log_path = self.tail.path
         try:
             if log_path.stat().st_size > LOG_ROTATE_BYTES:
@@ -550,7 +551,12 @@ class Shard:
             argv = self.engine.argv(spec, self._context.host, self.port, kv_events=self.record.kv_events)  # type: ignore[call-arg]
         else:
             argv = self.engine.argv(spec, self._context.host, self.port)
-        env = {**base_environment(), **self.engine.env(spec), **markers.marker_env(self._context.state_dir, spec.id)}
+        env = {
+            **base_environment(),
+            **self.engine.env(spec),
+            **markers.marker_env(self._context.state_dir, spec.id),
+            **secret_env(spec),  # in the environment, not argv: /proc/PID/cmdline is world-readable
+        }
         process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
         self._process = process  # before any checkpoint: a stop from now on must find it
         self.record.identity = process.identity
@@ -644,7 +650,10 @@ class Shard:
         timeout = self.engine.startup_timeout
         deadline = trio.current_time() + timeout
         failures = 0
-        async with httpx.AsyncClient(timeout=self._policy.health_timeout, trust_env=False) as client:
+        # The secret goes on the health checks too: /health is open on every engine today, but
+        # an engine that guards it must not look dead.
+        headers = auth_headers(self.spec)
+        async with httpx.AsyncClient(timeout=self._policy.health_timeout, trust_env=False, headers=headers) as client:
             while True:
                 ok, detail = await self._check(client, url)
                 if ok:

@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import trio
@@ -265,3 +266,27 @@ async def test_sim_engine_runs_under_the_supervisor(tmp_path: Path, nursery: tri
     await sup.stop_shard("sim1", grace=10)
     await rec.wait_state(ShardState.STOPPED)
     assert identity_of(status.pid) is None
+
+
+async def test_the_engine_gets_its_secret_in_its_environment_not_its_command_line(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    secret = "shard-secret-not-in-argv"
+    sup = Supervisor(tmp_path / "state", policy=RestartPolicy(health_interval=0.1, max_failures=1))
+    await nursery.start(sup.run)
+    rec = Recorder()
+    spec = ShardSpec(id="keyed", model="tiny-sim", engine="sim", source="/models/tiny", api_key=secret)
+    await sup.start_shard(spec, rec)
+    await rec.wait_state(ShardState.READY)  # the health check passes (with the secret sent)
+    status = sup.status("keyed")
+    proc = psutil.Process(status.pid)
+    assert not any(secret in part for part in proc.cmdline())
+    assert proc.environ()["LLMGW_SIM_API_KEY"] == secret
+    async with httpx.AsyncClient(base_url=status.endpoint, timeout=WAIT) as http:
+        assert (await http.get("/v1/models")).status_code == 401
+        assert (await http.get("/v1/models", headers={"Authorization": f"Bearer {secret}"})).status_code == 200
+    shards = tmp_path / "state" / "shards"
+    assert (shards / "keyed" / "state.json").stat().st_mode & 0o777 == 0o600
+    assert shards.stat().st_mode & 0o777 == 0o700 and (shards / "keyed").stat().st_mode & 0o777 == 0o700
+    await sup.stop_shard("keyed", grace=10)
+    await rec.wait_state(ShardState.STOPPED)
