@@ -60,6 +60,16 @@ class EngineInfo:
     installable: bool = False
     detail: str = ""
     state: str = ""  # what the agent is doing about it, in words ("installing: downloading X (16 MB)"); "" = idle
+    path: str = ""  # what the agent runs: llama-server, or the Python of vLLM/SGLang ("" = none or built in)
+    origin: str = ""  # where ``path`` comes from: ENGINE_FROM_CONFIG, ENGINE_INSTALLED or ENGINE_BUILT_IN
+
+
+#: EngineInfo.origin: the operator named the path in agent.yaml ``engines:`` (it wins over anything installed).
+ENGINE_FROM_CONFIG = "agent.yaml"
+#: EngineInfo.origin: an environment or build llmgw's installer made (its marker checked).
+ENGINE_INSTALLED = "installed"
+#: EngineInfo.origin: part of llmgw itself (the simulator).
+ENGINE_BUILT_IN = "built-in"
 
 
 #: Engines whose ``source`` (and adapters' sources) are free-form labels: nothing is loaded from disk.

@@ -172,6 +172,7 @@ def agent(config_path: Path | None) -> None:
                 url_templates=config.engine_urls,
                 pypi_index=config.pypi_index,
                 has_nvidia_gpu=bool(gpus),
+                engine_paths=config.engine_paths,
             ))
             fetch = FetchSettings(weights_dir=config.weights_dir, hf_endpoint=config.hf_endpoint,
                                   hf_token=os.environ.get("HF_TOKEN", ""))
@@ -180,7 +181,7 @@ def agent(config_path: Path | None) -> None:
                 control_planes=planes,
                 context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
                 supervisor=Supervisor(config.state_dir / "shards", host=engine_host, fetch_settings=fetch,
-                                      engines=node_engines(config.llamacpp_threads)),
+                                      engines=node_engines(config.llamacpp_threads, config.engine_paths)),
                 engine_host=engine_host,
                 backoff_max=config.reconnect_backoff_max,
                 heartbeat_interval=config.heartbeat_interval,

@@ -21,7 +21,20 @@ from .values import (
 )
 from .yaml_reader import MISSING, Reader, open_config
 
-__all__ = ["AgentConfig", "AgentTLS", "load_agent_config"]
+__all__ = ["ENGINE_PATH_KEYS", "AgentConfig", "AgentTLS", "load_agent_config"]
+
+#: agent.yaml ``engines.<engine>.<key>``: the one path an operator names per engine, and what it is.
+#: vLLM and SGLang are Python packages (the interpreter of their environment is named);
+#: llama.cpp is one binary (llama-server).
+ENGINE_PATH_KEYS: Mapping[str, tuple[str, str]] = {
+    "llama.cpp": ("server", "the llama-server binary"),
+    "sglang": ("python", "the Python interpreter of an environment where sglang imports"),
+    "vllm": ("python", "the Python interpreter of an environment where vllm imports"),
+}
+#: Other spellings of an engine under ``engines:``: "llamacpp" (as in ``llamacpp.threads``) is
+#: also the only one an override (``--set engines.llamacpp.server=...``) can write, since
+#: overrides split keys at dots.
+ENGINE_ALIASES: Mapping[str, str] = {"llamacpp": "llama.cpp"}
 
 #: The control plane on this machine (``llmgw up``, a single-machine install).
 _CONTROL_PLANE = Address(defaults.DEFAULT_LISTEN_HOST, defaults.DEFAULT_RPC_PORT)
@@ -64,6 +77,9 @@ class AgentConfig:
     pypi_index: str = ""
     hf_endpoint: str = defaults.DEFAULT_HF_ENDPOINT
     llamacpp_threads: int | None = None  # llamacpp.threads: None = half this node's CPUs
+    #: ``engines.<engine>.<python|server>``: engine name -> the path the operator named; it wins
+    #: over any installed engine (and is never replaced by one).
+    engine_paths: Mapping[str, Path] = attrs.field(factory=dict, converter=frozen_mapping)
 
 
 def load_agent_config(
@@ -110,6 +126,7 @@ def load_agent_config(
         hf_endpoint=(top.get("hf_endpoint", parse_url_or_empty, defaults.DEFAULT_HF_ENDPOINT)
                      or defaults.DEFAULT_HF_ENDPOINT),
         llamacpp_threads=_read_llamacpp_threads(reader, top.raw("llamacpp")),
+        engine_paths=_read_engine_paths(reader, top.raw("engines")),
     )
     top.finish()
     return config
@@ -129,6 +146,35 @@ def _read_llamacpp_threads(reader: Reader, raw: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise reader.error("llamacpp.threads", f"expected a whole number >= 1, got {show(value)}")
     return value
+
+
+def _read_engine_paths(reader: Reader, raw: Any) -> dict[str, Path]:
+    """``engines:``: per engine, the path the operator installed it at (see :data:`ENGINE_PATH_KEYS`).
+
+    Returns ``{engine: path}`` (relative paths resolved against agent.yaml's directory).
+    Raises ConfigError naming the key for an unknown engine, an unknown or missing key, or a
+    value that is not a path. Whether the path runs is the agent's check, reported per node.
+    """
+    if raw is MISSING:
+        return {}
+    section = reader.section(raw, "engines")
+    known = ", ".join(sorted(ENGINE_PATH_KEYS))
+    paths: dict[str, Path] = {}
+    for engine in list(section.data):
+        where = section.key_path(engine)
+        name = ENGINE_ALIASES.get(engine, engine)
+        if name not in ENGINE_PATH_KEYS:
+            raise reader.error(where, f"unknown engine {engine!r} (engines named here: {known})")
+        if name in paths:
+            raise reader.error(where, f"{name} is named twice (as {name!r} and {engine!r}); keep one")
+        key, what = ENGINE_PATH_KEYS[name]
+        entry = reader.section(section.raw(engine), where)
+        value = entry.raw(key)
+        entry.finish()  # a misspelt key is named as such, before "missing"
+        if value is MISSING or value is None or value == "":
+            raise reader.error(f"{where}.{key}", f"missing: name {what}, or remove {where}")
+        paths[name] = entry.get_path(key, Path())
+    return paths
 
 
 def _read_agent_tls(reader: Reader, raw: Any, state_dir: Path) -> AgentTLS:

@@ -79,11 +79,14 @@ def engine_dict(e: EngineInfo) -> dict[str, Any]:
         "installable": e.installable,
         "detail": e.detail,
         "state": e.state,
+        "path": e.path,
+        "origin": e.origin,
     }
 
 
 def engine_from(r: Any) -> EngineInfo:
-    return EngineInfo(r.name, r.installed, r.version, r.installable, r.detail, state=r.state)
+    return EngineInfo(r.name, r.installed, r.version, r.installable, r.detail, state=r.state, path=r.path,
+                      origin=r.origin)
 
 
 def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:

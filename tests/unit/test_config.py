@@ -299,7 +299,7 @@ def test_server_errors(tmp_path: Path, text: str, message: str) -> None:
         ("engine_urls:\n  vllm: ftp://mirror/x\n", 'engine_urls.vllm: expected an http(s) URL, got "ftp://mirror/x"'),
         ("servers: [a:1]\n",
          "unknown key 'servers' (known keys: cache_dir, control_planes, engine_host, engine_urls, "
-         "heartbeat_interval, hf_endpoint, install_dir, llamacpp, log_level, node_id, pypi_index, "
+         "engines, heartbeat_interval, hf_endpoint, install_dir, llamacpp, log_level, node_id, pypi_index, "
          "reconnect_backoff_max, state_dir, tls, weights_dir)"),
     ],
 )
@@ -361,9 +361,9 @@ def test_parse_address_round_trip(text: str, address: Address) -> None:
 def test_docs_list_every_key() -> None:
     docs = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     keys = [f.name for f in attrs.fields(ServerConfig)] + ["store.url", "store.dsn"]
-    # The attribute llamacpp_threads is the file's llamacpp.threads.
-    keys += [f.name for f in attrs.fields(AgentConfig) if f.name not in ("tls", "llamacpp_threads")]
-    keys += ["llamacpp.threads"]
+    # The attribute llamacpp_threads is the file's llamacpp.threads; engine_paths is engines.<engine>.<key>.
+    keys += [f.name for f in attrs.fields(AgentConfig) if f.name not in ("tls", "llamacpp_threads", "engine_paths")]
+    keys += ["llamacpp.threads", "engines.vllm.python", "engines.sglang.python", "engines.llama.cpp.server"]
     keys += [f"tls.{f.name}" for f in attrs.fields(AgentTLS)]
     missing = [key for key in keys if f"| `{key}` |" not in docs]
     assert not missing, f"docs/config.md does not document {missing}"

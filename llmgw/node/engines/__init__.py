@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from pathlib import Path
 from typing import Mapping, Protocol, runtime_checkable
 
 from llmgw.catalog import engine_options
-from llmgw.spec import EngineInfo, ShardSpec
+from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo, ShardSpec
 
 __all__ = [
     "DEFAULT_HEALTH_PATH",
@@ -30,7 +31,9 @@ __all__ = [
     "EngineRefused",
     "UnknownEngine",
     "check_refused",
+    "configured_probe",
     "get_engine",
+    "node_engines",
 ]
 
 # Generous on purpose: a large model can take many minutes to load its weights and
@@ -126,6 +129,16 @@ def check_refused(spec: ShardSpec) -> None:
         )
 
 
+def configured_probe(name: str, path: Path) -> EngineInfo:
+    """Returns what an adapter can say, cheaply, of the ``path`` agent.yaml names for engine
+    ``name``: installed when it is an executable file (its version unknown: proving it runs
+    is :mod:`llmgw.node.install.configured`'s job, whose report the agent sends instead)."""
+    runnable = path.is_file() and os.access(path, os.X_OK)
+    detail = ("named in agent.yaml (the agent proves it runs)" if runnable
+              else f"not usable: {path} is not an executable file (named in agent.yaml)")
+    return EngineInfo(name, installed=runnable, detail=detail, path=str(path), origin=ENGINE_FROM_CONFIG)
+
+
 def get_engine(name: str, engines: Mapping[str, Engine] | None = None) -> Engine:
     """Returns the adapter called ``name`` from ``engines`` (default: :data:`ENGINES`).
 
@@ -154,11 +167,17 @@ from llmgw.node.engines.llamacpp import LlamaCppEngine  # noqa: E402
 ENGINES[LlamaCppEngine.name] = LlamaCppEngine()
 
 
-def node_engines(llamacpp_threads: int | None = None) -> dict[str, Engine]:
+def node_engines(llamacpp_threads: int | None = None, paths: Mapping[str, Path] | None = None) -> dict[str, Engine]:
     """Returns the adapters for this node: :data:`ENGINES` with the node's own settings applied
     (``llamacpp_threads``: agent.yaml ``llamacpp.threads``, the thread count of CPU llama.cpp
-    replicas whose profile reserves no cores)."""
+    replicas whose profile reserves no cores; ``paths``: agent.yaml ``engines:``, engine name ->
+    the llama-server or Python the operator named, which the adapter then always runs)."""
+    paths = dict(paths or {})
     engines = dict(ENGINES)
-    if llamacpp_threads is not None:
-        engines[LlamaCppEngine.name] = LlamaCppEngine(threads=llamacpp_threads)
+    if llamacpp_threads is not None or LlamaCppEngine.name in paths:
+        engines[LlamaCppEngine.name] = LlamaCppEngine(paths.get(LlamaCppEngine.name), threads=llamacpp_threads)
+    if VllmEngine.name in paths:
+        engines[VllmEngine.name] = VllmEngine(python=paths[VllmEngine.name])
+    if SglangEngine.name in paths:
+        engines[SglangEngine.name] = SglangEngine(python=paths[SglangEngine.name])
     return engines

@@ -31,9 +31,9 @@ import os
 import re
 from pathlib import Path
 
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, EngineRefused, check_refused
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, EngineRefused, check_refused, configured_probe
 from llmgw.node.install import llamacpp as install
-from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
+from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
 __all__ = ["AGENT_FLAGS", "LlamaCppEngine", "READING_FLAGS", "gpu_failure", "parse_output"]
 
@@ -123,8 +123,9 @@ def default_threads(spec: ShardSpec, node_threads: int | None = None, cpu_count:
 
 
 class LlamaCppEngine:
-    """The llama.cpp adapter. ``binary``: llama-server to run (default: the installed one,
-    found with :func:`llmgw.node.install.llamacpp.find_installed`); ``threads``: the node's
+    """The llama.cpp adapter. ``binary``: llama-server to run (agent.yaml ``engines.llama.cpp.server``,
+    never replaced by an installed one; default: the installed one, found with
+    :func:`llmgw.node.install.llamacpp.find_installed`); ``threads``: the node's
     default thread count override (None: half the CPUs)."""
 
     name = install.ENGINE_NAME
@@ -142,14 +143,15 @@ class LlamaCppEngine:
         return found.binary if found is not None else None
 
     def probe(self) -> EngineInfo:
-        """Returns installed/version from the install marker (written after ``--version`` ran)."""
+        """Returns installed/version from the install marker (written after ``--version`` ran); for
+        a binary agent.yaml names, only whether it is executable (the agent's installers prove it runs)."""
         if self.binary is not None:
-            ok = os.access(self.binary, os.X_OK)
-            return EngineInfo(self.name, ok, install.DEFAULT_VERSION if ok else "", True, str(self.binary))
+            return configured_probe(self.name, self.binary)
         found = install.find_installed()
         if found is None:
             return EngineInfo(self.name, False, "", True, "llama-server is not installed on this node")
-        return EngineInfo(self.name, True, found.version, True, f"{found.version_line} at {found.binary}")
+        return EngineInfo(self.name, True, found.version, True, f"{found.version_line} at {found.binary}",
+                          path=str(found.binary), origin=ENGINE_INSTALLED)
 
     def argv(self, spec: ShardSpec, host: str, port: int) -> list[str]:
         """Returns llama-server's command line for ``spec`` (see the module docstring).

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import attrs
 
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused, configured_probe
 from llmgw.node.engines.vllm import MultiNode
 from llmgw.node.install import python_env
-from llmgw.spec import EngineInfo, ShardSpec
+from llmgw.spec import ENGINE_INSTALLED, EngineInfo, ShardSpec
 
 __all__ = ["ImportCheck", "SglangEngine", "import_check", "sglang_argv", "sglang_env"]
 
@@ -87,21 +87,29 @@ def sglang_env(spec: ShardSpec) -> dict[str, str]:
 class SglangEngine:
     """Adapter for SGLang (see :class:`llmgw.node.engines.Engine`).
 
-    ``roots``: where to look for installed SGLang environments (default: the installer's root).
+    ``roots``: where to look for installed SGLang environments (default: the agent's install
+    dirs, then the installer's root). ``python``: the interpreter agent.yaml names
+    (``engines.sglang.python``): always used when given, never replaced by an installed one.
     """
 
     name = "sglang"
     health_path = DEFAULT_HEALTH_PATH
     startup_timeout = DEFAULT_STARTUP_TIMEOUT
 
-    def __init__(self, roots: Sequence[Path] | None = None) -> None:
+    def __init__(self, roots: Sequence[Path] | None = None, *, python: Path | None = None) -> None:
         self.roots = list(roots) if roots is not None else None
+        self.configured_python = python
 
     def _installed(self) -> tuple[Path, dict[str, Any]] | None:
         return python_env.find_installed(python_env.SGLANG, self.roots)
 
     def python(self) -> str:
-        """Returns the SGLang environment's interpreter; raises FileNotFoundError if not installed."""
+        """Returns the SGLang interpreter: agent.yaml's, else the installed environment's.
+
+        Raises FileNotFoundError if agent.yaml names none and SGLang is not installed.
+        """
+        if self.configured_python is not None:
+            return str(self.configured_python)
         found = self._installed()
         if found is None:
             raise FileNotFoundError(
@@ -111,17 +119,27 @@ class SglangEngine:
         return str(python_env.engine_python(found[0]))
 
     def probe(self) -> EngineInfo:
-        """Returns installed/version from the environment's marker (cheap: no import)."""
+        """Returns installed/version from the environment's marker (cheap: no import); for a
+        python agent.yaml names, only whether it is there (the agent's installers prove it runs)."""
+        if self.configured_python is not None:
+            return configured_probe(self.name, self.configured_python)
         found = self._installed()
         if found is None:
             return EngineInfo(name=self.name, installed=False, installable=False,
                               detail="no SGLang environment installed")
         directory, marker = found
         return EngineInfo(name=self.name, installed=True, version=str(marker.get("version", "")),
-                          detail=f"sglang in {directory}")
+                          detail=f"sglang in {directory}", path=str(python_env.engine_python(directory)),
+                          origin=ENGINE_INSTALLED)
 
     def verify(self) -> EngineInfo:
         """Returns what the import check says (blocking; run it in a thread): installed only if it exits 0."""
+        if self.configured_python is not None:
+            result = import_check(str(self.configured_python))
+            if not result.ok:
+                return attrs.evolve(self.probe(), installed=False,
+                                    detail=f"import sglang failed: {result.output[-300:]}")
+            return attrs.evolve(self.probe(), installed=True, version=result.version)
         found = self._installed()
         if found is None:
             return self.probe()

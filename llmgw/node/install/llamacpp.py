@@ -64,9 +64,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import attrs
 import trio
 
-from llmgw.node.install import InstallError, register_install_dir, search_roots
+from llmgw.node.install import InstallError, log_ignored_marker, register_install_dir, search_roots
 from llmgw.node.install.artifact import ArtifactError, Meter, download, exclusive, new_client, safe_extract, sha256_file
-from llmgw.spec import EngineInfo
+from llmgw.spec import ENGINE_INSTALLED, EngineInfo
 
 __all__ = [
     "ARCHIVE_URL_TEMPLATE",
@@ -188,36 +188,69 @@ class Installed:
 
 
 def read_marker(directory: Path) -> Installed | None:
-    """Returns the install recorded in ``directory``'s marker, or None if unmarked, malformed, or the binary is gone."""
+    """Returns the install recorded in ``directory``'s marker, or None if unmarked or it does
+    not describe a usable install there (:func:`marker_problem`; logged once)."""
     try:
         data = json.loads((directory / MARKER).read_text())
-        binary = directory / data["binary"]
-        if not os.access(binary, os.X_OK):
-            return None
-        return Installed(directory, binary, str(data["version"]), str(data["version_line"]), str(data["source"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
+    problem = marker_problem(directory, data)
+    if problem is not None:
+        log_ignored_marker(directory, problem)
+        return None
+    return Installed(directory, directory / data["binary"], data["version"], data["version_line"], str(data["source"]))
+
+
+_BUILD_OF_VERSION = re.compile(r"b(\d+)")
+_BUILD_OF_LINE = re.compile(r"\(build (\d+)")
+
+
+def marker_problem(directory: Path, data: Any) -> str | None:
+    """Returns why the marker ``data`` (read from ``directory``) does not describe a usable
+    llama-server there, or None when it does.
+
+    Checked: the fields are there and are text; the binary lies inside ``directory`` and is
+    executable; and the ``--version`` line recorded at install names the same build as the
+    version (``b11312`` and ``(build 11312, ...``), so one build cannot pass for another.
+    """
+    if not isinstance(data, dict):
+        return "its marker is not a JSON object"
+    fields = {key: data.get(key) for key in ("version", "version_line", "binary", "source")}
+    missing = sorted(key for key, value in fields.items() if not isinstance(value, str) or not value)
+    if missing:
+        return f"its marker lacks {', '.join(missing)}"
+    binary = (directory / fields["binary"]).resolve()
+    if not binary.is_relative_to(directory.resolve()):
+        return f"its marker names a binary outside the directory ({fields['binary']})"
+    if not os.access(binary, os.X_OK):
+        return f"{directory / fields['binary']} is missing or not executable"
+    wanted = _BUILD_OF_VERSION.fullmatch(fields["version"])
+    recorded = _BUILD_OF_LINE.search(fields["version_line"])
+    if wanted and recorded and wanted.group(1) != recorded.group(1):
+        return f"its marker says {fields['version']} but the binary said {fields['version_line']!r} at install"
+    return None
 
 
 def find_installed(roots: Iterable[Path] | None = None, version: str = DEFAULT_VERSION) -> Installed | None:
-    """Returns an installed llama-server of ``version`` under ``roots`` (default: the default root
-    and the agent's install dirs, see :func:`llmgw.node.install.search_roots`), preferring a source build over an archive; None if there is none.
+    """Returns an installed llama-server of ``version`` under ``roots``, or None if there is none.
 
+    ``roots`` are searched in order (default: the agent's install dirs, then the default
+    root; see :func:`llmgw.node.install.search_roots`): the first root holding one wins, and
+    within a root a source build is preferred over an archive. Markers that do not match
+    their directory are ignored with a log line (:func:`marker_problem`).
     Cheap (reads markers, no process started): safe to call per shard start.
     """
     roots = search_roots(default_root(), ENGINE_NAME) if roots is None else list(roots)
-    found: list[Installed] = []
     for root in roots:
         try:
             children = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
         except OSError:
             continue
-        for child in children:
-            inst = read_marker(child)
-            if inst is not None and inst.version == version:
-                found.append(inst)
-    found.sort(key=lambda i: (i.source != "sdist", str(i.directory)))
-    return found[0] if found else None
+        found = [inst for inst in map(read_marker, children) if inst is not None and inst.version == version]
+        if found:
+            found.sort(key=lambda i: (i.source != "sdist", str(i.directory)))
+            return found[0]
+    return None
 
 
 def _write_marker(inst: Installed) -> None:
@@ -660,7 +693,8 @@ class LlamaCppInstaller:
         missing = _build_tools()
         installable = _asset_name(DEFAULT_VERSION) is not None or not missing
         if inst is not None:
-            return EngineInfo(self.name, True, inst.version, installable, f"{inst.version_line} at {inst.binary}")
+            return EngineInfo(self.name, True, inst.version, installable, f"{inst.version_line} at {inst.binary}",
+                              path=str(inst.binary), origin=ENGINE_INSTALLED)
         detail = "" if installable else f"no release archive for this machine and {', '.join(missing)} missing for a source build"
         return EngineInfo(self.name, False, "", installable, detail)
 

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
-from llmgw.node.install import register_install_dir, search_roots
+from llmgw.node.install import log_ignored_marker, register_install_dir, search_roots
 from llmgw.node.install.artifact import exclusive_blocking, lock_file_for, sha256_file
 
 __all__ = [
@@ -74,6 +74,8 @@ __all__ = [
 DEFAULT_ROOT = Path("~/.cache/llmgw/engines")
 #: Environment variable that moves :data:`DEFAULT_ROOT` (tests, packaging).
 ROOT_ENV = "LLMGW_ENGINES_DIR"
+#: The lock an environment was installed from, copied into it (its hash is in the marker).
+ENV_LOCK_COPY = "requirements.lock"
 #: Written last into a finished environment; its absence means "not installed".
 MARKER = "llmgw-installed.json"
 #: Locks shipped with llmgw, one per engine package and version.
@@ -158,30 +160,70 @@ def read_marker(directory: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def find_installed(engine: PythonEngine, roots: Sequence[Path] | None = None) -> tuple[Path, dict[str, Any]] | None:
-    """Returns (environment directory, marker) of the newest installed version of ``engine``.
+def marker_problem(directory: Path, engine: PythonEngine, marker: dict[str, Any]) -> str | None:
+    """Returns why ``marker`` (read from ``directory``) does not describe a usable ``engine``
+    environment there, or None when it does.
 
-    Looks under each of ``roots`` (default: :func:`default_root`); an environment counts
-    only if its marker exists and its python is still there. Returns None if none does.
-    Cheap: reads directory listings and small JSON files only.
+    Checked: the marker names this engine and a version; the directory is named
+    ``<variant>-<version>`` after it (so one version cannot pass for another); the
+    environment's python exists; and, when the marker records ``lock_sha256``, the
+    ``requirements.lock`` kept beside the environment still hashes to it.
     """
-    found: list[tuple[float, Path, dict[str, Any]]] = []
+    if marker.get("engine") != engine.name:
+        return f"its marker is for engine {marker.get('engine')!r}, not {engine.name!r}"
+    version = marker.get("version")
+    if not isinstance(version, str) or not version:
+        return "its marker names no version"
+    variant = marker.get("variant")
+    if variant not in ("cpu", "cuda") or directory.name != f"{variant}-{version}":
+        return f"its marker says {variant}-{version}, but the directory is named {directory.name}"
+    if not engine_python(directory).exists():
+        return f"{engine_python(directory)} is missing"
+    recorded = marker.get("lock_sha256")
+    if recorded:
+        lock = directory / ENV_LOCK_COPY
+        try:
+            actual = sha256_file(lock)
+        except OSError as exc:
+            return f"its lock file {lock} cannot be read ({exc.strerror or exc})"
+        if actual != recorded:
+            return f"its lock file {lock} does not match the marker's lock_sha256 (changed after the install)"
+    return None
+
+
+def find_installed(engine: PythonEngine, roots: Sequence[Path] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """Returns (environment directory, marker) of the installed ``engine`` that runs here.
+
+    Looks under each of ``roots`` in order (default: the agent's install dirs, then
+    :func:`default_root`; see :func:`llmgw.node.install.search_roots`): the first root that
+    holds a usable environment wins, and within it the most recently installed one. An
+    environment counts only if its marker exists and passes :func:`marker_problem`; a marker
+    that does not is ignored with a log line. Returns None if no root holds one.
+    Cheap: reads directory listings, small JSON files and the lock file beside each.
+    """
     for root in roots if roots is not None else search_roots(default_root()):
         base = Path(root) / engine.name
         try:
-            children = list(base.iterdir())
+            children = sorted(base.iterdir())
         except OSError:
             continue
+        found: list[tuple[float, Path, dict[str, Any]]] = []
         for child in children:
             if child.name.startswith("."):
-                continue  # scratch directories
+                continue  # scratch directories and lock files
             marker = read_marker(child)
-            if marker is not None and engine_python(child).exists():
-                found.append((float(marker.get("installed_at", 0.0)), child, marker))
-    if not found:
-        return None
-    _, directory, marker = max(found, key=lambda item: item[0])
-    return directory, marker
+            if marker is None:
+                continue
+            problem = marker_problem(child, engine, marker)
+            if problem is not None:
+                log_ignored_marker(child, problem)
+                continue
+            installed_at = marker.get("installed_at", 0.0)
+            found.append((float(installed_at) if isinstance(installed_at, (int, float)) else 0.0, child, marker))
+        if found:
+            _, directory, marker = max(found, key=lambda item: item[0])
+            return directory, marker
+    return None
 
 
 # -- locks --------------------------------------------------------------------------------
@@ -329,7 +371,6 @@ def install_env(
                     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
                     raise RuntimeError(f"{what} failed (exit status {done.returncode}):\n{tail}")
                 output = done.stdout.strip()
-            shutil.copy2(lock, scratch / "requirements.lock")
             write_marker(scratch, engine, version, gpu, lock, module_version=output.splitlines()[-1] if output else "")
             if target.exists():  # a marker-less leftover from an interrupted rename: not installed
                 shutil.rmtree(target)
@@ -341,7 +382,10 @@ def install_env(
 
 
 def write_marker(directory: Path, engine: PythonEngine, version: str, gpu: bool, lock: Path, *, module_version: str) -> None:
-    """Writes the marker that makes ``directory`` count as installed (atomically)."""
+    """Copies ``lock`` into ``directory`` (:data:`ENV_LOCK_COPY`) and writes the marker that
+    makes ``directory`` count as installed (atomically; it records the lock's sha256, which
+    :func:`marker_problem` compares with the copy)."""
+    shutil.copy2(lock, directory / ENV_LOCK_COPY)
     data = {
         "engine": engine.name,
         "distribution": engine.distribution(gpu),
@@ -371,14 +415,17 @@ class EnvInstaller:
         self.index_url = index_url
 
     async def probe(self):  # type: ignore[no-untyped-def]
-        """Returns an EngineInfo: installed (with version) from the marker; installable if a lock fits."""
-        from llmgw.spec import EngineInfo
+        """Returns an EngineInfo: installed (with version, path and origin "installed") from the
+        marker of the first root holding one (install_dir, then the default root); installable
+        if a lock fits."""
+        from llmgw.spec import ENGINE_INSTALLED, EngineInfo
 
         found = find_installed(self.engine, [self.root, default_root()])
         if found is not None:
             directory, marker = found
             return EngineInfo(name=self.name, installed=True, version=str(marker.get("version", "")),
-                              installable=True, detail=f"{marker.get('distribution', self.name)} in {directory}")
+                              installable=True, detail=f"{marker.get('distribution', self.name)} in {directory}",
+                              path=str(engine_python(directory)), origin=ENGINE_INSTALLED)
         try:
             lock = lock_path(self.engine, self.default_version, self.gpu)
         except ValueError as exc:
