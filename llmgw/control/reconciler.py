@@ -25,6 +25,10 @@ fails marks the shard FAILED in the registry, so the next pass asks the node to 
 (it may have started after all) and the model's failure backoff applies. A stop that fails
 is simply planned again. Nothing an executor raises ends the loop; cancellation does.
 
+A stop that is a rollout step (``StopReplica.rollout``) first takes the replica out of
+routing (``shard_draining``) and waits ``rollout_drain`` seconds, so requests in flight on it
+finish; rollouts log each step with its reason.
+
 Passes run one at a time: after a registry change, ``catalog_changed()``, the end of a
 failure backoff, or every ``tick`` seconds as a safety net.
 """
@@ -65,6 +69,12 @@ ACTION_TIMEOUT_S = 15.0
 # an empty catalog, which would stop every replica) and retried after CATALOG_RETRY_S.
 CATALOG_TIMEOUT_S = 10.0
 CATALOG_RETRY_S = 5.0
+# A rollout stops a replica that serves: it is first taken out of routing, then left this long
+# before its engine gets SIGTERM, so the route change reaches every gateway (standbys get it
+# streamed from the leader) and requests already sent to it finish. A stream longer than this
+# is cut as any engine stop cuts it: the gateway keeps no per-replica in-flight count across
+# its workers that could shorten or lengthen the wait.
+ROLLOUT_DRAIN_S = 5.0
 
 
 class Executor(Protocol):
@@ -109,6 +119,7 @@ class Reconciler:
         action_timeout: float = ACTION_TIMEOUT_S,
         catalog_timeout: float = CATALOG_TIMEOUT_S,
         new_id: Callable[[str], str] = placement.random_shard_id,
+        rollout_drain: float = ROLLOUT_DRAIN_S,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -118,6 +129,7 @@ class Reconciler:
         self._action_timeout = action_timeout
         self._catalog_timeout = catalog_timeout
         self._new_id = new_id
+        self._rollout_drain = rollout_drain
         self._catalog_event = trio.Event()
         self._failures: dict[str, placement.FailureRecord] = {}
         self.passes = 0
@@ -223,6 +235,8 @@ class Reconciler:
         """Execute one node's actions in order, stops first; record failures in ``errors``."""
         ordered = sorted(actions, key=lambda a: isinstance(a, StartReplica))
         for action in ordered:
+            if isinstance(action, StopReplica) and action.rollout:
+                await self._drain(node_id, action)
             try:
                 with trio.fail_after(self._action_timeout):
                     if isinstance(action, StopReplica):
@@ -248,6 +262,15 @@ class Reconciler:
                 continue
             if isinstance(action, StopReplica):
                 self._registry.shard_removed(node_id, action.shard_id)
+
+    async def _drain(self, node_id: str, action: StopReplica) -> None:
+        """Takes the replica a rollout stops out of routing and waits ``rollout_drain`` seconds
+        (:data:`ROLLOUT_DRAIN_S`); returns at once if the registry no longer has it."""
+        if not self._registry.shard_draining(node_id, action.shard_id):
+            return
+        log.info("rollout: draining %s on node %s for %g s before it stops (%s)",
+                 action.shard_id, node_id, self._rollout_drain, action.reason)
+        await trio.sleep(self._rollout_drain)
 
     def _start_failed(self, node_id: str, spec: ShardSpec, text: str) -> None:
         status = ShardStatus(id=spec.id, state=ShardState.FAILED, message=f"start request failed: {text}")

@@ -18,6 +18,7 @@ except the two ``async`` ones)::
     reg.shard_owner(shard_id) -> str | None                 # the node holding that shard id
     reg.node_disconnected(node_id, epoch)                   # -> bool; DISCONNECTED (False: stale session)
     reg.forget_node(node_id)                                # -> bool; operator removed the node
+    reg.shard_draining(node_id, shard_id)                   # -> bool; out of routing before a rollout stops it
     reg.snapshot() -> Fleet                                 # immutable, for placement/display
     reg.replicas_of(model) -> list[ReadyReplica]            # READY shards on ONLINE/DISCONNECTED nodes
     reg.ready_replicas() -> dict[str, list[ReadyReplica]]   # the whole table, for the gateway
@@ -244,6 +245,7 @@ class Registry:
         self._views: dict[str, NodeView] = {}  # cache; a node's entry is dropped on change
         self._by_model: dict[str, set[tuple[str, str]]] = {}  # model -> {(node_id, shard_id)}
         self._owners: dict[str, str] = {}  # shard id -> node id
+        self._draining: set[str] = set()  # shard ids taken out of routing before their stop
         #: Called with a shard id when what its agent reported about it stops holding: the shard
         #: stopped, failed or was removed, its node was lost or forgotten, or it is missing from
         #: the node's new registration (the gateway then drops the shard's KV-cache state).
@@ -399,12 +401,25 @@ class Registry:
         self._touch(node_id)
         self._bump()
 
+    def shard_draining(self, node_id: str, shard_id: str) -> bool:
+        """Take one shard out of routing ahead of its stop (a rollout replaces it): from now on
+        :meth:`replicas_of` leaves it out, whatever its agent reports, until it is removed.
+        Returns False (and changes nothing) if the node or the shard is unknown."""
+        node = self._nodes.get(node_id)
+        if node is None or shard_id not in node.shards:
+            return False
+        if shard_id not in self._draining:
+            self._draining.add(shard_id)
+            self._bump()
+        return True
+
     def shard_removed(self, node_id: str, shard_id: str) -> None:
         """Forget one shard (it was stopped). Does nothing if node or shard is unknown."""
         node = self._nodes.get(node_id)
         if node is None:
             return
         shard = node.shards.pop(shard_id, None)
+        self._draining.discard(shard_id)
         if shard is None:
             return
         self._gone([shard_id])
@@ -439,6 +454,7 @@ class Registry:
         if node is None:
             return False
         self._gone(node.shards)
+        self._draining.difference_update(node.shards)
         self._unindex(node)
         self._touch(node_id)
         self._bump()
@@ -481,7 +497,7 @@ class Registry:
                 continue
             shard = node.shards[shard_id]
             st = shard.status
-            if st.state is ShardState.READY and st.endpoint:
+            if st.state is ShardState.READY and st.endpoint and shard_id not in self._draining:
                 out.append(ReadyReplica(id=shard_id, model=model, endpoint=st.endpoint, node_id=node_id,
                                         engine=shard.spec.engine, adapters=st.adapters))
         out.sort(key=lambda r: (r.node_id, r.id))

@@ -182,7 +182,8 @@ async def test_lost_node_replaced_after_grace_without_touching_it(cluster: Clust
     assert [c for c in cluster.agents.calls if c.node_id == "a"] == [first]  # nothing sent to the lost node
 
     # The node comes back with its replica: one of the two is surplus; the newer one goes.
-    cluster.join("a", mem=32768, shards=[(ShardSpec(id=first.shard_id, model="m", engine="llama.cpp", source="/w/m"),
+    cluster.join("a", mem=32768, shards=[(ShardSpec(id=first.shard_id, model="m", engine="llama.cpp", source="/w/m",
+                                                    memory_mb=1024),
                                           ShardStatus(id=first.shard_id, state=ShardState.READY, endpoint="http://a/x"))])
     await cluster.until(lambda: cluster.ready_nodes("m") == ["a"])
     assert [(c.op, c.node_id, c.shard_id) for c in cluster.agents.calls[2:]] == [("stop", "b", replacement.shard_id)]
@@ -310,3 +311,33 @@ async def test_unknown_shard_on_stop_counts_as_stopped(cluster: Cluster, autojum
     assert cluster.reconciler.last_pass is not None and cluster.reconciler.last_pass.errors == ()
     shards = cluster.registry.snapshot().nodes["a"].shards
     assert list(shards) == [second.shard_id] and shards[second.shard_id].status.state is ShardState.READY
+
+
+async def test_rollout_drains_each_old_replica_after_its_replacement_is_ready(
+        cluster: Cluster, autojump_clock: trio.testing.MockClock) -> None:
+    cluster.join("a")
+    cluster.catalog = [model("m", replicas=2)]
+    await cluster.start()
+    await cluster.until(lambda: len(cluster.ready_nodes("m")) == 2)
+    old = {r.id for r in cluster.registry.replicas_of("m")}
+    routed: list[set[str]] = []  # what the gateway could route to at each stop
+
+    stop_replica = cluster.agents.stop_replica
+
+    async def stop_and_record(node_id: str, shard_id: str) -> None:
+        routed.append({r.id for r in cluster.registry.replicas_of("m")})
+        await stop_replica(node_id, shard_id)
+
+    cluster.agents.stop_replica = stop_and_record  # type: ignore[method-assign]
+    cluster.catalog = [attrs.evolve(model("m", replicas=2), source="/w/m-v2")]
+    cluster.reconciler.catalog_changed()
+    await cluster.until(lambda: len(cluster.agents.ops("stop")) == 2 and len(cluster.ready_nodes("m")) == 2)
+    stops = cluster.agents.ops("stop")
+    starts = cluster.agents.ops("start")[2:]
+    assert {c.shard_id for c in stops} == old and len(starts) == 2
+    # One at a time: each old replica stops only after a new one started before it, and was
+    # out of routing (drained) by then while a ready replacement served.
+    assert starts[0].at < stops[0].at < starts[1].at < stops[1].at
+    for stop, seen in zip(stops, routed):
+        assert stop.shard_id not in seen and len(seen) >= 1
+    assert not {r.id for r in cluster.registry.replicas_of("m")} & old
