@@ -167,6 +167,7 @@ class ReadyReplica:
     node_id: str
     engine: str = ""  # the shard's engine name ("vllm", "llama.cpp", "sim", ...)
     adapters: tuple[tuple[str, str], ...] = ()  # (adapter name, path on the node), in the engine's order
+    api_key: str = attrs.field(default="", repr=False)  # the engine's secret (ShardSpec.api_key)
 
 
 @attrs.define
@@ -499,7 +500,8 @@ class Registry:
             st = shard.status
             if st.state is ShardState.READY and st.endpoint and shard_id not in self._draining:
                 out.append(ReadyReplica(id=shard_id, model=model, endpoint=st.endpoint, node_id=node_id,
-                                        engine=shard.spec.engine, adapters=st.adapters))
+                                        engine=shard.spec.engine, adapters=st.adapters,
+                                        api_key=shard.spec.api_key))
         out.sort(key=lambda r: (r.node_id, r.id))
         return out
 

@@ -99,7 +99,7 @@ class RouteFeed:
             seen_registry = self.registry.version
             self.gateway.replace_routes(
                 {
-                    model: [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters)
+                    model: [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters, r.api_key)
                             for r in self.registry.replicas_of(model)]
                     for model in infos
                 },

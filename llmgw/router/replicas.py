@@ -38,7 +38,8 @@ class Replica:
     ``endpoint`` is the base URL of the engine's OpenAI API (``http://host:port``, no
     ``/v1``); ``id`` is the shard id; ``node_id`` the node it runs on; ``engine`` the
     catalog engine name ("vllm", "llama.cpp", "sim", ...; "" = unknown); ``adapters`` the
-    LoRA adapters it can serve, as (name, path on its node) pairs.
+    LoRA adapters it can serve, as (name, path on its node) pairs; ``api_key`` the engine's
+    secret, sent as its Bearer token on every request ("" = none; never in reprs or logs).
     """
 
     id: str
@@ -47,6 +48,7 @@ class Replica:
     node_id: str = ""
     engine: str = ""
     adapters: tuple[tuple[str, str], ...] = ()
+    api_key: str = attrs.field(default="", repr=False)
 
     def adapter_path(self, adapter: str) -> str | None:
         """Return the path this replica loads ``adapter`` from, or None if it does not list it."""

@@ -379,3 +379,25 @@ async def test_a_huge_model_name_is_not_echoed_whole(tenant: str, status: int, c
         error = assert_error(response, status, code)
         assert "m" * (MAX_ECHO_CHARS - 3) + "..." in error["message"]
         assert len(error["message"]) < MAX_ECHO_CHARS + 300 and len(response.content) < 2 * MAX_ECHO_CHARS + 600
+
+
+async def test_the_engine_gets_its_own_secret_never_the_clients_key() -> None:
+    async with gateway() as env:
+        env.table.set_model_replicas(MODEL, [Replica("r0", MODEL, env.upstream.endpoint, "node-1", api_key="eng-s3cret")])
+        assert "eng-s3cret" not in repr(env.table.replicas(MODEL))
+        ok = await env.client.post("/v1/chat/completions", json=chat_body(), headers=env.headers("acme"))
+        assert ok.status_code == 200, ok.text
+        assert env.upstream.requests[-1].headers["authorization"] == "Bearer eng-s3cret"
+        streamed = await env.client.post("/v1/chat/completions", json=chat_body(stream=True), headers=env.headers("acme"))
+        assert streamed.status_code == 200, streamed.text
+        assert env.upstream.requests[-1].headers["authorization"] == "Bearer eng-s3cret"
+        # The gateway's own calls to the engine (/tokenize, adapter loads) carry it too.
+        client = env.gateway.upstream
+        assert client is not None
+        await client.call(env.table.replicas(MODEL)[0], "POST", "/tokenize", b"{}", "req-t")
+        assert env.upstream.requests[-1].headers["authorization"] == "Bearer eng-s3cret"
+        # A replica without a secret (an engine started before secrets existed) gets no header.
+        env.table.set_model_replicas(MODEL, [Replica("r0", MODEL, env.upstream.endpoint, "node-1")])
+        ok = await env.client.post("/v1/chat/completions", json=chat_body(), headers=env.headers("acme"))
+        assert ok.status_code == 200 and "authorization" not in env.upstream.requests[-1].headers
+        await env.wait_idle()

@@ -376,6 +376,14 @@ def test_engine_message_reads_openai_fastapi_and_plain_errors() -> None:
     assert engine_message(b"x" * 1000).endswith("...")
 
 
+def test_worker_mirror_carries_each_engines_secret() -> None:
+    table = ReplicaTable()
+    table.set_model_replicas("m", [Replica("r1", "m", "http://h:1", "n", "sim", (), "s3cret"), Replica("r2", "m", "http://h:2")])
+    mirror = MirrorTable()
+    mirror.load_state(msgpack.unpackb(msgpack.packb(encode_table(table))))
+    assert [r.api_key for r in mirror.replicas("m")] == ["s3cret", ""]
+
+
 def test_worker_mirror_carries_engines_and_adapters() -> None:
     _, table, _, _ = make("llama.cpp", 0, replicas=2)
     table.set_model_replicas("other", [])

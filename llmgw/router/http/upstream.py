@@ -67,7 +67,7 @@ CLOSE_TIMEOUT_S = 5.0
 READ_BACKSTOP_SLACK_S = 5.0
 
 # Request headers copied from the client to the replica. Authorization is not: the
-# client's key is a gateway key, not the engine's. W3C trace context passes through
+# client's key is a gateway key, not the engine's (the engine's own secret goes instead). W3C trace context passes through
 # (engines join the client's trace); with tracing on the gateway's own span replaces it.
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "user-agent", "traceparent", "tracestate")
 
@@ -170,8 +170,9 @@ class UpstreamClient:
 
         ``path`` starts with ``/`` (e.g. ``/v1/chat/completions``) and is appended to the
         replica's endpoint; only :data:`FORWARDED_REQUEST_HEADERS` of ``headers`` are sent,
-        plus ``x-request-id`` and ``extra_headers`` (e.g. the gateway's ``traceparent``,
-        replacing the client's). ``body`` is sent byte for byte.
+        plus ``x-request-id``, ``extra_headers`` (e.g. the gateway's ``traceparent``,
+        replacing the client's) and, when the replica has a secret, ``Authorization: Bearer``
+        with it. ``body`` is sent byte for byte.
 
         Returns a response whose body has not been read: the caller must read it with
         :meth:`read_body` or :meth:`iter_body` (which apply the body deadlines) and then
@@ -189,6 +190,8 @@ class UpstreamClient:
         out_headers["accept-encoding"] = "identity"
         if extra_headers:
             out_headers.update(extra_headers)
+        if replica.api_key:  # the engine's own secret; the client's key never reaches the engine
+            out_headers["authorization"] = f"Bearer {replica.api_key}"
         response: H1Response | None = None
         try:
             with trio.move_on_after(self.timeouts.first_byte):

@@ -114,7 +114,7 @@ def scaled_tenant(tenant: Tenant, workers: int) -> Tenant:
 
 
 def encode_table(table: ReplicaTable) -> dict[str, Any]:
-    """Return the table's models, their replicas (with engine and adapters), ``created``
+    """Return the table's models, their replicas (with engine, adapters and secret), ``created``
     times and model info (engine, adapters, max_loaded_adapters) as msgpack values."""
     models = table.models()
     info = {m.name: table.model_info(m.name) for m in models}
@@ -122,7 +122,7 @@ def encode_table(table: ReplicaTable) -> dict[str, Any]:
         "created": {m.name: m.created for m in models},
         "replicas": {
             m.name: [
-                [r.id, r.endpoint, r.node_id, r.engine, [list(pair) for pair in r.adapters]]
+                [r.id, r.endpoint, r.node_id, r.engine, [list(pair) for pair in r.adapters], r.api_key]
                 for r in table.replicas(m.name) or ()
             ]
             for m in models
@@ -137,8 +137,8 @@ def decode_table(
     """Return ``(replicas, created, info)``, each by model, from :func:`encode_table`'s value."""
     replicas = {
         model: [
-            Replica(rid, model, endpoint, node, engine, tuple((str(n), str(p)) for n, p in adapters))
-            for rid, endpoint, node, engine, adapters in rows
+            Replica(rid, model, endpoint, node, engine, tuple((str(n), str(p)) for n, p in adapters), str(api_key))
+            for rid, endpoint, node, engine, adapters, api_key in rows
         ]
         for model, rows in data["replicas"].items()
     }
