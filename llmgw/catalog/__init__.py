@@ -8,6 +8,8 @@ of the control plane, the node, the router or the RPC layer (any of them may imp
 - :mod:`llmgw.catalog.engine_options`: which engine arguments and environment variables a
   profile may set (checked when a model is added, and again by the node before start);
 - :mod:`llmgw.catalog.access`: tenant validation and the API key format.
+- :mod:`llmgw.catalog.fingerprint`: the fingerprint of a model definition, which each shard
+  carries so a rollout knows which replicas run an older one.
 """
 
 from llmgw.catalog.access import AccessError, TenantSpec, check_key_name, generate_key, validate_tenant
