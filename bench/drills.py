@@ -62,7 +62,7 @@ from llmgw.client import ReplicaRow, connect  # noqa: E402
 from llmgw.control.store import redact_dsn  # noqa: E402
 from llmgw.rpc.kjtrio import capnp_runtime  # noqa: E402
 from tests.pg import with_database  # noqa: E402
-from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, ready_replicas  # noqa: E402
+from tests.system.harness import LLMGW, POLL, WAIT, Cluster, Proc, eventually, ready_replicas  # noqa: E402
 
 MODEL = "m1"
 NODE = "node-a"
@@ -80,9 +80,10 @@ DECODE_US_PER_TOKEN = 20_000
 #: the cluster serves again), per client.
 WARMUP_PER_CLIENT = {True: 2, False: 5}  # by --quick
 AFTER_PER_CLIENT = {True: 2, False: 5}
-#: How often a condition (cluster state, /readyz, a log line) is checked: the resolution of
-#: every recovery time; each cluster poll is one TLS connection to the control plane.
-POLL_S = 0.05
+#: How often a condition (cluster state, /readyz, a log line) is checked: the harness's
+#: ``eventually`` interval, the resolution of every recovery time (each cluster poll is
+#: one TLS connection to the control plane).
+POLL_S = POLL
 #: A client that failed waits this long before its next request (a client backs off; it
 #: keeps refused connections during an outage from spinning the CPU).
 FAILURE_PAUSE_S = 0.05
@@ -134,6 +135,7 @@ class Load:
     """
 
     kinds: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    by_request: dict[str, collections.Counter[str]] = attrs.field(factory=dict)  # plain/stream/long -> kinds
     samples: dict[str, list[str]] = attrs.field(factory=dict)
     prompt_tokens: int = 0  # of the ok answers
     completion_tokens: int = 0
@@ -141,6 +143,7 @@ class Load:
     long_streaming: int = 0  # long streams that got their first event
     first_failure: float | None = None
     last_failure: float | None = None
+    longest_failure: float = 0.0  # seconds the slowest failed request took to fail
     stopping: bool = False  # no new request once set
     changed: trio.Event = attrs.field(factory=trio.Event)
 
@@ -157,8 +160,11 @@ class Load:
     def failed(self) -> int:
         return self.total - self.kinds["ok"]
 
-    def record(self, kind: str, message: str = "", usage: dict[str, int] | None = None) -> None:
+    def record(self, request: str, kind: str, message: str = "", usage: dict[str, int] | None = None,
+               started: float = 0.0) -> None:
+        """Count one request of type ``request`` (plain, stream, long), sent at ``started``, that ended as ``kind``."""
         self.kinds[kind] += 1
+        self.by_request.setdefault(request, collections.Counter())[kind] += 1
         if kind == "ok" and usage:
             self.prompt_tokens += usage["prompt_tokens"]
             self.completion_tokens += usage["completion_tokens"]
@@ -166,9 +172,10 @@ class Load:
             now = trio.current_time()
             self.first_failure = self.first_failure or now
             self.last_failure = now
+            self.longest_failure = max(self.longest_failure, now - started)
             kept = self.samples.setdefault(kind, [])
             if len(kept) < SAMPLES_PER_KIND:
-                kept.append(message[:200])
+                kept.append(f"{request} after {now - started:.2f} s: {message[:200]}")
         self.note()
 
     def note(self) -> None:
@@ -187,6 +194,8 @@ class Load:
         """Return the counts for the report: total, ok, failed, failed by kind, samples."""
         return {"total": self.total, "ok": self.kinds["ok"], "failed": self.failed,
                 "failed_by": {k: v for k, v in sorted(self.kinds.items()) if k != "ok"},
+                "by_request": {r: dict(sorted(c.items())) for r, c in sorted(self.by_request.items())},
+                "longest_failure_s": round(self.longest_failure, 3),
                 "failure_samples": self.samples}
 
 
@@ -203,14 +212,15 @@ async def one_request(http: httpx.AsyncClient, kind: str, workload: Workload, lo
     """Send one chat completion (``kind``: plain, stream or long), record how it ended; return the kind recorded."""
     events: list[Any] = []
     status: int | None = None
+    started = trio.current_time()
     load.in_flight += 1
     try:
         async with http.stream("POST", "/v1/chat/completions", json=request_body(kind, workload)) as response:
             status = response.status_code
             if status != 200:
-                return _record(load, f"status_{status}", (await response.aread()).decode(errors="replace"))
+                return _record(load, started, kind, f"status_{status}", (await response.aread()).decode(errors="replace"))
             if kind == "plain":
-                return _record(load, "ok", usage=json.loads(await response.aread())["usage"])
+                return _record(load, started, kind, "ok", usage=json.loads(await response.aread())["usage"])
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -220,23 +230,24 @@ async def one_request(http: httpx.AsyncClient, kind: str, workload: Workload, lo
                     load.long_streaming += 1
                     load.note()
     except httpx.ConnectError as exc:
-        return _record(load, "refused", repr(exc))
+        return _record(load, started, kind, "refused", repr(exc))
     except httpx.TimeoutException as exc:
-        return _record(load, "timeout", repr(exc))
+        return _record(load, started, kind, "timeout", repr(exc))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return _record(load, "no_response" if status is None else "cut_bare", f"{kind}: {exc!r} after {len(events)} events")
+        return _record(load, started, kind, "no_response" if status is None else "cut_bare", f"{exc!r} after {len(events)} events")
     finally:
         load.in_flight -= 1
     if events and events[-1] == "[DONE]":
         usage = [e["usage"] for e in events[:-1] if isinstance(e, dict) and e.get("usage")]
-        return _record(load, "ok", usage=usage[-1] if usage else None)
+        return _record(load, started, kind, "ok", usage=usage[-1] if usage else None)
     if events and isinstance(events[-1], dict) and "error" in events[-1]:
-        return _record(load, "stream_error", json.dumps(events[-1]["error"]))
-    return _record(load, "cut_bare", f"{kind}: ended without [DONE] or an error event after {len(events)} events")
+        return _record(load, started, kind, "stream_error", json.dumps(events[-1]["error"]))
+    return _record(load, started, kind, "cut_bare", f"ended without [DONE] or an error event after {len(events)} events")
 
 
-def _record(load: Load, kind: str, message: str = "", usage: dict[str, int] | None = None) -> str:
-    load.record(kind, message, usage)
+def _record(load: Load, started: float, request: str, kind: str, message: str = "",
+            usage: dict[str, int] | None = None) -> str:
+    load.record(request, kind, message, usage, started)
     return kind
 
 
@@ -353,6 +364,23 @@ async def seconds_until(check: Callable[[], Awaitable[Any]], what: str, since: f
     return round(trio.current_time() - since, 3), value
 
 
+async def ready_and_rejoined(cluster: Cluster, since: float) -> dict[str, float]:
+    """Wait, both at once, for ``/readyz`` ready and for the node serving again; return
+    ``ready_s`` and ``rejoin_s``, each in seconds from ``since``."""
+    times: dict[str, float] = {}
+
+    async def ready() -> None:
+        times["ready_s"], _ = await seconds_until(lambda: gateway_ready(cluster.gateway), "/readyz ready", since)
+
+    async def rejoined() -> None:
+        times["rejoin_s"], _ = await seconds_until(lambda: node_serving(cluster), "the node serving again", since)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ready)
+        nursery.start_soon(rejoined)
+    return times
+
+
 def usage_answered(load: Load) -> dict[str, int]:
     return {"requests": load.answered, "prompt_tokens": load.prompt_tokens, "completion_tokens": load.completion_tokens}
 
@@ -418,8 +446,10 @@ async def drill_server_drain(root: Path, opts: Options) -> dict[str, Any]:
             result["drain_s"] = round(trio.current_time() - t0, 3)
         result["traceback_in_log"] = "Traceback" in server.output()
         result["requests"] = load.figures()
-        result["streams"] = {"completed": load.kinds["ok"], "error_event": load.kinds["stream_error"],
-                             "cut_bare": load.kinds["cut_bare"] + load.kinds["no_response"]}
+        streams = load.by_request.get("stream", collections.Counter()) + load.by_request.get("long", collections.Counter())
+        result["streams"] = {"completed": streams["ok"], "error_event": streams["stream_error"],
+                             "cut_bare": streams.total() - streams["ok"] - streams["stream_error"],
+                             "long_error_event": load.by_request.get("long", collections.Counter())["stream_error"]}
         await cluster.start_server()  # the same store: what did the drained server keep?
         result["usage_answered"] = usage_answered(load)
         result["usage_stored"] = await stored_usage(cluster)
@@ -443,8 +473,7 @@ async def drill_server_kill(root: Path, opts: Options) -> dict[str, Any]:
             cluster.server.kill()
             await cluster.start_server()
             result["listening_s"] = round(trio.current_time() - t0, 3)
-            result["ready_s"], _ = await seconds_until(lambda: gateway_ready(cluster.gateway), "/readyz ready", t0)
-            result["rejoin_s"], _ = await seconds_until(lambda: node_serving(cluster), "the node serving again", t0)
+            result.update(await ready_and_rejoined(cluster, t0))
             mark = load.answered
             await load.wait_for(lambda: load.answered >= mark + opts.after, "answers after the restart")
             load.stopping = True
@@ -472,8 +501,7 @@ async def drill_control_plane_restart(root: Path, opts: Options) -> dict[str, An
             result["stop_s"] = round(trio.current_time() - t0, 3)
             await cluster.start_server()
             result["listening_s"] = round(trio.current_time() - t0, 3)
-            result["ready_s"], _ = await seconds_until(lambda: gateway_ready(cluster.gateway), "/readyz ready", t0)
-            result["rejoin_s"], _ = await seconds_until(lambda: node_serving(cluster), "the node serving again", t0)
+            result.update(await ready_and_rejoined(cluster, t0))
             mark = load.answered
             await load.wait_for(lambda: load.answered >= mark + opts.after, "answers after the restart")
             load.stopping = True
