@@ -9,17 +9,21 @@ functions, so both sides read the same table without importing each other.
 Environment: for real engines an **allowlist** of tuning families (:data:`ENV_FAMILIES`:
 OpenMP, BLAS, CUDA and NCCL tuning, the engine's own ``VLLM_*``/``SGLANG_*``/``GGML_*``
 knobs...). Inside those families, and for every engine, names that carry a path, a
-plugin, a library, an address or a credential are refused (:data:`REFUSED_ENV_NAMES`),
-as are variables the agent sets itself (:data:`AGENT_ENV`). ``LLAMA_ARG_X`` is how
-llama-server reads its flag ``--x`` from the environment, so it is checked as that flag.
+plugin, a library, a cache or config directory, an address or a credential are refused
+(:data:`REFUSED_ENV_NAMES`), as are variables the agent sets itself (:data:`AGENT_ENV`).
+A ``LLAMA_ARG_*`` variable is how llama-server reads one of its options from the
+environment: it is checked as the option llama.cpp's table says it sets (one the table
+does not know is refused as not classified).
 The simulator (llmgw's own code) gets the name refusals but no family allowlist.
 
-Arguments: options that read, write or load files or code (``--trust-remote-code``,
-``--log-file``, ``--tool-parser-plugin``...) and options the agent sets itself
-(``--host``, ``--port``, ``--model``, ``--kv-events-config``...) are refused
-(:data:`REFUSED_ARGS`, :data:`AGENT_ARGS`). Long options are compared after turning
-``_`` into ``-`` and also as argparse abbreviations (vLLM and SGLang accept any
-unambiguous prefix). ``--llmgw-*`` options are llmgw's own (read by the adapter, never
+Arguments: an **allowlist** per engine version. Each engine has a classified table of every
+option its parser knows (:mod:`llmgw.catalog.engine_flags`): safe (tuning, limits, features
+that name no path, address, credential or code) or refused with the reason. The arguments are
+read the way the engine's parser reads them (:mod:`llmgw.catalog.engine_flags.reader`), and
+refused: options classified as refused, options the table does not know (a newer engine's new
+options, until classified), values with no option before them, spellings that could mean
+another option (argparse abbreviations, short options with the value attached), values outside
+a safe option's allowed ones. ``--llmgw-*`` options are llmgw's own (read by the adapter, never
 passed on); unknown ones are refused.
 
 :func:`violations` returns every problem; :func:`check` raises listing them all.
@@ -37,13 +41,14 @@ from typing import Mapping, Sequence
 
 import attrs
 
+from llmgw.catalog.engine_flags import table_for
+from llmgw.catalog.engine_flags.reader import read
+
 __all__ = [
-    "AGENT_ARGS",
     "AGENT_ENV",
     "API_KEY_ENV",
     "ENV_FAMILIES",
     "LLMGW_OPTIONS",
-    "REFUSED_ARGS",
     "REFUSED_ENV_NAMES",
     "UnsafeSetting",
     "Violation",
@@ -54,69 +59,6 @@ __all__ = [
     "violations",
 ]
 
-#: Engine options refused for every engine, with the reason (long options, normalised).
-REFUSED_ARGS: Mapping[str, str] = {
-    "--trust-remote-code": "it runs Python code shipped with the model weights",
-    "--log-file": "it writes a file anywhere the engine's user can",
-    "--slot-save-path": "it lets API clients write files under a chosen directory",
-    "--tool-parser-plugin": "it imports Python code from a path",
-    "--reasoning-parser-plugin": "it imports Python code from a path",
-    "--middleware": "it imports Python code into the API server",
-    "--logits-processors": "it imports Python classes by name",
-    "--worker-cls": "it imports Python code into the engine's workers",
-    "--worker-extension-cls": "it imports Python code into the engine's workers",
-    "--kv-transfer-config": "it can load a connector module from a path",
-    "--allowed-local-media-path": "it lets API clients read files under a chosen directory",
-    "--chat-template": "it reads a file the profile names (put the template in the model's tokenizer_config.json)",
-    "--generation-config": "it reads a directory the profile names",
-    "--config": "it reads a configuration file the profile names",
-    "--log-config-file": "it reads a logging configuration that can import code",
-    "--download-dir": "it writes downloads to a chosen directory",
-    "--tokenizer": "it loads a tokenizer from another path or repository than the model's",
-    "--lora-modules": "it loads adapters from paths at start; llmgw loads adapters itself",
-    "--lora": "it loads an adapter file the profile names; llmgw loads adapters itself",
-    "--lora-scaled": "it loads an adapter file the profile names; llmgw loads adapters itself",
-    "--control-vector": "it loads a file the profile names",
-    "--control-vector-scaled": "it loads a file the profile names",
-    "--mmproj": "it loads a file the profile names",
-    "--grammar-file": "it reads a file the profile names",
-    "--path": "it serves files from a chosen directory",
-    "--model-url": "it downloads weights from a chosen address",
-    "--hf-repo": "it downloads weights; llmgw fetches weights itself",
-    "--hf-file": "it downloads weights; llmgw fetches weights itself",
-    "--hf-token": "it carries a credential",
-    "--api-key": "it carries a credential; the gateway authenticates clients",
-    "--api-key-file": "it reads a credential file",
-    "--ssl-keyfile": "it reads a key file",
-    "--ssl-certfile": "it reads a certificate file",
-    "--ssl-ca-certs": "it reads a certificate file",
-    "--ssl-key-file": "it reads a key file",
-    "--ssl-cert-file": "it reads a certificate file",
-    "--otlp-traces-endpoint": "it sends traces to a chosen address",
-}
-#: Options the agent sets itself (from the placement, the catalog and its own ports).
-AGENT_ARGS: frozenset[str] = frozenset({
-    "--host", "--port", "--uds", "--model", "--model-path", "--served-model-name", "--alias",
-    "--kv-events-config", "--prefix-caching-hash-algo",
-    "--tensor-parallel-size", "--pipeline-parallel-size", "--tp-size", "--pp-size",
-    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless", "--dist-init-addr",
-})
-#: Short options refused (exact match): llama-server's model, alias and download flags,
-#: vLLM's parallel sizes (set by the agent).
-REFUSED_SHORT: Mapping[str, str] = {
-    "-m": "the agent sets the model itself",
-    "-a": "the agent sets the served name itself",
-    "-mu": "it downloads weights from a chosen address",
-    "-hf": "it downloads weights; llmgw fetches weights itself",
-    "-hfr": "it downloads weights; llmgw fetches weights itself",
-    "-hff": "it downloads weights; llmgw fetches weights itself",
-    "-hft": "it carries a credential",
-    "-tp": "the agent sets the parallel sizes from the placement",
-    "-pp": "the agent sets the parallel sizes from the placement",
-}
-#: Shortest option prefix (after the dashes) treated as an abbreviation of a refused
-#: option; ``--t``/``--l`` alone are ambiguous for argparse and left to the engine.
-MIN_ABBREVIATION = 2
 #: The profile option that turns an engine's KV events off (vLLM, sim): the router then
 #: routes that model's replicas approximately.
 NO_KV_EVENTS_OPTION = "--llmgw-no-kv-events"
@@ -187,6 +129,17 @@ REFUSED_ENV_NAMES: tuple[tuple[str, str], ...] = (
     ("*_URI", "it names a network address"),
     ("*_ENDPOINT", "it names a network address"),
     ("*_PROXY", "it names a network address"),
+    ("*LIBRARIES*", "it names libraries to load"),
+    ("OMP_TOOL*", "it makes the OpenMP runtime load tool libraries (and write where they say)"),
+    ("*_CACHE", "it names a cache directory the engine reads and writes"),
+    ("*_FOLDER", "it names a directory the engine reads or writes"),
+    ("*_LOCATION", "it names a path or address the engine reads"),
+    ("*_IPS", "it names network addresses"),
+    ("*_SERVER", "it names a network address"),
+    ("*_SERVERS", "it names network addresses"),
+    ("VLLM_TRACE_FUNCTION", "it writes a trace of every function call to files"),
+    ("VLLM_LORA_RESOLVER_*", "it downloads adapters; llmgw loads adapters itself"),
+    ("VLLM_RAY_EXTRA_ENV_*", "it copies other variables into the engine's workers"),
     ("*TRUST_REMOTE_CODE*", "it runs Python code shipped with the model weights"),
     ("VLLM_ALLOW_INSECURE_SERIALIZATION", "it lets the engine unpickle data, which runs code"),
     ("VLLM_SERVER_DEV_MODE", "it opens the engine's development endpoints"),
@@ -262,25 +215,28 @@ def option_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def _arg_problem(engine: str, option: str) -> str | None:
-    """Returns why ``option`` is refused for ``engine`` (a sentence starting with it), or None."""
-    if not option.startswith("--"):
-        reason = REFUSED_SHORT.get(option)
-        return f"{option} is not allowed: {reason}" if reason else None
-    if option.startswith("--llmgw-"):
-        if option in LLMGW_OPTIONS.get(engine, ()):
-            return None
-        if option in RETIRED_OPTIONS:
-            return f"{option} is no longer an llmgw option: {RETIRED_OPTIONS[option]}"
-        known = ", ".join(sorted(LLMGW_OPTIONS.get(engine, ()))) or "none"
-        return f"{option} is not an llmgw option for engine {engine!r} (known: {known})"
-    refused = {**REFUSED_ARGS, **{a: "the agent sets it itself" for a in AGENT_ARGS}}
-    if option in refused:
-        return f"{option} is not allowed: {refused[option]}"
-    if len(option) - 2 >= MIN_ABBREVIATION:
-        for name in sorted(refused):
-            if name.startswith(option):
-                return f"{option} (an abbreviation of {name}) is not allowed: {refused[name]}"
+def _llmgw_problem(engine: str, option: str) -> str | None:
+    """Returns why llmgw option ``option`` (``--llmgw-*``) is refused for ``engine``, or None."""
+    if option in LLMGW_OPTIONS.get(engine, ()):
+        return None
+    if option in RETIRED_OPTIONS:
+        return f"{option} is no longer an llmgw option: {RETIRED_OPTIONS[option]}"
+    known = ", ".join(sorted(LLMGW_OPTIONS.get(engine, ()))) or "none"
+    return f"{option} is not an llmgw option for engine {engine!r} (known: {known})"
+
+
+def _llama_arg_problem(engine: str, name: str, value: str, version: str | None) -> str | None:
+    """Returns why llama-server variable ``name`` (``LLAMA_ARG_*``) set to ``value`` is refused, or None."""
+    table = table_for(engine)
+    option = table.by_env.get(name) if table is not None else None
+    if option is None:
+        what = table.describe(version) if table is not None else engine
+        return f"not allowed: it is not an option variable classified for {what}"
+    if option.refused is not None:
+        return f"not allowed: llama-server reads it as {option.name} is not allowed: {option.refused}"
+    if option.values and option.allowed_values is not None and value not in option.allowed_values:
+        return (f"not allowed: llama-server reads it as {option.name} {value!r}, not one of the safe values "
+                f"({', '.join(option.allowed_values)})")
     return None
 
 
@@ -291,16 +247,15 @@ def _arg_problem(engine: str, option: str) -> str | None:
 HASH_SEED_ENV = "PYTHONHASHSEED"
 
 
-def _env_problem(engine: str, name: str) -> str | None:
-    """Returns why variable ``name`` is refused for ``engine``, or None."""
+def _env_problem(engine: str, name: str, value: str, version: str | None) -> str | None:
+    """Returns why variable ``name`` (set to ``value``) is refused for ``engine``, or None."""
     if name == HASH_SEED_ENV:
         return None
     families = ENV_FAMILIES.get(engine, _COMMON_FAMILIES)
     if name.startswith(_LLAMA_ARG_PREFIX) and f"{_LLAMA_ARG_PREFIX}*" in families:
-        flag = "--" + name[len(_LLAMA_ARG_PREFIX):].lower().replace("_", "-")
-        problem = _arg_problem(engine, flag)
+        problem = _llama_arg_problem(engine, name, value, version)
         if problem is not None:
-            return f"not allowed: llama-server reads it as {problem}"
+            return problem
     for pattern, reason in REFUSED_ENV_NAMES:
         if fnmatch.fnmatchcase(name, pattern):
             return f"not allowed: {reason}"
@@ -316,18 +271,34 @@ def _env_problem(engine: str, name: str) -> str | None:
     return None
 
 
-def violations(engine: str, args: Sequence[str], env: Mapping[str, str]) -> list[Violation]:
-    """Returns every refused argument and variable of a profile for ``engine`` (empty: all allowed)."""
+def violations(
+    engine: str, args: Sequence[str], env: Mapping[str, str], *, version: str | None = None
+) -> list[Violation]:
+    """Returns every refused argument and variable of a profile for ``engine`` (empty: all allowed).
+
+    ``version``: the engine version that will run them, when known (the node knows it; the
+    catalog does not): named in the refusal of an option the table does not know.
+    """
     found: list[Violation] = []
+    items: list[tuple[int, str]] = []
     for i, arg in enumerate(args):
         option = option_name(arg)
-        if option is None:
+        if option is not None and option.startswith("--llmgw-"):
+            problem = _llmgw_problem(engine, option)
+            if problem is not None:
+                found.append(Violation(f"engine_args[{i}]", option, problem))
             continue
-        problem = _arg_problem(engine, option)
-        if problem is not None:
-            found.append(Violation(f"engine_args[{i}]", option, problem))
-    for name in env:
-        problem = _env_problem(engine, name)
+        items.append((i, arg))
+    table = table_for(engine)
+    if table is None:
+        found += [Violation(f"engine_args[{i}]", arg, f"{arg} is not allowed: llmgw has no classified options "
+                            f"for engine {engine!r}") for i, arg in items]
+    else:
+        _, problems = read(table, items, running=version)
+        found += [Violation(f"engine_args[{p.index}]", p.subject, p.reason) for p in problems]
+    found.sort(key=lambda v: int(v.where[len("engine_args["):-1]))
+    for name, value in env.items():
+        problem = _env_problem(engine, name, value, version)
         if problem is not None:
             found.append(Violation(f"engine_env.{name}", name, problem))
     return found
@@ -364,9 +335,9 @@ def device_violations(engine: str, args: Sequence[str], *, on_cpu: bool | None) 
     return found
 
 
-def check(engine: str, args: Sequence[str], env: Mapping[str, str]) -> None:
+def check(engine: str, args: Sequence[str], env: Mapping[str, str], *, version: str | None = None) -> None:
     """Returns None if the profile is allowed; raises :class:`UnsafeSetting` listing every problem."""
-    found = violations(engine, args, env)
+    found = violations(engine, args, env, version=version)
     if found:
         raise UnsafeSetting(found)
 

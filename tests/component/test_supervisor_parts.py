@@ -77,7 +77,7 @@ def test_refused_args_and_env_are_named(args: tuple[str, ...], env: dict[str, st
 
 
 def test_allowed_args_and_env_pass() -> None:
-    check_refused(sim_spec("ok", "--max-model-len", "4096", "--log-level", "debug", CUDA_VISIBLE_DEVICES="0", PLUGINS="x"))
+    check_refused(sim_spec("ok", "--max-model-len", "4096", "--num-blocks", "64", CUDA_VISIBLE_DEVICES="0", PLUGINS="x"))
 
 
 def test_unknown_engine_lists_known_ones() -> None:

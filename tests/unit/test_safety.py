@@ -49,7 +49,7 @@ def test_tuning_families_are_allowed_for_vllm(name: str) -> None:
         ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "agent sets it"),
         ("CUDA_VISIBLE_DEVICES", "agent sets it"),
         ("HF_HOME", "directory"),
-        ("HF_HUB_CACHE", "only tuning variables"),
+        ("HF_HUB_CACHE", "cache directory"),
         ("AWS_SECRET_ACCESS_KEY", "credential"),
         ("HTTPS_PROXY", "address"),
         ("SOMETHING_ELSE", "only tuning variables"),
@@ -62,9 +62,13 @@ def test_refused_env_names_say_why(name: str, why: str) -> None:
 
 def test_llama_arg_variables_are_checked_as_the_flag_they_set() -> None:
     assert refused("llama.cpp", env={"LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_ARG_N_PARALLEL": "2"}) == []
-    for name, flag in [("LLAMA_ARG_HOST", "--host"), ("LLAMA_ARG_MODEL", "--model"), ("LLAMA_ARG_LORA", "--lora")]:
+    for name, flag in [("LLAMA_ARG_HOST", "--host"), ("LLAMA_ARG_MODEL", "--model"), ("LLAMA_ARG_RPC", "--rpc")]:
         (v,) = violations("llama.cpp", [], {name: "x"})
         assert f"reads it as {flag} is not allowed" in v.reason
+    # The table says which option a variable sets (not always its name), and knows no LLAMA_ARG_LORA.
+    assert refused("llama.cpp", env={"LLAMA_ARG_BATCH": "512"}) == []
+    (v,) = violations("llama.cpp", [], {"LLAMA_ARG_LORA": "/a.gguf"})
+    assert "not an option variable classified for llama.cpp" in v.reason
     assert "LLAMA_ARG_CTX_SIZE" in refused("vllm", env={"LLAMA_ARG_CTX_SIZE": "1"}), "a llama.cpp family only"
 
 
@@ -94,7 +98,7 @@ def test_a_profile_cannot_set_the_engine_secret_the_agent_sets(engine: str, name
      "--ssl-keyfile", "--api-key", "--download-dir"],
 )
 def test_args_that_read_write_or_load_are_refused(arg: str) -> None:
-    (v,) = violations("vllm", ["--max-model-len", "64", arg, "x"], {})
+    v, *_ = violations("vllm", ["--max-model-len", "64", arg, "x"], {})  # after a flag, "x" is refused too
     assert v.where == "engine_args[2]" and v.reason.startswith(arg.split("=")[0] + " is not allowed")
 
 
@@ -104,8 +108,8 @@ def test_args_that_read_write_or_load_are_refused(arg: str) -> None:
      "--tensor-parallel-size", "--nnodes", "--headless", "-tp", "-m"],
 )
 def test_args_the_agent_sets_are_refused(arg: str) -> None:
-    (v,) = violations("vllm", [arg, "1"], {})
-    assert arg in v.reason
+    v, *_ = violations("vllm", [arg, "1"], {})
+    assert v.where == "engine_args[0]" and arg in v.reason
 
 
 def test_spellings_and_abbreviations_are_caught() -> None:
@@ -113,7 +117,9 @@ def test_spellings_and_abbreviations_are_caught() -> None:
     (v,) = violations("vllm", ["--served-model"], {})
     assert "an abbreviation of --served-model-name" in v.reason
     assert refused("vllm", ["--chat-template-content-format", "string", "--tokenizer-mode", "auto"]) == []
-    assert refused("vllm", ["-1", "-0.5", "value"]) == [], "values and negative numbers are not options"
+    assert refused("vllm", ["--seed", "-1"]) == [], "a negative number is a value, as argparse reads it"
+    # Deliberate change (issue 12): a value with no option before it would be vLLM's model.
+    assert refused("vllm", ["value"]) == ["value"]
 
 
 def test_hash_seed_may_be_set_though_it_breaks_kv_routing() -> None:
