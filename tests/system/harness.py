@@ -269,6 +269,14 @@ async def serve_sim_model(cluster: Cluster, model: str = "m1", replicas: int = 2
     return cluster.server
 
 
+def engine_auth(cluster: Cluster, replica: dict[str, Any]) -> dict[str, str]:
+    """Return the header that lets a test talk to ``replica``'s engine directly (a ``ctl
+    replicas --json`` row): its secret, read from the agent's shard state as the agent's
+    own user can (the engine answers nobody without it)."""
+    [state] = (cluster.root / replica["node_id"] / "state").rglob(f"{replica['id']}/state.json")
+    return {"Authorization": f"Bearer {json.loads(state.read_text())['spec']['api_key']}"}
+
+
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Return the sum of every sample of ``name`` in a Prometheus scrape ``text`` whose
     labels include ``labels`` (0 when there is none)."""

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from llmgw import kvhash
-from tests.system.harness import Cluster, eventually, metric_sum, ready_replicas
+from tests.system.harness import Cluster, engine_auth, eventually, metric_sum, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -35,7 +35,8 @@ async def test_blocks_of_a_request_reach_the_gateway_index_of_its_replica(cluste
     expected = len(kvhash.block_hashes(prompt, BS))
     async with httpx.AsyncClient(timeout=30) as http:
         # Straight to one replica, bypassing the router: only its events can explain the index.
-        r = await http.post(first["endpoint"] + "/v1/completions", json={"model": "kv", "prompt": prompt, "max_tokens": 1})
+        r = await http.post(first["endpoint"] + "/v1/completions", json={"model": "kv", "prompt": prompt, "max_tokens": 1},
+                            headers=engine_auth(cluster, first))
         assert r.status_code == 200, r.text
 
         async def indexed() -> str | None:

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import httpx
 import pytest
 
-from tests.system.harness import Cluster, ready_replicas
+from tests.system.harness import Cluster, engine_auth, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -24,9 +24,10 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         yield c
 
 
-async def ready_endpoint(cluster: Cluster, model: str) -> str:
+async def ready_endpoint(cluster: Cluster, model: str) -> tuple[str, dict[str, str]]:
+    """Returns the endpoint of ``model``'s one ready replica and the header its engine wants."""
     [replica] = await ready_replicas(cluster, model)
-    return str(replica["endpoint"])
+    return str(replica["endpoint"]), engine_auth(cluster, replica)
 
 
 async def test_adapters_reach_the_engine_and_share_the_model_namespace(cluster: Cluster) -> None:
@@ -39,10 +40,10 @@ async def test_adapters_reach_the_engine_and_share_the_model_namespace(cluster: 
     table = cluster.ctl("models", "list")
     assert "ADAPTERS" in table.stdout and "sql, chat" in table.stdout
 
-    endpoint = await ready_endpoint(cluster, "base")
+    endpoint, auth = await ready_endpoint(cluster, "base")
     async with httpx.AsyncClient(timeout=30) as http:
         # Loaded at start (max_loaded_adapters 0): the engine itself lists them under their parent.
-        cards = (await http.get(f"{endpoint}/v1/models")).json()["data"]
+        cards = (await http.get(f"{endpoint}/v1/models", headers=auth)).json()["data"]
         assert {c["id"]: c["parent"] for c in cards} == {"base": None, "sql": "base", "chat": "base"}
         # Through the gateway, the adapter's name is a model of its own.
         reply = await http.post(f"{cluster.gateway}/v1/chat/completions", json={
@@ -69,13 +70,13 @@ async def test_on_demand_adapters_are_not_registered_at_start(cluster: Cluster) 
                       "--max-loaded-adapters", "1")
     assert out.returncode == 0, out.stderr
     assert "(1 loaded at a time)" in cluster.ctl("models", "list").stdout
-    endpoint = await ready_endpoint(cluster, "lazy")
+    endpoint, auth = await ready_endpoint(cluster, "lazy")
     async with httpx.AsyncClient(timeout=30) as http:
-        cards = (await http.get(f"{endpoint}/v1/models")).json()["data"]
+        cards = (await http.get(f"{endpoint}/v1/models", headers=auth)).json()["data"]
         assert [c["id"] for c in cards] == ["lazy"]
         # The gateway loads an adapter where a request for it goes (llmgw/router/adapters.py).
         reply = await http.post(f"{cluster.gateway}/v1/chat/completions", json={
             "model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert reply.status_code == 200, reply.text
-        cards = (await http.get(f"{endpoint}/v1/models")).json()["data"]
+        cards = (await http.get(f"{endpoint}/v1/models", headers=auth)).json()["data"]
         assert {c["id"] for c in cards} == {"lazy", "b"}
