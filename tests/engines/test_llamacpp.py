@@ -16,7 +16,7 @@ import trio
 
 from llmgw.node.install.llamacpp import find_installed
 from llmgw.testing.gguf import write_tiny_lora, write_tiny_model
-from tests.system.harness import Cluster, iter_replicas, ready_replicas
+from tests.system.harness import Cluster, engine_auth, iter_replicas, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -98,7 +98,11 @@ def text(response: httpx.Response) -> str:
 
 
 def test_the_catalog_adapter_is_loaded_at_start(served: dict[str, Any]) -> None:
-    adapters = httpx.get(served["replica"]["endpoint"] + "/lora-adapters", timeout=REQUEST_TIMEOUT).json()
+    replica = served["replica"]
+    refused = httpx.get(replica["endpoint"] + "/lora-adapters", timeout=REQUEST_TIMEOUT)
+    assert refused.status_code == 401, "llama-server answers only the gateway (its secret in LLAMA_API_KEY)"
+    auth = engine_auth(served["cluster"], replica)
+    adapters = httpx.get(replica["endpoint"] + "/lora-adapters", headers=auth, timeout=REQUEST_TIMEOUT).json()
     assert [a["id"] for a in adapters] == [0] and adapters[0]["path"].endswith("tiny-lora.gguf")
 
 
