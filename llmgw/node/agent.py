@@ -228,10 +228,10 @@ class Agent:
                 engines[name] = adapter.probe()
         return [convert.engine_dict(e) for _, e in sorted(engines.items())]
 
-    async def _report_engines(self, desk: Any) -> None:
-        """Send the node's engines up whenever the converger's view changes, throttled."""
+    async def _report_engines(self, desk: Any, seen: int) -> None:
+        """Send the node's engines up whenever the converger's view changes from version ``seen``
+        (the one the registration carried; a change while joining is sent at once), throttled."""
         assert self.converger is not None
-        seen = self.converger.version
         while True:
             seen = await self.converger.wait_changed(seen)
             try:
@@ -247,6 +247,8 @@ class Agent:
     async def _session(self, address: str, stream: trio.SSLStream) -> bool:
         """Run one session on a connected stream until it breaks. Returns True if the join succeeded."""
         host, _ = net.split_address(address)
+        assert self.converger is not None
+        engines_seen = self.converger.version  # the registration carries at least this view
         try:
             node_address, hardware, engines = await trio.to_thread.run_sync(self._probe, host)
         except OSError as exc:
@@ -283,7 +285,7 @@ class Agent:
                 # the handlers below; the engine reporter ends quietly when the session breaks.
                 failure: BaseException | None = None
                 async with trio.open_nursery() as session_nursery:
-                    session_nursery.start_soon(self._report_engines, desk)
+                    session_nursery.start_soon(self._report_engines, desk, engines_seen)
                     try:
                         while True:
                             await trio.sleep(interval)

@@ -168,7 +168,8 @@ class Cluster:
     def ca(self) -> ClusterCA:
         return ClusterCA.load(self.server_dir / "ca")
 
-    def node_config(self, node_id: str, *, cert_name: str | None = None) -> Path:
+    def node_config(self, node_id: str, *, cert_name: str | None = None, extra: dict[str, Any] | None = None) -> Path:
+        """Writes ``node_id``'s agent.yaml (``extra``: more keys, e.g. ``engines``); returns its path."""
         node_dir = self.root / node_id
         tls = node_dir / "state" / "tls"
         if not (tls / "cert.pem").exists():
@@ -180,11 +181,13 @@ class Cluster:
             "state_dir": str(node_dir / "state"),
             "engine_host": "127.0.0.1",
             "log_level": "info",
+            **(extra or {}),
         }))
         return path
 
-    async def start_agent(self, node_id: str) -> Proc:
-        config = self.node_config(node_id)
+    async def start_agent(self, node_id: str, *, extra: dict[str, Any] | None = None) -> Proc:
+        """Starts ``node_id``'s agent (``extra``: more agent.yaml keys) and waits until it joined."""
+        config = self.node_config(node_id, extra=extra)
         proc = Proc([*LLMGW, "agent", "-c", str(config)], self.root / f"agent-{node_id}.log")
         self.agents[node_id] = proc
         await proc.wait_for_line(rf"agent: joined \S+ as node '{node_id}'")

@@ -9,6 +9,7 @@ import click
 from llmgw.cli.ctl.common import call, json_option, mb, target_of
 from llmgw.cli.output import print_table
 from llmgw.client import ClusterClient, ReplicaRow
+from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG
 
 
 @click.command()
@@ -36,17 +37,29 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @json_option
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
-    """Nodes of the cluster with their hardware and engines."""
+    """Nodes of the cluster with their hardware and engines.
+
+    Under the table, per node, each engine's version, the llama-server or Python it runs and
+    where that comes from ("agent.yaml" when the operator named it, "installed"), or why an
+    engine named in agent.yaml is not usable. ``--json`` has them as ``version``, ``path``,
+    ``origin``, ``installed`` and ``detail`` of each engine.
+    """
     rows = call(ctx, as_json, lambda c: c.nodes())
     table = []
     for n in rows:
         hw = n.hardware
         gpus = f"{len(hw.gpus)}x {hw.gpus[0].name}" if hw.gpus else (hw.gpu_note or "none")
-        engines = ",".join(_engine_cell(e) for e in n.engines if e.installed or e.state) or "-"
+        engines = ",".join(_engine_cell(e) for e in n.engines if _shown(e)) or "-"
         table.append([n.id, n.state, n.address, hw.cpu_count, f"{mb(hw.memory_available_mb)}/{mb(hw.memory_total_mb)}",
                       gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s"])
     print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT"],
                 table, empty="no nodes have joined")
+    for n in rows:
+        lines = [_engine_line(e) for e in n.engines if _shown(e) and e.origin != ENGINE_BUILT_IN]
+        if lines:
+            click.echo(f"\n{n.id} engines:")
+            for line in lines:
+                click.echo(f"  {line}")
 
 
 @click.command()
@@ -84,9 +97,26 @@ def _definition_cell(r: ReplicaRow) -> str:
     return f"{short} (outdated)" if r.outdated else short
 
 
+def _shown(e: Any) -> bool:
+    """Whether `ctl nodes` lists an engine: installed, being installed, or named in agent.yaml."""
+    return bool(e.installed or e.state or e.origin == ENGINE_FROM_CONFIG)
+
+
 def _engine_cell(e: Any) -> str:
-    """An engine in `ctl nodes`: "sim", or "llamacpp (installing: downloading X (16 MB))"."""
-    return f"{e.name} ({e.state})" if e.state else e.name
+    """An engine in `ctl nodes`' table: "sim", "llama.cpp (installing: downloading X (16 MB))",
+    or "vllm (not usable)" for a path agent.yaml names that does not run."""
+    if e.state:
+        return f"{e.name} ({e.state})"
+    return e.name if e.installed else f"{e.name} (not usable)"
+
+
+def _engine_line(e: Any) -> str:
+    """An engine under `ctl nodes`' table: its version, what runs and where that comes from
+    ("llama.cpp b11312 /usr/local/bin/llama-server (agent.yaml)"), or why it is not usable."""
+    if not e.installed:
+        return f"{e.name}: {e.state or e.detail or 'not installed'}"
+    where = f"{e.path} ({e.origin})" if e.path else f"({e.origin or e.detail or 'origin unknown'})"
+    return f"{e.name} {e.version or '(version unknown)'} {where}"
 
 
 @click.command("engine-check")
