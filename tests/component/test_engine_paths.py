@@ -39,12 +39,17 @@ def fake_llama_server(tmp_path: Path) -> Path:
 
 
 def fake_python(tmp_path: Path, module: str | None, version: str = "9.9.1") -> Path:
-    """A python whose path holds ``module`` (with ``__version__``), or none."""
+    """A python whose path holds ``module`` (with ``__version__``, logging at import and at
+    exit as vLLM does), or none."""
     site = tmp_path / "site"
     site.mkdir(parents=True, exist_ok=True)
     if module:
         (site / module).mkdir()
-        (site / module / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        (site / module / "__init__.py").write_text(
+            "import atexit, sys\n"
+            "print('INFO 12-03 19:55:15 [importing.py:44] Triton is not installed; falling back')\n"
+            "atexit.register(lambda: print('WARNING shutting down', file=sys.stderr))\n"
+            f"__version__ = {version!r}\n")
     return script(tmp_path / "env" / "bin" / "python", f'PYTHONPATH={site} exec {sys.executable} "$@"')
 
 

@@ -8,8 +8,8 @@ and report the result:
 
 - llama.cpp: ``<server> --version`` must exit 0 and print a ``version: ...`` line
   (``version: 0.5.0-dev (build 11312, commit 0c1e570)`` is reported as ``b11312``);
-- vLLM and SGLang: ``<python> -c "import vllm as m; print(m.__version__)"`` must exit 0;
-  its last line is the version.
+- vLLM and SGLang: ``<python> -c "import vllm as m; print(PREFIX, m.__version__)"`` must
+  exit 0 and print that line (:data:`VERSION_PREFIX`: vLLM logs at import, on stdout too).
 
 :class:`ConfiguredInstaller` keeps the :mod:`llmgw.node.install` installer contract for
 such an engine: ``probe()`` is cheap (it answers from the last proof while the file is
@@ -54,6 +54,9 @@ _MODULES = {"vllm": "vllm", "sglang": "sglang"}
 #: agent.yaml key naming the path, per engine (for the operator's sentences).
 _KEYS = {"llama.cpp": "server", "vllm": "python", "sglang": "python"}
 
+#: Starts the line a Python engine's check prints its version on: vLLM logs at import (on
+#: stdout too), so the version is the line llmgw marked, not merely the last one.
+VERSION_PREFIX = "llmgw-engine-version:"
 _VERSION_LINE = re.compile(r"^version: (?P<text>.*)$", re.MULTILINE)
 _BUILD = re.compile(r"\(build (?P<build>\d+)")
 
@@ -77,7 +80,7 @@ def version_argv(engine: str, path: Path) -> list[str]:
     if engine == "llama.cpp":
         return [str(path), "--version"]
     module = _MODULES[engine]
-    return [str(path), "-c", f"import {module} as m; print(getattr(m, '__version__', 'unknown'))"]
+    return [str(path), "-c", f"import {module} as m; print({VERSION_PREFIX!r}, getattr(m, '__version__', 'unknown'))"]
 
 
 def _version_of(engine: str, output: str) -> str | None:
@@ -88,8 +91,10 @@ def _version_of(engine: str, output: str) -> str | None:
             return None
         build = _BUILD.search(line.group("text"))
         return f"b{build.group('build')}" if build else line.group("text").strip()
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    return lines[-1] if lines else None
+    for line in reversed(output.splitlines()):
+        if line.startswith(VERSION_PREFIX + " "):
+            return line[len(VERSION_PREFIX) + 1:].strip() or None
+    return None
 
 
 def _tail(output: str) -> str:
