@@ -456,12 +456,13 @@ class EnvInstaller:
             raise InstallError(f"{self.name} {version}: {exc}") from exc
 
     async def check(self) -> str:
-        """Returns the import check's output run with the environment's python; raises InstallError."""
+        """Returns the import check's output run with the python of the environment :meth:`probe`
+        reports (install_dir first, then the default root); raises InstallError."""
         import trio
 
         from llmgw.node.install import InstallError
 
-        found = find_installed(self.engine, [self.root])
+        found = find_installed(self.engine, [self.root, default_root()])
         if found is None:
             raise InstallError(f"{self.name} is not installed on this node")
         directory, marker = found
