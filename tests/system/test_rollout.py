@@ -99,3 +99,37 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_no_room_for_a_surge_rolls_out_in_place_and_says_so(tmp_path: Path) -> None:
+    async with Cluster(tmp_path) as cluster:
+        await cluster.start_agent("node-a")
+        (node,) = cluster.ctl_json("nodes")
+        # Each replica reserves just under half the node's memory: two fit, a third (a surge) does not.
+        half = str(node["hardware"]["memory_total_mb"] // 2 - 1)
+        add_m1(cluster, OLD_ARG, "--memory-mb", half)
+        old = {r["id"] for r in await ready_replicas(cluster, "m1", 2)}
+
+        load, stop = Load(), trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_load, cluster.gateway, load, stop)
+            await eventually(lambda: _true(load.total >= AFTER), "the load loop under way")
+            saved = add_m1(cluster, NEW_ARG, "--memory-mb", half, "--replace")
+            assert saved["rollout"]["kind"] == "in-place" and saved["rollout"]["outdated"] == 2
+            assert "in place: no room for a surge" in saved["rollout"]["message"]
+
+            async def rolled_out() -> list[dict[str, Any]] | None:
+                rows = list(iter_replicas(cluster, "m1"))
+                done = len(rows) == 2 and all(r["state"] == "ready" and r["id"] not in old and not r["outdated"]
+                                              for r in rows)
+                return rows if done else None
+
+            await eventually(rolled_out, "both replicas replaced in place")
+            at_done = load.total
+            await eventually(lambda: _true(load.total >= at_done + AFTER), "requests after the rollout")
+            stop.set()
+        assert load.counts == {"ok": load.total}, load.failures
+        assert cluster.server is not None
+        stops = [line for line in cluster.server.output().splitlines()
+                 if "reconciler: stopping" in line and "rollout in place: model m1 changed" in line]
+        assert len(stops) == 2, stops
