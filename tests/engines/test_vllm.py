@@ -26,7 +26,7 @@ import trio
 from llmgw.node.engines.vllm import parse_vllm_output
 from llmgw.testing.hf_model import write_tiny_lora, write_tiny_model
 from tests.engines import vllm_python
-from tests.system.harness import Cluster, engines_under, eventually, iter_replicas, ready_replicas
+from tests.system.harness import Cluster, engine_auth, engines_under, eventually, iter_replicas, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -117,11 +117,14 @@ async def test_argv_carries_the_agents_settings(served: Served) -> None:
     env = psutil.Process(served.replica["pid"]).environ()
     assert env["PYTHONHASHSEED"] == "0" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    secret = env["VLLM_API_KEY"]  # the shard's secret: in the environment, never on the command line
+    assert secret and secret not in cmdline
 
 
-def loaded(endpoint: str) -> set[str]:
-    """The adapters the replica itself lists as loaded."""
-    cards = httpx.get(endpoint + "/v1/models", timeout=REQUEST_TIMEOUT).json()["data"]
+def loaded(served: Served) -> set[str]:
+    """The adapters the replica itself lists as loaded (asked with its engine's secret)."""
+    auth = engine_auth(served.cluster, served.replica)
+    cards = httpx.get(served.replica["endpoint"] + "/v1/models", headers=auth, timeout=REQUEST_TIMEOUT).json()["data"]
     return {c["id"] for c in cards if c.get("parent")}
 
 
@@ -131,16 +134,16 @@ def ask(cluster: Cluster, model: str) -> httpx.Response:
 
 
 def test_adapters_load_on_first_use_and_leave_by_lru(served: Served) -> None:
-    cluster, endpoint = served.cluster, served.replica["endpoint"]
-    assert loaded(endpoint) == set()  # max_loaded_adapters > 0: nothing registered at start
+    cluster = served.cluster
+    assert loaded(served) == set()  # max_loaded_adapters > 0: nothing registered at start
     first = ask(cluster, "lora-a")
     assert first.status_code == 200 and first.json()["model"] == "lora-a", first.text
-    assert loaded(endpoint) == {"lora-a"}
+    assert loaded(served) == {"lora-a"}
     again = ask(cluster, "lora-a")  # already loaded: served without another load
     assert again.status_code == 200, again.text
     second = ask(cluster, "lora-b")
     assert second.status_code == 200 and second.json()["model"] == "lora-b", second.text
-    assert loaded(endpoint) == {"lora-b"}  # room for one: the idle lora-a was unloaded
+    assert loaded(served) == {"lora-b"}  # room for one: the idle lora-a was unloaded
     base = ask(cluster, MODEL)
     assert base.status_code == 200 and base.json()["model"] == MODEL, base.text
 
