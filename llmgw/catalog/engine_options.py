@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 
 import attrs
 
-from llmgw.catalog.engine_flags import table_for
+from llmgw.catalog.engine_flags import Table, table_for
 from llmgw.catalog.engine_flags.reader import read
 
 __all__ = [
@@ -272,12 +272,15 @@ def _env_problem(engine: str, name: str, value: str, version: str | None) -> str
 
 
 def violations(
-    engine: str, args: Sequence[str], env: Mapping[str, str], *, version: str | None = None
+    engine: str, args: Sequence[str], env: Mapping[str, str], *, version: str | None = None,
+    table: Table | None = None,
 ) -> list[Violation]:
     """Returns every refused argument and variable of a profile for ``engine`` (empty: all allowed).
 
     ``version``: the engine version that will run them, when known (the node knows it; the
-    catalog does not): named in the refusal of an option the table does not know.
+    catalog does not): named in the refusal of an option the table does not know. ``table``:
+    the classified options (default: ``engine``'s, :func:`~llmgw.catalog.engine_flags.table_for`;
+    an engine with none has every argument refused).
     """
     found: list[Violation] = []
     items: list[tuple[int, str]] = []
@@ -289,7 +292,7 @@ def violations(
                 found.append(Violation(f"engine_args[{i}]", option, problem))
             continue
         items.append((i, arg))
-    table = table_for(engine)
+    table = table or table_for(engine)
     if table is None:
         found += [Violation(f"engine_args[{i}]", arg, f"{arg} is not allowed: llmgw has no classified options "
                             f"for engine {engine!r}") for i, arg in items]

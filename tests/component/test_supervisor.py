@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from llmgw.node import shard_state
+from llmgw.catalog.engine_flags import AGENT, Table, opt
 from llmgw.node.engines import EngineRefused, UnknownEngine, check_refused
 from llmgw.node.process import ProcessIdentity, identity_of
 from llmgw.node.shard import RestartPolicy
@@ -46,6 +47,14 @@ WAIT = 20.0  # deadline for any awaited state: generous for a loaded 2-core mach
 TAG_VAR = "LLMGW_FAKE_ENGINE_TAG"
 
 
+#: fake_engine.py's options, classified as llmgw classifies an engine's (anything else is refused).
+FAKE_TABLE = Table("fake", "test", "argparse", (
+    opt("--host", refused=AGENT), opt("--port", refused=AGENT), opt("--model", refused=AGENT),
+    opt("--lines"), opt("--health-status"), opt("--ignore-term", values=0), opt("--spawn-child", values=0),
+    opt("--exit-at-start"),
+))
+
+
 @attrs.define
 class FakeEngine:
     """Engine adapter running fake_engine.py; spec.args are fake_engine options."""
@@ -65,7 +74,7 @@ class FakeEngine:
         return {**spec.env, TAG_VAR: self.tag}
 
     def check_args(self, spec: ShardSpec) -> None:
-        check_refused(spec)
+        check_refused(spec, table=FAKE_TABLE)
 
 
 class Recorder:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, runtime_checkable
 
 from llmgw.catalog import engine_options
+from llmgw.catalog.engine_flags import Table
 from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo, ShardSpec
 
 __all__ = [
@@ -109,16 +110,20 @@ def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
     }
 
 
-def check_refused(spec: ShardSpec) -> None:
+def check_refused(spec: ShardSpec, *, version: str | None = None, table: Table | None = None) -> None:
     """Raises :class:`EngineRefused` if ``spec`` uses a refused argument or env variable,
     or a value its engine refuses on this shard's device kind (no GPUs given: CPUs).
 
-    The policy is :mod:`llmgw.catalog.engine_options` (the catalog applies the same one).
+    The policy is :mod:`llmgw.catalog.engine_options` (the catalog applies the same one):
+    the options allowed are those the engine's classified table marks safe, and ``version``
+    (the engine version this node runs, when known) is named in the refusal of an option
+    that table does not know. ``table``: the classified options, for an adapter whose engine
+    llmgw has no table of (default: the engine's own).
     The message is one line naming the shard and every offending argument and variable, so
     an operator can fix the model's profile in one go. Returns None when everything is allowed.
     """
     found = [
-        *engine_options.violations(spec.engine, spec.args, spec.env),
+        *engine_options.violations(spec.engine, spec.args, spec.env, version=version, table=table),
         *engine_options.device_violations(spec.engine, spec.args, on_cpu=not spec.gpus),
     ]
     if found:

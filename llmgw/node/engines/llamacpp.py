@@ -89,13 +89,14 @@ def _env_flag(name: str) -> str | None:
     return "--" + name[len("LLAMA_ARG_"):].lower().replace("_", "-")
 
 
-def check_llamacpp_args(spec: ShardSpec) -> None:
+def check_llamacpp_args(spec: ShardSpec, *, version: str | None = None) -> None:
     """Raises EngineRefused naming the first argument or LLAMA_ARG_* variable llama.cpp shards may not use.
 
     Refused: what the agent sets itself, flags that read/write/fetch chosen files or URLs,
-    Returns None if all is allowed.
+    Returns None if all is allowed. ``version``: the llama.cpp version this node runs (named
+    in the refusal of an option llmgw's table does not know).
     """
-    check_refused(spec)
+    check_refused(spec, version=version)
     for arg in spec.args:
         flag = _flag(arg)
         reason = AGENT_FLAGS.get(flag) or READING_FLAGS.get(flag)
@@ -187,7 +188,7 @@ class LlamaCppEngine:
 
     def check_args(self, spec: ShardSpec) -> None:
         """Raises EngineRefused for refused args/env (see :func:`check_llamacpp_args`)."""
-        check_llamacpp_args(spec)
+        check_llamacpp_args(spec, version=self.probe().version or None)
 
     def parse_output(self, lines: list[str]) -> Compute | None:
         """Returns the Compute llama-server's startup output describes (see :func:`parse_output`)."""

@@ -380,7 +380,7 @@ class VllmEngine:
 
     def check_args(self, spec: ShardSpec) -> None:
         """Raises EngineRefused naming refused args/env, or a block size the CPU cannot use."""
-        check_refused(spec)
+        check_refused(spec, version=self.probe().version or None)
 
     def parse_output(self, lines: Sequence[str]) -> Compute | None:
         """Returns the compute vLLM printed while starting (see :func:`parse_vllm_output`)."""
