@@ -5,11 +5,14 @@ Public API::
     preview(model, fleet, now=trio.current_time(), existed=True) -> Rollout
 
 ``preview`` is pure: it counts the model's alive replicas whose fingerprint is not the new
-definition's and asks :func:`~llmgw.control.placement.plan` (the same rules the reconciler
-follows) what its first step would be. ``ctl models add --replace`` prints the result.
+definition's and runs :func:`~llmgw.control.placement.plan` (the rules the reconciler
+follows) over a copy of the fleet, pass after pass as if every start became READY, until
+the first rollout step says how the rollout goes. ``ctl models add --replace`` prints it.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import attrs
 
@@ -24,8 +27,8 @@ from llmgw.control.placement import (
     Waiting,
     plan,
 )
-from llmgw.control.registry import Fleet, NodeState
-from llmgw.spec import ModelSpec
+from llmgw.control.registry import Fleet, NodeState, ShardView
+from llmgw.spec import ModelSpec, ShardState, ShardStatus
 
 #: Rollout.kind: the model was not in the catalog before.
 NEW = "new"
@@ -68,7 +71,8 @@ def preview(model: ModelSpec, fleet: Fleet, *, now: float, existed: bool = True)
         for shard in node.shards.values()
         if shard.spec.model == name and not shard.status.state.is_terminal
     ]
-    outdated = sum(1 for shard in alive if shard_fingerprint(shard.spec) != fingerprint)
+    # Outdated replicas beyond the replica count are stopped, not replaced.
+    outdated = min(model.profile.replicas, sum(1 for shard in alive if shard_fingerprint(shard.spec) != fingerprint))
     if not outdated:
         if not existed:
             return Rollout(name, NEW, 0, f"{name}: new model: {model.profile.replicas} replica(s) will be placed")
@@ -77,25 +81,90 @@ def preview(model: ModelSpec, fleet: Fleet, *, now: float, existed: bool = True)
             scale = f"; replicas {len(alive)} -> {model.profile.replicas}"
         return Rollout(name, UNCHANGED, 0, f"{name}: unchanged: nothing to roll out{scale}")
 
-    step = ""
-    blocked = ""
-    waiting = ""
-    for action in plan([model], fleet, now=now, new_id=lambda m: f"{m}-preview"):
-        if isinstance(action, (StartReplica, Unplaceable)) and action.model != name:
-            continue
-        if isinstance(action, (StartReplica, StopReplica)) and action.rollout and not step:
-            step = action.rollout
-        elif isinstance(action, Unplaceable) and action.rollout == ROLLOUT_BLOCKED:
-            blocked = action.reason
-        elif isinstance(action, Waiting) and action.model == name:
-            waiting = action.reason
+    step, reason = _first_step(model, fleet, now)
     head = f"{name}: definition changed: {outdated} replica(s) will be replaced one at a time"
-    if blocked:
+    if step == BLOCKED:
         return Rollout(name, BLOCKED, outdated,
-                       f"{name}: definition changed, but nothing can be replaced: {blocked}")
-    if waiting:
-        return Rollout(name, WAITING, outdated, f"{head}, once the failure backoff ends ({waiting})")
+                       f"{name}: definition changed, but nothing can be replaced: {reason}")
+    if step == WAITING:
+        return Rollout(name, WAITING, outdated, f"{head}, once the failure backoff ends ({reason})")
     if step == IN_PLACE:
         return Rollout(name, IN_PLACE, outdated,
                        f"{head} in place: no room for a surge (each old replica stops before its replacement starts)")
     return Rollout(name, SURGE, outdated, f"{head} (new ready before old stops)")
+
+
+def _first_step(model: ModelSpec, fleet: Fleet, now: float) -> tuple[str, str]:
+    """Returns (kind, reason) of the first rollout step placement will take for ``model``.
+
+    Runs :func:`plan` over a copy of ``fleet`` as the reconciler would, pass after pass, as if
+    every replica started became READY and every stop succeeded, until a pass takes a rollout
+    step, is blocked or waits (at most :data:`SIMULATED_PASSES` passes; the model's own
+    replicas already starting count as READY)."""
+    name = model.name
+    fleet = _with(fleet, name, ready=True)
+    for _ in range(SIMULATED_PASSES):
+        mine = {sid for node in fleet.nodes.values() for sid, sh in node.shards.items() if sh.spec.model == name}
+        moves: list[StartReplica | StopReplica] = []
+        stuck = ""
+        for action in plan([model], fleet, now=now, new_id=_preview_id(fleet)):
+            if isinstance(action, StopReplica) and action.shard_id not in mine:
+                continue  # another model's shard: not this preview's business
+            if isinstance(action, (StartReplica, StopReplica)):
+                if action.rollout:
+                    return action.rollout, ""
+                moves.append(action)
+            elif isinstance(action, Unplaceable) and action.model == name:
+                if action.rollout:
+                    return BLOCKED, action.reason
+                stuck = action.reason
+            elif isinstance(action, Waiting) and action.model == name:
+                return WAITING, action.reason
+        if not moves:
+            return (BLOCKED, stuck) if stuck else (SURGE, "")
+        fleet = _applied(fleet, moves, now)
+    return SURGE, ""
+
+
+#: Passes :func:`_first_step` simulates: enough to place missing replicas and stop surplus ones
+#: of any model before its first rollout step (each pass does all of those it can).
+SIMULATED_PASSES = 8
+
+
+def _preview_id(fleet: Fleet) -> Callable[[str], str]:
+    """Returns a shard id factory for simulated passes that never repeats an id of ``fleet``."""
+    taken = {sid for node in fleet.nodes.values() for sid in node.shards}
+    counter = iter(range(1, 1 << 30))
+
+    def new_id(model: str) -> str:
+        while True:
+            sid = f"{model}-preview-{next(counter)}"
+            if sid not in taken:
+                return sid
+
+    return new_id
+
+
+def _with(fleet: Fleet, model: str, *, ready: bool) -> Fleet:
+    """Returns ``fleet`` with the not-terminal shards of ``model`` READY (``ready``)."""
+    nodes = {}
+    for nid, node in fleet.nodes.items():
+        shards = {
+            sid: (attrs.evolve(sh, status=attrs.evolve(sh.status, state=ShardState.READY))
+                  if ready and sh.spec.model == model and not sh.status.state.is_terminal else sh)
+            for sid, sh in node.shards.items()
+        }
+        nodes[nid] = attrs.evolve(node, shards=shards)
+    return attrs.evolve(fleet, nodes=nodes)
+
+
+def _applied(fleet: Fleet, moves: list[StartReplica | StopReplica], now: float) -> Fleet:
+    """Returns ``fleet`` after ``moves``: stopped shards gone, started ones READY (the newest)."""
+    nodes = {nid: dict(node.shards) for nid, node in fleet.nodes.items()}
+    for n, move in enumerate(moves):
+        if isinstance(move, StopReplica):
+            nodes[move.node_id].pop(move.shard_id, None)
+        else:
+            spec = move.shard_spec
+            nodes[move.node_id][spec.id] = ShardView(spec, ShardStatus(id=spec.id, state=ShardState.READY), now + n)
+    return attrs.evolve(fleet, nodes={nid: attrs.evolve(node, shards=nodes[nid]) for nid, node in fleet.nodes.items()})

@@ -277,3 +277,25 @@ def test_preview_ignores_other_models_and_failed_replicas() -> None:
     other = ModelSpec("o", SIM, "o", Profile(replicas=1))
     f = fleet(node("a", running("m-1", NEW), running("m-2", OLD, ShardState.FAILED), running("o-1", other)))
     assert rollout.preview(NEW, f, now=NOW).kind == "unchanged"
+
+
+def test_preview_looks_past_a_surge_under_way() -> None:
+    from llmgw.control import rollout
+
+    # A third replica (a surge of an earlier change) runs; the newest definition fits nowhere:
+    # the surplus is stopped first, then nothing can be replaced.
+    f = fleet(node("a", running("m-1", OLD), running("m-2", OLD), running("m-3", NEW, ShardState.STARTING)))
+    huge = attrs.evolve(NEW, profile=attrs.evolve(NEW.profile, memory_mb=50000))
+    p = rollout.preview(huge, f, now=NOW)
+    assert (p.kind, p.outdated) == ("blocked", 2)
+    newest = attrs.evolve(NEW, source="v3")
+    p = rollout.preview(newest, f, now=NOW)
+    assert (p.kind, p.outdated) == ("surge", 2)
+
+
+def test_preview_places_missing_replicas_before_judging() -> None:
+    from llmgw.control import rollout
+
+    f = fleet(node("a", running("m-1", OLD), mem=2500))  # room for 2 replicas of 1000 MB, not 3
+    p = rollout.preview(NEW, f, now=NOW)
+    assert (p.kind, p.outdated) == ("in-place", 1)
