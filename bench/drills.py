@@ -38,6 +38,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -99,6 +100,9 @@ DRAIN_DECODE_US_PER_TOKEN = 200_000
 DRAIN_SHORT_TOKENS = 2
 DRAIN_LONG_TOKENS = 8_000  # under the engine's 8,192-token context: the natural length ends it
 DRAIN_LONG_STREAMS = 2
+#: What the server logs when its shutdown grace ran out with requests still open
+#: (llmgw/router/http/serve.py).
+GRACE_OVER = re.compile(r"shutdown grace \(\S+\) over")
 #: How many messages are kept per failure kind (the counts are exact; these say why).
 SAMPLES_PER_KIND = 2
 CONNECT_TIMEOUT_S = 3.0
@@ -445,6 +449,7 @@ async def drill_server_drain(root: Path, opts: Options) -> dict[str, Any]:
             result["exit_status"] = await server.wait_exit()
             result["drain_s"] = round(trio.current_time() - t0, 3)
         result["traceback_in_log"] = "Traceback" in server.output()
+        result["grace_ran_out"] = bool(GRACE_OVER.search(server.output()))
         result["requests"] = load.figures()
         streams = load.by_request.get("stream", collections.Counter()) + load.by_request.get("long", collections.Counter())
         result["streams"] = {"completed": streams["ok"], "error_event": streams["stream_error"],
@@ -499,6 +504,7 @@ async def drill_control_plane_restart(root: Path, opts: Options) -> dict[str, An
             cluster.server.signal(signal.SIGTERM)
             result["exit_status"] = await cluster.server.wait_exit()
             result["stop_s"] = round(trio.current_time() - t0, 3)
+            result["grace_ran_out"] = bool(GRACE_OVER.search(cluster.server.output()))
             await cluster.start_server()
             result["listening_s"] = round(trio.current_time() - t0, 3)
             result.update(await ready_and_rejoined(cluster, t0))
