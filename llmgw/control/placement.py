@@ -463,7 +463,8 @@ def _rollout_step(
     """Appends the next step of replacing ``model``'s ``outdated`` replicas (module docstring,
     "Rollout"); ``reps`` (all alive replicas, at least ``want``) include them."""
     name = model.name
-    current = [a for a in reps if a not in outdated]
+    old_ids = {a.shard.spec.id for a in outdated}
+    current = [a for a in reps if a.shard.spec.id not in old_ids]
     if any(a.shard.status.state is not ShardState.READY for a in current):
         return  # one at a time: the replacement started last is not READY yet
     # Not-ready outdated replicas go first (they serve nothing), then the oldest.
