@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from llmgw.catalog.engine_flags import table_for
 from llmgw.config.server import load_server_config
 from llmgw.control.store import open_store
 from llmgw.spec import ModelSpec, Profile
@@ -66,5 +67,63 @@ async def test_a_node_refusal_is_one_line_and_its_rows_go_with_the_model(tmp_pat
         # Added again without them, it serves; no failed row of the old definition comes back.
         assert cluster.ctl("models", "add", MODEL, "--engine", "sim").returncode == 0
         await ready_replicas(cluster, MODEL, 1)
+    finally:
+        cluster.stop()
+
+
+def _table_args(engine: str, *, refused: bool) -> tuple[list[str], dict[str, str]]:
+    """Returns ``engine``'s table options as profile arguments: every refused option (or a safe
+    one with a value outside its allowed ones) when ``refused``, else every safe option; with
+    each option's own value count. Returns (args, {option as written: the reason expected})."""
+    table = table_for(engine)
+    assert table is not None
+    args: list[str] = []
+    reasons: dict[str, str] = {}
+    for option in table.options:
+        if refused and option.refused is None and option.allowed_values is None:
+            continue
+        if not refused and (option.refused is not None or option.name in _NOT_ON_CPU):
+            continue
+        value = option.allowed_values[0] if option.allowed_values and not refused else _VALUES.get(option.name, "1")
+        if refused and option.allowed_values is not None:
+            value = "not-a-safe-value"
+        count = option.values if isinstance(option.values, int) else 1
+        args += [option.name, *[value] * count]
+        if refused:
+            reasons[option.name] = option.refused or f"the value {value!r} is not one of the safe ones"
+    return args, reasons
+
+
+#: Values a safe option needs to pass the catalog's device check (CPU shards).
+_VALUES = {"--block-size": "128"}
+#: Safe options left out of the accepted model: they exit or change what the engine is.
+_NOT_ON_CPU: frozenset[str] = frozenset()
+
+
+async def test_ctl_models_add_names_every_option_the_tables_refuse_and_accepts_the_safe_ones(tmp_path: Path) -> None:
+    """Driven by the classified tables: every refused option of an engine, in one `ctl models add`,
+    is named with its reason; the same engine's safe options, all at once, are accepted."""
+    cluster = Cluster(tmp_path)
+    try:
+        await cluster.init()
+        await cluster.start_server()
+        for engine in ("vllm", "llama.cpp", "sim"):
+            source = "sim" if engine == "sim" else "/models/m"
+            args, reasons = _table_args(engine, refused=True)
+            out = cluster.ctl("models", "add", f"bad-{engine.replace('.', '')}", "--engine", engine,
+                              "--source", source, *[f"--arg={a}" for a in args])
+            text = " ".join((out.stdout + out.stderr).split())
+            assert out.returncode != 0 and "Traceback" not in text, text[:2000]
+            missing = [f"{name} is not allowed: {why}" for name, why in reasons.items()
+                       if f"{name} is not allowed: {why}" not in text]
+            assert not missing, missing[:5]
+
+            safe, _ = _table_args(engine, refused=False)
+            name = f"ok-{engine.replace('.', '')}"
+            ok = cluster.ctl("models", "add", name, "--engine", engine, "--source", source,
+                             *[f"--arg={a}" for a in safe])
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            listed = {m["name"]: m for m in cluster.ctl_json("models", "list")}
+            assert listed[name]["profile"]["engine_args"] == safe
     finally:
         cluster.stop()
