@@ -149,3 +149,17 @@ async def test_converger_proves_in_the_background_and_never_installs_a_named_eng
         fixed = await info_until(lambda e: e.installed)
         assert fixed.version == "b11312" and fixed.path == str(server) and fixed.state == ""
         nursery.cancel_scope.cancel()
+
+
+async def test_the_adapter_runs_the_named_path_and_knows_its_proven_version(tmp_path: Path) -> None:
+    from llmgw.node.engines import node_engines
+
+    server = fake_llama_server(tmp_path)
+    adapter = node_engines(None, {"llama.cpp": server})["llama.cpp"]
+    before = adapter.probe()
+    assert (before.installed, before.version, before.origin) == (True, "", ENGINE_FROM_CONFIG)
+    await ConfiguredInstaller("llama.cpp", server).prove()
+    after = adapter.probe()
+    assert (after.installed, after.version, after.path) == (True, "b11312", str(server))
+    server.chmod(0o644)  # the file changed since: the proof no longer counts
+    assert not adapter.probe().installed

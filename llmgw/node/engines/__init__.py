@@ -136,8 +136,16 @@ def check_refused(spec: ShardSpec, *, version: str | None = None, table: Table |
 
 def configured_probe(name: str, path: Path) -> EngineInfo:
     """Returns what an adapter can say, cheaply, of the ``path`` agent.yaml names for engine
-    ``name``: installed when it is an executable file (its version unknown: proving it runs
-    is :mod:`llmgw.node.install.configured`'s job, whose report the agent sends instead)."""
+    ``name``: the agent's last proof that it runs, with its version
+    (:func:`llmgw.node.install.configured.last_proof`), or before any, installed when it is an
+    executable file, version unknown."""
+    from llmgw.node.install.configured import last_proof
+
+    proof = last_proof(path)
+    if proof is not None:
+        return EngineInfo(name, installed=proof.ok, version=proof.version,
+                          detail="named in agent.yaml" if proof.ok else f"not usable: {proof.reason}",
+                          path=str(path), origin=ENGINE_FROM_CONFIG)
     runnable = path.is_file() and os.access(path, os.X_OK)
     detail = ("named in agent.yaml (the agent proves it runs)" if runnable
               else f"not usable: {path} is not an executable file (named in agent.yaml)")

@@ -36,7 +36,8 @@ import trio
 from llmgw.node.install import InstallError
 from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo
 
-__all__ = ["PROVE_TIMEOUTS", "ConfiguredInstaller", "Proof", "configured_installers", "prove", "version_argv"]
+__all__ = ["PROVE_TIMEOUTS", "ConfiguredInstaller", "Proof", "configured_installers", "last_proof", "prove",
+           "version_argv"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,23 @@ async def prove(engine: str, path: Path, timeout: float | None = None) -> Proof:
     return Proof(True, version=version, output=output)
 
 
+#: The last proof of each path, with the file's signature then (shared by the installer that
+#: proves and the engine adapter that runs the path, see :func:`last_proof`). Written and read
+#: in the agent's trio thread; a reader in a worker thread sees a whole tuple or the previous one.
+_PROOFS: dict[Path, tuple[tuple[int, int, int, int] | None, Proof]] = {}
+
+
+def last_proof(path: Path) -> Proof | None:
+    """Returns the last proof of ``path`` while its file is unchanged since, else None (cheap: one stat).
+
+    The engine adapters ask it for the version of an engine whose path agent.yaml names.
+    """
+    entry = _PROOFS.get(path)
+    if entry is None or _signature(path) != entry[0]:
+        return None
+    return entry[1]
+
+
 def _signature(path: Path) -> tuple[int, int, int, int] | None:
     """Returns what identifies the file at ``path`` now (inode, size, mtime, mode), or None if absent.
 
@@ -200,6 +218,7 @@ class ConfiguredInstaller:
                 log.warning("engines: %s from agent.yaml (%s = %s) is not usable: %s",
                             self.name, self.setting, self.path, proof.reason)
         self._proof, self._proved_signature = proof, signature
+        _PROOFS[self.path] = (signature, proof)
         return self._info(proof)
 
     async def watch(self, report: Callable[[EngineInfo], None], interval: float) -> None:
