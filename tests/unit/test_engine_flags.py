@@ -163,3 +163,20 @@ def test_every_option_of_the_installed_engine_is_classified(engine: str) -> None
     missing, gone = unclassified(table, read_parser(engine, program))
     assert not missing, f"not classified: {[f.names for f in missing]}"
     assert not gone, f"classified but unknown to {engine} {version}: {gone}"
+
+
+def test_refresh_lists_what_a_table_lacks_as_lines_refused_until_classified(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmgw.catalog.engine_flags import Table, UNCLASSIFIED, opt, refresh
+
+    full = table_for("sim")
+    assert full is not None and refresh.main(["sim"]) == 0
+    shorter = Table("sim", full.version, full.style, tuple(o for o in full.options if o.name != "--fail-after")
+                    + (opt("--retired-option"),))
+    monkeypatch.setattr(refresh, "table_for", lambda engine: shorter)
+    assert refresh.main(["sim"]) == 1
+    out = capsys.readouterr().out
+    assert "1 not classified, 1 no longer known" in out
+    assert "opt('--fail-after', values=1, refused=UNCLASSIFIED)," in out and "# --retired-option:" in out
+    assert UNCLASSIFIED.startswith("it is not classified")

@@ -42,6 +42,8 @@ EXITS = "it prints something and exits instead of serving"
 CLIENTS = "it lets API clients make the engine read, fetch or run what they send"
 TLS = "the agent talks plain HTTP to the engine on loopback"
 REMOVED = "this engine version refuses it (the option was removed)"
+#: What the refresh script writes for an option it found: refused until a maintainer decides.
+UNCLASSIFIED = "it is not classified yet: nobody has reviewed what it reads, writes, loads or connects to"
 
 
 @attrs.frozen
