@@ -105,6 +105,7 @@ DRAIN_LONG_STREAMS = 2
 GRACE_OVER = re.compile(r"shutdown grace \(\S+\) over")
 #: How many messages are kept per failure kind (the counts are exact; these say why).
 SAMPLES_PER_KIND = 2
+#: Seconds for one /readyz probe or PostgreSQL connection (both local: longer means not there).
 CONNECT_TIMEOUT_S = 3.0
 
 
