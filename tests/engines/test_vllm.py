@@ -119,6 +119,23 @@ async def test_argv_carries_the_agents_settings(served: Served) -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     secret = env["VLLM_API_KEY"]  # the shard's secret: in the environment, never on the command line
     assert secret and secret not in cmdline
+    assert "--middleware llmgw_vllm_guard.Guard" in cmdline  # guards the paths vLLM's own check leaves open
+
+
+def test_only_the_gateway_reaches_vllm(served: Served) -> None:
+    endpoint, auth = served.replica["endpoint"], engine_auth(served.cluster, served.replica)
+    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    for path, body in (("/v1/completions", completion), ("/invocations", completion),
+                       ("/tokenize", {"model": MODEL, "prompt": "hello"})):
+        refused = httpx.post(endpoint + path, json=body, timeout=REQUEST_TIMEOUT)
+        assert refused.status_code == 401, (path, refused.text)
+        wrong = httpx.post(endpoint + path, json=body, headers={"Authorization": "Bearer wrong"}, timeout=REQUEST_TIMEOUT)
+        assert wrong.status_code == 401, (path, wrong.text)
+    assert httpx.get(endpoint + "/metrics", timeout=REQUEST_TIMEOUT).status_code == 401
+    assert httpx.get(endpoint + "/health", timeout=REQUEST_TIMEOUT).status_code == 200
+    tokens = httpx.post(endpoint + "/tokenize", json={"model": MODEL, "prompt": "hello"}, headers=auth,
+                        timeout=REQUEST_TIMEOUT)
+    assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
 
 
 def loaded(served: Served) -> set[str]:

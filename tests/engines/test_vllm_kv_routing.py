@@ -22,7 +22,7 @@ from llmgw.node.engines.vllm import CPU_BLOCK_SIZE
 from llmgw.router.kvrouting import ALARM_TEXT
 from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
-from tests.system.harness import Cluster, eventually, iter_replicas, metric_sum, ready_replicas
+from tests.system.harness import Cluster, engine_auth, eventually, iter_replicas, metric_sum, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -69,8 +69,11 @@ async def retire(cluster: Cluster, name: str) -> None:
     await eventually(gone, f"replicas of {name} stopped", timeout=120)
 
 
-async def scrape(http: httpx.AsyncClient, url: str) -> str:
-    return (await http.get(url + "/metrics")).text
+async def scrape(http: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> str:
+    """Returns ``url``'s /metrics (an engine's needs its secret: ``headers``)."""
+    response = await http.get(url + "/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    return response.text
 
 
 async def chat(http: httpx.AsyncClient, gateway: str, model: str, question: str) -> None:
@@ -86,7 +89,7 @@ async def test_repeated_prefix_lands_on_the_replica_whose_events_show_it(cluster
     replicas = await serve(c, model_dir, "kv-good")
     try:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as http:
-            tokens = (await http.post(replicas[0]["endpoint"] + "/tokenize", json={
+            tokens = (await http.post(replicas[0]["endpoint"] + "/tokenize", headers=engine_auth(c, replicas[0]), json={
                 "model": "kv-good", "add_generation_prompt": True,
                 "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "q0"}],
             })).json()["tokens"]
@@ -103,14 +106,14 @@ async def test_repeated_prefix_lands_on_the_replica_whose_events_show_it(cluster
             warm_id = await eventually(warm, "the first request's blocks in the KV index", timeout=60)
             warm_replica = next(r for r in replicas if r["id"] == warm_id)
             cold_replica = next(r for r in replicas if r["id"] != warm_id)
-            before_warm = await scrape(http, warm_replica["endpoint"])
-            before_cold = await scrape(http, cold_replica["endpoint"])
+            before_warm = await scrape(http, warm_replica["endpoint"], engine_auth(c, warm_replica))
+            before_cold = await scrape(http, cold_replica["endpoint"], engine_auth(c, cold_replica))
 
             for i in range(4):
                 await chat(http, c.gateway, "kv-good", f"follow-up question number {i}")
 
-            after_warm = await scrape(http, warm_replica["endpoint"])
-            after_cold = await scrape(http, cold_replica["endpoint"])
+            after_warm = await scrape(http, warm_replica["endpoint"], engine_auth(c, warm_replica))
+            after_cold = await scrape(http, cold_replica["endpoint"], engine_auth(c, cold_replica))
             served = metric_sum(after_warm, "vllm:request_success_total") - metric_sum(before_warm, "vllm:request_success_total")
             elsewhere = metric_sum(after_cold, "vllm:request_success_total") - metric_sum(before_cold, "vllm:request_success_total")
             assert (served, elsewhere) == (4, 0), "every repeated-prefix request went to the warm replica"

@@ -90,6 +90,12 @@ KV_EVENTS_TOPIC = "kv"
 DEFAULT_MAX_LORA_RANK = 16
 #: vLLM module the engine is started as.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The directory put on a keyed shard's PYTHONPATH: it holds only llmgw_vllm_guard.py (stdlib
+#: only), the middleware that makes every path but /health and /ping need the shard's secret
+#: (vLLM's own check covers only /v1, /v2, /inference and /cohere; /invocations would not).
+GUARD_PATH = str(Path(__file__).resolve().with_name("vllm_path"))
+#: What ``--middleware`` names for a keyed shard (a pure ASGI class, added outermost).
+GUARD_MIDDLEWARE = "llmgw_vllm_guard.Guard"
 #: vLLM takes 45-100 s to become healthy on a CPU; a large model on GPUs loads and
 #: compiles for many minutes. The shared 30-minute default covers both.
 VLLM_STARTUP_TIMEOUT = DEFAULT_STARTUP_TIMEOUT
@@ -179,6 +185,8 @@ def vllm_argv(
             argv.append("--enforce-eager")
     if kv_events is not None:
         argv += ["--kv-events-config", kv_events_config_arg(kv_events)]
+    if spec.api_key:  # the secret itself comes in VLLM_API_KEY, never here
+        argv += ["--middleware", GUARD_MIDDLEWARE]
     argv += lora_args(spec, args)
     return [*argv, *args]
 
@@ -229,6 +237,8 @@ def vllm_env(spec: ShardSpec) -> dict[str, str]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if NO_KV_EVENTS_OPTION not in llmgw_options("vllm", spec.args)[0]:
         env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"  # the uint64 form the router hashes to
+    if spec.api_key:
+        env["PYTHONPATH"] = GUARD_PATH  # finds llmgw_vllm_guard (GUARD_MIDDLEWARE), nothing else
     return {**env, **spec.env}
 
 
