@@ -331,7 +331,7 @@ OPTIONS = (
     opt('--reasoning-config', refused=UNREVIEWED_JSON),
     opt('--kernel-config', refused=UNREVIEWED_JSON),
     opt('--additional-config', refused=UNREVIEWED_JSON),
-    opt('--structured-outputs-config'),
+    opt('--structured-outputs-config', refused="its JSON can name a plugin file to import (reasoning_parser_plugin)"),
     opt('--aux-output-config', refused=UNREVIEWED_JSON),
     opt('--profiler-config', refused='it writes profiler traces to a directory the profile names'),
     opt('--optimization-level'),
