@@ -149,9 +149,11 @@ def make_private_dirs(state_dir: Path, directory: Path) -> None:
     """Creates ``directory`` (under ``state_dir``) and the directories between them, each 0700.
 
     Shard directories hold the engine's secret (state.json) and its log: only the agent's
-    user may list or read them. Directories that exist already are narrowed to 0700 too.
-    Raises OSError if one cannot be created or changed.
+    user may list or read them. Directories that exist already are narrowed to 0700 too
+    (``state_dir`` itself is only created, 0700, when missing). Raises OSError if one cannot
+    be created or changed.
     """
+    state_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     parts = directory.relative_to(state_dir).parts
     path = state_dir
     for part in parts:
