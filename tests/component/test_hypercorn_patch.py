@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from llmgw.router.http import hypercorn_patch, serve
 from llmgw.router.http.serve import serve_gateway
@@ -52,6 +53,8 @@ class App:
             await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
+        if scope["path"] == "/held":
+            await self.release.wait()
         if scope["path"] == "/slow":
             await trio.sleep(SHORT_KEEP_ALIVE_S * 3)  # a slow answer, longer than the keep-alive
         body = b'{"ok": true}'
@@ -204,6 +207,53 @@ async def test_shutdown_closes_an_idle_keep_alive_connection(monkeypatch: pytest
             server.cancel()
             await _eof(stream)
             await stream.aclose()
+
+
+#: A request h11 parses (a chunked body keeps it off the fast lane), and one the lane takes.
+HELD_REQUESTS = {
+    "h11": b"POST /held HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    "lane": _request("/held"),
+}
+
+
+#: The grace of the gateway that must stop early: longer than the test waits for it, and
+#: finite, so a gateway that waits it out fails the test instead of hanging it.
+LONG_GRACE_S = 2 * DEADLINE_S
+
+
+@pytest.mark.parametrize("first", sorted(HELD_REQUESTS))
+async def test_shutdown_ends_a_connection_whose_next_request_arrived_early(
+    monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """A request that arrives before the previous response is done waits (h11: PAUSED).
+    When the gateway is stopping, the connection closes after that response, and the
+    waiting reader must end with it: the gateway stops without waiting out its grace
+    (before the fix it waited for all of it)."""
+    monkeypatch.setattr(serve, "KEEP_ALIVE_S", 3600.0)
+    app = App()
+    async with trio.open_nursery() as nursery:
+        server, stopped = trio.CancelScope(), trio.Event()
+
+        async def run(task_status: trio.TaskStatus[int]) -> None:
+            with server:
+                await serve_gateway(app, "127.0.0.1", 0, graceful_timeout=LONG_GRACE_S, task_status=task_status)
+            stopped.set()
+
+        port = await nursery.start(run)
+        with trio.fail_after(DEADLINE_S):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(HELD_REQUESTS[first] + _request("/len"))  # the second one early
+            await trio.testing.wait_all_tasks_blocked()
+            server.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            app.release.set()
+            head, body = await _read_response(stream, bytearray())
+            assert head.startswith(b"HTTP/1.1 200 ") and body == b'{"ok": true}'
+            await _eof(stream)  # the early request is not served by a stopping gateway
+            await stream.aclose()
+        with trio.move_on_after(DEADLINE_S):
+            await stopped.wait()
+        assert stopped.is_set(), f"the stopping gateway waited out its {LONG_GRACE_S:g} s grace"
 
 
 async def test_a_streamed_response_head_is_sent_before_its_first_chunk() -> None:

@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 _MARK = "_llmgw_fast_installed"
 _CLOSE_RACE_MARK = "_llmgw_close_race_fixed"
 
+# Attribute on a TCPServer holding the cancel scope of its read loop (see _stop_reading).
+_READING = "_llmgw_reading"
 # Attribute on an H11Protocol holding a response head not yet written (None: none held).
 _HELD = "_llmgw_held_head"
 
@@ -225,15 +227,31 @@ async def _read_until_closed(server: Any) -> None:
     """
     stream = server.stream
     protocol = server.protocol
-    while True:
-        try:
-            data = await eagerio.receive_some(stream, tcp_server.MAX_RECV)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            break
-        await protocol.handle(RawData(bytes(data)))
-        if not data:
-            break
+    with trio.CancelScope() as reading:
+        setattr(server, _READING, reading)
+        while True:
+            try:
+                data = await eagerio.receive_some(stream, tcp_server.MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
     await protocol.handle(Closed())
+
+
+def _stop_reading(server: Any) -> None:
+    """End the connection's read loop (:func:`_read_until_closed`) once the connection is closed.
+
+    A reader can wait on something other than the socket: h11 answers PAUSED to a request
+    that arrives before the previous response was recycled, and Hypercorn's reader then
+    waits for ``can_read``. When the worker is terminating, Hypercorn closes such a
+    connection after the response instead of recycling it, and nothing wakes that reader:
+    the connection (and a stopping gateway with it) waited for the whole graceful timeout.
+    """
+    reading = getattr(server, _READING, None)
+    if reading is not None:
+        reading.cancel()
 
 
 def _has_content_length(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -295,6 +313,7 @@ def _patch_timer_and_writes() -> None:
             if isinstance(idle, IdleTimer):
                 idle.detach()
             await original_close(self)
+            _stop_reading(self)
 
         tcp_server.TCPServer._close = _close  # type: ignore[method-assign]
         original_read_data = tcp_server.TCPServer._read_data
