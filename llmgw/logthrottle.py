@@ -19,7 +19,9 @@ import logging
 import time
 from typing import Any, Callable, Hashable
 
-__all__ = ["DEFAULT_INTERVAL_S", "MAX_KINDS", "MAX_REASON_CHARS", "LogThrottle", "reason"]
+import trio
+
+__all__ = ["DEFAULT_INTERVAL_S", "MAX_KINDS", "MAX_REASON_CHARS", "LogThrottle", "is_disconnection", "reason"]
 
 #: Seconds between two lines for one kind of failure: a failure that persists shows up
 #: once a minute, which is enough to see it is still there and few enough to read the rest.
@@ -36,11 +38,23 @@ MAX_REASON_CHARS = 300
 
 def reason(exc: BaseException) -> str:
     """Returns one line saying why ``exc`` happened: the last non-empty line of its text (a
-    remote traceback ends with what failed), cut to :data:`MAX_REASON_CHARS`; its type's
-    name if it has no text."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    remote traceback ends with what failed; KJ's ``stack:`` trailer is not a reason, and a
+    KJ error's ``description`` is used when it has one), cut to :data:`MAX_REASON_CHARS`;
+    its type's name if it has no text."""
+    description = getattr(exc, "description", None)
+    text = description if isinstance(description, str) and description.strip() else str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("stack: ")]
     text = lines[-1] if lines else type(exc).__name__
     return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def is_disconnection(exc: BaseException) -> bool:
+    """Returns whether ``exc`` only says that a peer or connection went away (a KJ
+    ``DISCONNECTED`` error, a broken or closed stream, a socket error): its :func:`reason`
+    says all, so it is logged without a traceback. Anything else may be a bug: keep it."""
+    if getattr(exc, "type", None) == "DISCONNECTED":
+        return True
+    return isinstance(exc, (OSError, trio.BrokenResourceError, trio.ClosedResourceError))
 
 
 class _Kind:

@@ -37,7 +37,7 @@ import zmq
 
 from llmgw import kvhash
 from llmgw import kvwire as wire
-from llmgw.logthrottle import LogThrottle, reason
+from llmgw.logthrottle import LogThrottle, is_disconnection, reason
 from llmgw.spec import KvDelta, split_delta
 
 __all__ = [
@@ -469,7 +469,7 @@ class KvSubscriber:
             except Exception as exc:  # noqa: BLE001 - a broken session must not end the subscriber
                 _send_failures.failure(
                     self.endpoint, logging.WARNING, "KV events on %s: sending a delta failed (%s); a full copy follows",
-                    self.endpoint, reason(exc), exc_info=True,
+                    self.endpoint, reason(exc), exc_info=not is_disconnection(exc),
                 )
                 self.mirror.reset_pending = True
                 await trio.sleep(SEND_RETRY_INTERVAL)

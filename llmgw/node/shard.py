@@ -38,7 +38,7 @@ import trio
 import zmq
 
 from llmgw.catalog.sources import is_remote
-from llmgw.logthrottle import LogThrottle, reason
+from llmgw.logthrottle import LogThrottle, is_disconnection, reason
 from llmgw.node import markers, shard_state
 from llmgw.node.engine_secret import auth_headers, secret_env
 from llmgw.node.engines import Engine, EngineRefused, base_environment
@@ -294,7 +294,7 @@ class Shard:
             _failures.failure(
                 ("report", self.spec.id), logging.WARNING,
                 "shard %s: reporter failed (%s); keeping the status for the next binding", self.spec.id, reason(exc),
-                exc_info=True,
+                exc_info=not is_disconnection(exc),
             )
             return False
         _failures.recovered(("report", self.spec.id), "shard %s: status reported again", self.spec.id)

@@ -6,7 +6,9 @@ import logging
 
 import pytest
 
-from llmgw.logthrottle import MAX_REASON_CHARS, LogThrottle, reason
+import trio
+
+from llmgw.logthrottle import MAX_REASON_CHARS, LogThrottle, is_disconnection, reason
 
 INTERVAL = 60.0
 FLOOD = 1000
@@ -115,3 +117,18 @@ def test_a_reason_is_one_bounded_line() -> None:
     assert reason(remote) == "KeyError: 'shard-1'"
     assert reason(ValueError()) == "ValueError"
     assert len(reason(ValueError("m" * 10_000))) == MAX_REASON_CHARS
+
+
+def test_a_kj_error_reads_as_its_description_and_a_disconnection_needs_no_traceback() -> None:
+    """pycapnp's KjException ends its text with KJ's 'stack: ...' trailer; the line says
+    why, and a peer that went away is not logged with a traceback (is_disconnection)."""
+    import capnp
+
+    text = "capnp/rpc.c++:2779: disconnected: Peer disconnected.\nstack: 7f45 7f46"  # as logged by an agent
+    disconnected = capnp.KjException(text, type="DISCONNECTED")
+    assert reason(disconnected) == "capnp/rpc.c++:2779: disconnected: Peer disconnected."
+    assert reason(RuntimeError("Peer disconnected.\nstack: 7f45 7f46")) == "Peer disconnected."
+    assert is_disconnection(disconnected)
+    assert not is_disconnection(capnp.KjException(text, type="FAILED"))
+    assert is_disconnection(ConnectionResetError()) and is_disconnection(trio.BrokenResourceError())
+    assert not is_disconnection(KeyError("shard-1"))
