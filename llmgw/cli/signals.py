@@ -30,42 +30,49 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FORCED_EXIT_STATUS = 1
 
 
-def run_daemon(main: Callable[[], Awaitable[Any]], name: str) -> None:
+def run_daemon(
+    main: Callable[[], Awaitable[Any]], name: str, *, on_stop: Callable[[], object] | None = None
+) -> None:
     """Run ``main`` under trio until it returns or a stop signal drains it (then return).
 
-    Errors of ``main`` propagate as :func:`~llmgw.cli.common.run_trio` lets them.
-    ``name`` prefixes the lines printed when a signal arrives.
+    As :func:`until_stop_signal`; errors of ``main`` propagate as
+    :func:`~llmgw.cli.common.run_trio` lets them.
     """
-    run_trio(lambda: until_stop_signal(main, name))
+    run_trio(lambda: until_stop_signal(main, name, on_stop=on_stop))
 
 
-async def until_stop_signal(main: Callable[[], Awaitable[Any]], name: str) -> None:
-    """Run ``main`` until it returns, or until SIGTERM or SIGINT cancels it.
+async def until_stop_signal(
+    main: Callable[[], Awaitable[Any]], name: str, *, on_stop: Callable[[], object] | None = None
+) -> None:
+    """Run ``main`` until it returns, or until SIGTERM or SIGINT stops it.
 
-    The first signal cancels ``main``: what it shields from cancellation (its graceful
-    shutdown steps, each bounded) still runs, and this returns once ``main`` has
+    The first signal cancels ``main`` as a whole, or, given ``on_stop``, calls that
+    instead (``main`` then ends itself, in the order it needs: `up` must keep its agent
+    running until its engines are stopped). What ``main`` shields from cancellation (its
+    graceful shutdown steps, each bounded) still runs, and this returns once ``main`` has
     unwound, normally. A second signal while that runs exits the process at once with
-    :data:`FORCED_EXIT_STATUS` (no traceback; shielded steps are abandoned). Errors of
-    ``main`` propagate (a lone one unwrapped from its exception group).
+    :data:`FORCED_EXIT_STATUS` (no traceback; shielded steps are abandoned). ``name``
+    prefixes the lines printed when a signal arrives. Errors of ``main`` propagate (a
+    lone one unwrapped from its exception group).
     """
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals, unwrap_single_group():
         async with trio.open_nursery() as nursery:
             main_scope = trio.CancelScope()
-            nursery.start_soon(_watch, signals, main_scope, name)
+            nursery.start_soon(_watch, signals, on_stop or main_scope.cancel, name)
             with main_scope:
                 await main()
             nursery.cancel_scope.cancel()
 
 
-async def _watch(signals: Any, main_scope: trio.CancelScope, name: str) -> None:
-    """Cancel ``main_scope`` on the first signal; exit the process on the second."""
+async def _watch(signals: Any, stop: Callable[[], object], name: str) -> None:
+    """Call ``stop`` on the first signal; exit the process on the second."""
     draining = False
     async for signum in signals:
         what = signal.Signals(signum).name
         if not draining:
             draining = True
             click.echo(f"\n{name}: {what}: stopping gracefully ({what} again stops at once)", err=True)
-            main_scope.cancel()
+            stop()
             continue
         click.echo(f"{name}: {what} again: stopping now", err=True)
         logging.shutdown()

@@ -35,6 +35,7 @@ from llmgw.node.agent import Agent
 from llmgw.node.supervisor import Supervisor
 from llmgw.rpc.kjtrio import capnp_runtime
 from llmgw.rpc.tls import CERT_FILE, client_ssl_context, read_credentials, server_ssl_context
+from llmgw.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,16 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
     except CatalogError as exc:
         fail(f"--model/--replicas/--model-source: {exc}")
 
+    # A stop signal cancels this scope, not `main` as a whole: the agent (and the shard
+    # tasks that stop engines) must outlive the gateway's drain and the engines' stop.
+    running = trio.CancelScope()
+
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
             settings = GatewaySettings(gateway=GatewayConfig(workers=gateway_workers), auth=AuthConfig(enabled=auth))
             gateway = build_gateway(settings)
             plane_scope, plane_stopped = trio.CancelScope(), trio.Event()
+            supervisor: Supervisor | None = None
 
             async def serve_plane(task_status: trio.TaskStatus[ControlPlane]) -> None:
                 try:
@@ -140,56 +146,40 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                     plane_stopped.set()
 
             try:
-                plane: ControlPlane = await nursery.start(serve_plane)
-            except OSError as exc:
-                fail(f"cannot listen on 127.0.0.1 ({exc.strerror or exc}): another llmgw up or server running? "
-                     "Stop it, or pick other ports with --http-port/--rpc-port.")
-            (state_dir / UP_FILE).write_text(json.dumps({
-                "rpc": f"127.0.0.1:{plane.rpc_port}", "gateway": plane.gateway_url,
-                "tls_dir": str(state_dir / ADMIN_DIR)}))
-            supervisor = Supervisor(state_dir / "agent", host="127.0.0.1")
-            agent = Agent(
-                node_id=node_id,
-                control_planes=[f"127.0.0.1:{plane.rpc_port}"],
-                context=client_ssl_context(node_creds.ca_pem, node_creds.cert_pem, node_creds.key_pem),
-                supervisor=supervisor,
-                engine_host="127.0.0.1",
-            )
-            try:
-                await nursery.start(agent.run)
-                models = await plane.store.list_models()
-                if not models:
-                    await plane.store.put_model(demo, create_only=True)
-                    await plane.store.audit("llmgw-up", "model.add", demo.name, {"engine": demo.engine})
-                    plane.catalog_changed()
-                    models = [demo]
-                click.echo(f"llmgw up: cluster in {state_dir}" + (" (new CA)" if created else ""), err=True)
-                first = models[0].name
-                click.echo(f"llmgw up: waiting for a ready replica of {first!r} ...", err=True)
-                try:
-                    endpoints = await wait_for_ready(plane, first, READY_TIMEOUT)
-                except trio.TooSlowError:
-                    click.echo(f"llmgw up: {first!r} has no ready replica after {READY_TIMEOUT:g}s; "
-                               "see `llmgw ctl replicas`", err=True)
-                    endpoints = []
-                demo_key = await _demo_key(plane) if auth else None
-                _print_banner(plane, first, endpoints, state_dir, demo_key)
-                if tiny and models[0].source == demo.source:
-                    _print_tiny_warning(demo.source)
-                # Until SIGTERM (a service manager, `kill`) or SIGINT (Ctrl-C): run_daemon cancels
-                # this, the gateway drains, and the engines are stopped unless kept.
-                await trio.sleep_forever()
+                with running:
+                    try:
+                        plane: ControlPlane = await nursery.start(serve_plane)
+                    except OSError as exc:
+                        fail(f"cannot listen on 127.0.0.1 ({exc.strerror or exc}): another llmgw up or server "
+                             "running? Stop it, or pick other ports with --http-port/--rpc-port.")
+                    (state_dir / UP_FILE).write_text(json.dumps({
+                        "rpc": f"127.0.0.1:{plane.rpc_port}", "gateway": plane.gateway_url,
+                        "tls_dir": str(state_dir / ADMIN_DIR)}))
+                    supervisor = Supervisor(state_dir / "agent", host="127.0.0.1")
+                    agent = Agent(
+                        node_id=node_id,
+                        control_planes=[f"127.0.0.1:{plane.rpc_port}"],
+                        context=client_ssl_context(node_creds.ca_pem, node_creds.cert_pem, node_creds.key_pem),
+                        supervisor=supervisor,
+                        engine_host="127.0.0.1",
+                    )
+                    await nursery.start(agent.run)
+                    await _serve_demo(plane, demo, state_dir, created, auth, tiny)
+                    # Until SIGTERM (a service manager, `kill`) or SIGINT (Ctrl-C) cancels `running`.
+                    await trio.sleep_forever()
             finally:
-                # The gateway drains first (its streams may still need the engines), then
-                # the engines stop: shielded, each step bounded by its own timeouts.
+                # The gateway drains first (its streams may still need the engines), then the
+                # engines stop (their shard tasks run under the agent, still alive), then the
+                # rest: shielded, each step bounded by its own timeouts. A plane whose start
+                # was interrupted has already ended (nursery.start waits for it).
                 with trio.CancelScope(shield=True):
                     plane_scope.cancel()
                     await plane_stopped.wait()
-                    if not keep_engines:
+                    if supervisor is not None and not keep_engines:
                         await _stop_all(supervisor)
                 nursery.cancel_scope.cancel()
 
-    run_daemon(main, "llmgw up")
+    run_daemon(main, "llmgw up", on_stop=running.cancel)
 
 
 def _ensure_llama_server() -> None:
@@ -229,6 +219,31 @@ async def _stop_all(supervisor: Supervisor) -> None:
     async with trio.open_nursery() as nursery:
         for spec, _ in supervisor.shards():
             nursery.start_soon(supervisor.stop_shard, spec.id, STOP_GRACE)
+
+
+async def _serve_demo(plane: ControlPlane, demo: ModelSpec, state_dir: Path, created: bool, auth: bool,
+                      tiny: bool) -> None:
+    """Add the demo model to an empty catalog, wait for a ready replica of the first model
+    (up to READY_TIMEOUT, then say so and go on) and print the banner."""
+    models = await plane.store.list_models()
+    if not models:
+        await plane.store.put_model(demo, create_only=True)
+        await plane.store.audit("llmgw-up", "model.add", demo.name, {"engine": demo.engine})
+        plane.catalog_changed()
+        models = [demo]
+    click.echo(f"llmgw up: cluster in {state_dir}" + (" (new CA)" if created else ""), err=True)
+    first = models[0].name
+    click.echo(f"llmgw up: waiting for a ready replica of {first!r} ...", err=True)
+    try:
+        endpoints = await wait_for_ready(plane, first, READY_TIMEOUT)
+    except trio.TooSlowError:
+        click.echo(f"llmgw up: {first!r} has no ready replica after {READY_TIMEOUT:g}s; "
+                   "see `llmgw ctl replicas`", err=True)
+        endpoints = []
+    demo_key = await _demo_key(plane) if auth else None
+    _print_banner(plane, first, endpoints, state_dir, demo_key)
+    if tiny and models[0].source == demo.source:
+        _print_tiny_warning(demo.source)
 
 
 async def _demo_key(plane: ControlPlane) -> str:

@@ -38,7 +38,6 @@ class StoreConfig:
     #: libpq connection string or URL (backend "postgresql"); shown without its password.
     dsn: str | None = attrs.field(default=None, repr=lambda dsn: repr(dsn and redact_dsn(dsn)))
 
-
     @classmethod
     def sqlite(cls, path: Path) -> StoreConfig:
         return cls("sqlite", path=path)
