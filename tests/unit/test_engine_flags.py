@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.catalog.engine_flags import TABLE_MODULES, table_for
-from llmgw.catalog.engine_flags.refresh import installed, parse_llama_help, read_parser, unclassified
+from llmgw.cli.engine_flags import installed, parse_llama_help, read_parser, unclassified
 from llmgw.catalog.engine_options import violations
 from llmgw.node.engines import EngineRefused, check_refused
 from llmgw.spec import ShardSpec
@@ -159,7 +159,7 @@ def test_every_option_of_the_installed_engine_is_classified(engine: str) -> None
         pytest.skip(f"{engine}'s table is a hand-made subset (its module docstring says how to complete it)")
     if version != table.version:
         pytest.skip(f"{engine} {version} is installed, the table is for {table.version}: "
-                    f"run python -m llmgw.catalog.engine_flags.refresh {engine}")
+                    f"run python -m llmgw.cli.engine_flags {engine}")
     missing, gone = unclassified(table, read_parser(engine, program))
     assert not missing, f"not classified: {[f.names for f in missing]}"
     assert not gone, f"classified but unknown to {engine} {version}: {gone}"
@@ -168,7 +168,8 @@ def test_every_option_of_the_installed_engine_is_classified(engine: str) -> None
 def test_refresh_lists_what_a_table_lacks_as_lines_refused_until_classified(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from llmgw.catalog.engine_flags import Table, UNCLASSIFIED, opt, refresh
+    from llmgw.catalog.engine_flags import Table, UNCLASSIFIED, opt
+    from llmgw.cli import engine_flags as refresh
 
     full = table_for("sim")
     assert full is not None and refresh.main(["sim"]) == 0

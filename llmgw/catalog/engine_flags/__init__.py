@@ -4,7 +4,7 @@ A profile may pass an engine only options its table classifies as safe (tuning, 
 features that name no path, address, credential or code). Everything else is refused with
 the reason: options classified as refused, and options the table does not know (a newer
 engine version's new options stay refused until a maintainer classifies them with
-:mod:`llmgw.catalog.engine_flags.refresh`).
+:mod:`llmgw.cli.engine_flags`).
 
 One module per engine holds its table (:data:`TABLE`: a :class:`Table` made from the
 version named in it): :mod:`.vllm`, :mod:`.llamacpp`, :mod:`.sglang`, :mod:`.sim`.

@@ -4,7 +4,7 @@ Each option: its spellings, how many values it takes (llama-server takes the nex
 the value, whatever it looks like), ``env=`` the variable llama-server also reads it from, and
 ``refused=`` the reason, or safe. ``allowed=`` lists the only values a safe option may take.
 llama-server matches names exactly (no abbreviations, no ``--opt=value``). List the options a
-newer build adds with ``python -m llmgw.catalog.engine_flags.refresh llama.cpp`` and classify
+newer build adds with ``python -m llmgw.cli.engine_flags llama.cpp`` and classify
 each one here (docs/engine-options.md says how).
 """
 

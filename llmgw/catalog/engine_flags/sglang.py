@@ -2,7 +2,7 @@
 
 SGLang is not installed where this table was made, so it holds the options operators tune most,
 not every option: every other one is refused as not classified until someone classifies it.
-With SGLang installed, ``python -m llmgw.catalog.engine_flags.refresh sglang`` lists the options
+With SGLang installed, ``python -m llmgw.cli.engine_flags sglang`` lists the options
 its parser has that this table lacks (docs/engine-options.md says how to classify them).
 """
 

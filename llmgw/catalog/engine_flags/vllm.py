@@ -2,7 +2,7 @@
 
 Each option: its spellings, how many values it takes, and ``refused=`` the reason, or safe (no
 ``refused``). ``allowed=`` lists the only values a safe option may take. Regenerate the list of
-options the installed vLLM adds with ``python -m llmgw.catalog.engine_flags.refresh vllm`` and
+options the installed vLLM adds with ``python -m llmgw.cli.engine_flags vllm`` and
 classify each new one here (docs/engine-options.md says how).
 """
 

@@ -2,10 +2,10 @@
 
 Run it after installing a new engine version::
 
-    python -m llmgw.catalog.engine_flags.refresh vllm            # the installed vLLM (llmgw's engine cache)
-    python -m llmgw.catalog.engine_flags.refresh vllm --python /opt/vllm/bin/python
-    python -m llmgw.catalog.engine_flags.refresh llama.cpp [--binary /path/to/llama-server]
-    python -m llmgw.catalog.engine_flags.refresh sim
+    python -m llmgw.cli.engine_flags vllm            # the installed vLLM (llmgw's engine cache)
+    python -m llmgw.cli.engine_flags vllm --python /opt/vllm/bin/python
+    python -m llmgw.cli.engine_flags llama.cpp [--binary /path/to/llama-server]
+    python -m llmgw.cli.engine_flags sim
 
 It prints every option the parser knows that the table (``llmgw/catalog/engine_flags/<engine>.py``)
 does not, as lines to classify and paste into the table (refused until someone decides), and the
@@ -195,7 +195,7 @@ def draft_line(found: Found) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m llmgw.catalog.engine_flags.refresh", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmgw.cli.engine_flags", description=__doc__.split("\n")[0])
     parser.add_argument("engine", choices=["vllm", "sglang", "llama.cpp", "sim"])
     parser.add_argument("--python", help="the engine environment's interpreter (vLLM, SGLang)")
     parser.add_argument("--binary", help="the llama-server binary")
