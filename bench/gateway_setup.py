@@ -16,6 +16,7 @@ crashing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -124,9 +125,13 @@ def install() -> dict[str, dict[str, object]]:
     return found
 
 
-def main() -> None:
-    """Install the peers and print the result as JSON on the last stdout line."""
-    print(json.dumps(install()))
+def main(argv: list[str] | None = None) -> None:
+    """Install the peers (``--check``: only locate them) and print the result as JSON on
+    the last stdout line. ``--help`` says so and installs nothing."""
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway_setup", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="locate the peers only; install nothing")
+    args = parser.parse_args(argv)
+    print(json.dumps(locate() if args.check else install()))
 
 
 if __name__ == "__main__":
