@@ -149,17 +149,20 @@ REFUSED_ENV_NAMES: tuple[tuple[str, str], ...] = (
 #: per engine: never on the command line, which every local user can read in /proc. vLLM reads
 #: VLLM_API_KEY (vllm.envs) and llama-server LLAMA_API_KEY (its ``--api-key`` option's variable);
 #: the simulator reads LLMGW_SIM_API_KEY (:data:`llmgw.sim.config.API_KEY_ENV`). SGLang takes its
-#: key only as ``--api-key``, so its engines get none (the gateway's header is ignored there).
+#: key only as ``--api-key``: a keyed SGLang shard runs llmgw's launcher
+#: (``llmgw/node/engines/engine_path/llmgw_sglang_launch.py``), which reads LLMGW_SGLANG_API_KEY,
+#: unsets it and passes the key to SGLang's argument parser inside the process.
 API_KEY_ENV: Mapping[str, str] = {
     "vllm": "VLLM_API_KEY",
     "llama.cpp": "LLAMA_API_KEY",
     "sim": "LLMGW_SIM_API_KEY",
+    "sglang": "LLMGW_SGLANG_API_KEY",
 }
 #: Variables the agent sets itself, per engine.
 AGENT_ENV: Mapping[str, frozenset[str]] = {
     "vllm": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "VLLM_API_KEY"}),
-    "sglang": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}),
+    "sglang": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LLMGW_SGLANG_API_KEY"}),
     "llama.cpp": frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY",
                             "LLAMA_ARG_API_KEY_FILE"}),
     "sim": frozenset({"LLMGW_SIM_API_KEY"}),

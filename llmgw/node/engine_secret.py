@@ -5,7 +5,9 @@ token on every request, so an engine answers nobody else even where its port is 
 The agent hands it over in the engine's environment (:func:`secret_env`), never on the command
 line: ``/proc/PID/cmdline`` is readable by every local user, ``/proc/PID/environ`` only by the
 engine's own user and root. The variable is the engine's own (see
-:data:`llmgw.catalog.engine_options.API_KEY_ENV`); an engine without one (SGLang) gets no secret.
+:data:`llmgw.catalog.engine_options.API_KEY_ENV`), or for SGLang, which takes its key only on
+its command line, llmgw's launcher's (``llmgw_sglang_launch``, which moves it to SGLang's argv
+inside the process; see :mod:`llmgw.node.engines.sglang`).
 """
 
 from __future__ import annotations

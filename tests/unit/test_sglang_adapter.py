@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from llmgw.node.engines.sglang import SglangEngine, import_check, sglang_argv, sglang_env
+from llmgw.node.engine_secret import secret_env
+from llmgw.node.engines import ENGINE_PATH
+from llmgw.node.engines.sglang import LAUNCHER_MODULE, SglangEngine, import_check, sglang_argv, sglang_env
 from llmgw.node.engines.vllm import MultiNode
 from llmgw.node.install import python_env
 from llmgw.spec import ShardSpec
@@ -27,6 +29,20 @@ def test_argv_and_env() -> None:
     assert argv[-2:] == ["--mem-fraction-static", "0.8"]
     env = sglang_env(spec(gpus=(1, 2)))
     assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_a_keyed_shard_runs_the_launcher_with_the_secret_in_its_environment_only() -> None:
+    key = "sk-shard-secret"
+    keyed = ShardSpec(id="s-1", model="qwen", engine="sglang", source="/w/qwen", api_key=key, gpus=(0,))
+    argv = sglang_argv("/e/bin/python", keyed, "127.0.0.1", 9000)
+    assert argv[:3] == ["/e/bin/python", "-m", LAUNCHER_MODULE]
+    assert argv[3:] == sglang_argv("/e/bin/python", spec(gpus=(0,)), "127.0.0.1", 9000)[3:]  # the same args
+    assert "--api-key" not in argv and not any(key in a for a in argv)
+    env = {**sglang_env(keyed), **secret_env(keyed)}
+    assert env["LLMGW_SGLANG_API_KEY"] == key and env["PYTHONPATH"] == ENGINE_PATH
+    assert Path(ENGINE_PATH, f"{LAUNCHER_MODULE}.py").read_text().count("import llmgw") == 0  # SGLang's Python
+    unkeyed = spec(gpus=(0,))
+    assert "PYTHONPATH" not in sglang_env(unkeyed) and secret_env(unkeyed) == {}
 
 
 def test_multi_node_flags() -> None:

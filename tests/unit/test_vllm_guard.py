@@ -97,7 +97,8 @@ def test_the_agent_adds_the_guard_and_hands_the_secret_over_in_the_environment()
     assert argv[argv.index("--middleware") + 1] == GUARD_MIDDLEWARE and KEY not in " ".join(argv)
     env = {**vllm_env(spec), **secret_env(spec)}
     assert env["VLLM_API_KEY"] == KEY and env["PYTHONPATH"] == GUARD_PATH
-    assert sorted(os.listdir(GUARD_PATH)) in (["llmgw_vllm_guard.py"], ["__pycache__", "llmgw_vllm_guard.py"])
+    modules = sorted(n for n in os.listdir(GUARD_PATH) if n != "__pycache__")
+    assert modules == ["llmgw_sglang_launch.py", "llmgw_vllm_guard.py"]  # llmgw's stdlib-only engine modules
     assert Path(GUARD_PATH, "llmgw_vllm_guard.py").read_text().count("import llmgw") == 0  # runs in vLLM's Python
     keyless = ShardSpec(id="v", model="m", engine="vllm", source="/w/m")
     assert "--middleware" not in vllm_argv("py", keyless, "h", 1) and "PYTHONPATH" not in vllm_env(keyless)

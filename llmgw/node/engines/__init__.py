@@ -27,6 +27,7 @@ from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo, ShardSpec
 __all__ = [
     "DEFAULT_HEALTH_PATH",
     "DEFAULT_STARTUP_TIMEOUT",
+    "ENGINE_PATH",
     "ENGINES",
     "Engine",
     "EngineRefused",
@@ -42,6 +43,10 @@ __all__ = [
 DEFAULT_STARTUP_TIMEOUT = 30 * 60.0
 
 DEFAULT_HEALTH_PATH = "/health"
+#: The directory put on a keyed vLLM or SGLang shard's ``PYTHONPATH``, and nothing else: it holds
+#: only stdlib-only modules that run in the engine's own interpreter (``llmgw_vllm_guard``, vLLM's
+#: guard middleware; ``llmgw_sglang_launch``, which hands SGLang its secret off the command line).
+ENGINE_PATH = str(Path(__file__).resolve().with_name("engine_path"))
 
 class EngineRefused(ValueError):
     """A shard's args or env contain something the node refuses to run."""

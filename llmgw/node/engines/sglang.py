@@ -6,6 +6,13 @@ version is reported): :func:`import_check`. The agent sets ``--model-path``,
 ``--served-model-name``, ``--host``/``--port``, ``--tp-size`` from the shard's GPUs
 and, for a multi-node launch, ``--nnodes --node-rank --dist-init-addr``; GPUs are
 chosen with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and ``CUDA_VISIBLE_DEVICES``.
+
+SGLang takes its key only as ``--api-key``, and the command line is world-readable in
+``/proc/PID/cmdline``. A shard with a secret (``ShardSpec.api_key``) is therefore started as
+``python -m llmgw_sglang_launch`` (:data:`LAUNCHER_MODULE`, found through ``PYTHONPATH`` =
+:data:`~llmgw.node.engines.ENGINE_PATH`) with the same arguments; the agent puts the secret in
+``LLMGW_SGLANG_API_KEY`` (:func:`llmgw.node.engine_secret.secret_env`), and the launcher moves it
+to SGLang's ``sys.argv`` inside the process before running ``sglang.launch_server``.
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ from typing import Any, Sequence
 
 import attrs
 
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused, configured_probe
+from llmgw.node.engines import (
+    DEFAULT_HEALTH_PATH,
+    DEFAULT_STARTUP_TIMEOUT,
+    ENGINE_PATH,
+    check_refused,
+    configured_probe,
+)
 from llmgw.node.engines.vllm import MultiNode
 from llmgw.node.install import python_env
 from llmgw.spec import ENGINE_INSTALLED, EngineInfo, ShardSpec
@@ -25,6 +38,12 @@ __all__ = ["ImportCheck", "SglangEngine", "import_check", "sglang_argv", "sglang
 
 #: SGLang's server entry point.
 LAUNCH_MODULE = "sglang.launch_server"
+#: What a keyed shard runs instead: llmgw's stdlib-only launcher in :data:`LAUNCHER_PATH`, which
+#: appends ``--api-key`` with the secret from its environment to ``sys.argv`` in-process and runs
+#: :data:`LAUNCH_MODULE` as ``__main__``.
+LAUNCHER_MODULE = "llmgw_sglang_launch"
+#: The directory put on a keyed shard's PYTHONPATH (it holds :data:`LAUNCHER_MODULE`).
+LAUNCHER_PATH = ENGINE_PATH
 #: Importing sglang loads torch and CUDA libraries: tens of seconds on a busy node.
 IMPORT_CHECK_TIMEOUT = 300.0
 
@@ -57,9 +76,10 @@ def import_check(python: str, module: str = "sglang", *, timeout: float = IMPORT
 
 
 def sglang_argv(python: str, spec: ShardSpec, host: str, port: int, *, multinode: MultiNode | None = None) -> list[str]:
-    """Returns the command line that serves ``spec`` with SGLang on ``host:port``."""
+    """Returns the command line that serves ``spec`` with SGLang on ``host:port``: through
+    :data:`LAUNCHER_MODULE` when ``spec`` has a secret (which is never on it)."""
     argv = [
-        python, "-m", LAUNCH_MODULE,
+        python, "-m", LAUNCHER_MODULE if spec.api_key else LAUNCH_MODULE,
         "--model-path", spec.source,
         "--served-model-name", spec.model,
         "--host", host,
@@ -76,8 +96,11 @@ def sglang_argv(python: str, spec: ShardSpec, host: str, port: int, *, multinode
 
 
 def sglang_env(spec: ShardSpec) -> dict[str, str]:
-    """Returns the variables the agent adds for an SGLang shard (the profile's env last)."""
+    """Returns the variables the agent adds for an SGLang shard (the profile's env last); the
+    secret itself comes from :func:`llmgw.node.engine_secret.secret_env`."""
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if spec.api_key:
+        env["PYTHONPATH"] = LAUNCHER_PATH  # finds LAUNCHER_MODULE, nothing else
     if spec.gpus:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)

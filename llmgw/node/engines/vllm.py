@@ -49,7 +49,13 @@ from llmgw.catalog.engine_options import (
     option_value,
 )
 from llmgw.node.kvevents import KvEventsConfig
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, DEFAULT_STARTUP_TIMEOUT, check_refused, configured_probe
+from llmgw.node.engines import (
+    DEFAULT_HEALTH_PATH,
+    DEFAULT_STARTUP_TIMEOUT,
+    ENGINE_PATH,
+    check_refused,
+    configured_probe,
+)
 from llmgw.node.install import python_env
 from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
@@ -90,10 +96,11 @@ KV_EVENTS_TOPIC = "kv"
 DEFAULT_MAX_LORA_RANK = 16
 #: vLLM module the engine is started as.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-#: The directory put on a keyed shard's PYTHONPATH: it holds only llmgw_vllm_guard.py (stdlib
-#: only), the middleware that makes every path but /health and /ping need the shard's secret
-#: (vLLM's own check covers only /v1, /v2, /inference and /cohere; /invocations would not).
-GUARD_PATH = str(Path(__file__).resolve().with_name("vllm_path"))
+#: The directory put on a keyed shard's PYTHONPATH (:data:`~llmgw.node.engines.ENGINE_PATH`): it
+#: holds llmgw_vllm_guard.py (stdlib only), the middleware that makes every path but /health and
+#: /ping need the shard's secret (vLLM's own check covers only /v1, /v2, /inference and /cohere;
+#: /invocations would not).
+GUARD_PATH = ENGINE_PATH
 #: What ``--middleware`` names for a keyed shard (a pure ASGI class, added outermost).
 GUARD_MIDDLEWARE = "llmgw_vllm_guard.Guard"
 #: vLLM takes 45-100 s to become healthy on a CPU; a large model on GPUs loads and
