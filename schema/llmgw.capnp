@@ -188,6 +188,9 @@ interface Shard {
   stop @0 (graceMs :UInt32) -> ();
   status @1 () -> (status :ShardStatus);
   logs @2 (lines :UInt32) -> (lines :List(Text));
+  drain @3 (timeoutMs :UInt32) -> (idle :Bool, inFlight :UInt32);
+  # Waits until the engine has no request in flight (running or waiting), at most timeoutMs;
+  # idle is false when the time ran out or the engine cannot say (inFlight: the last count).
 }
 
 struct NodeView {
