@@ -97,6 +97,9 @@ class Engine(Protocol):
     #       fresh KV-event endpoints and block size for a shard whose engine publishes vLLM KV
     #       events (None: it does not); such an adapter's argv also takes ``kv_events=config``.
     #       The supervisor asks once per shard, persists it, and binds the subscriber first.
+    #   in_flight_probe() -> llmgw.node.engines.load.InFlightProbe
+    #       how the engine says how many requests it has in flight (a rollout's drain waits for 0);
+    #       without it (llmgw.node.engines.load.in_flight_probe gives None) the drain waits a fixed time.
 
 
 #: Variables of the agent's own environment an engine inherits. Everything else (credentials,

@@ -32,6 +32,7 @@ import re
 from pathlib import Path
 
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, EngineRefused, check_refused, configured_probe
+from llmgw.node.engines.load import LLAMACPP_SLOTS, InFlightProbe
 from llmgw.node.install import llamacpp as install
 from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
@@ -132,6 +133,10 @@ class LlamaCppEngine:
     name = install.ENGINE_NAME
     health_path = DEFAULT_HEALTH_PATH
     startup_timeout = LLAMACPP_STARTUP_TIMEOUT
+
+    def in_flight_probe(self) -> InFlightProbe:
+        """Returns how llama-server says how busy it is: its ``/slots`` processing."""
+        return LLAMACPP_SLOTS
 
     def __init__(self, binary: Path | None = None, *, threads: int | None = None) -> None:
         self.binary = binary

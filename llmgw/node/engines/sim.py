@@ -19,6 +19,7 @@ from pathlib import Path
 from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
+from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.spec import ENGINE_BUILT_IN, EngineInfo, ShardSpec
 
@@ -76,6 +77,10 @@ class SimEngine:
         """Returns installed=True with llmgw's version: the simulator ships with llmgw."""
         return EngineInfo(name=self.name, installed=True, version=_llmgw_version(), detail="built into llmgw",
                           origin=ENGINE_BUILT_IN)
+
+    def in_flight_probe(self) -> InFlightProbe:
+        """Returns how the simulator says how busy it is: vLLM's ``/metrics`` gauges."""
+        return VLLM_METRICS
 
     def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
         """Returns fresh KV-event endpoints on ``host`` and the block size for ``spec``, or None

@@ -56,6 +56,7 @@ from llmgw.node.engines import (
     check_refused,
     configured_probe,
 )
+from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.install import python_env
 from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
@@ -340,6 +341,10 @@ class VllmEngine:
     name = "vllm"
     health_path = DEFAULT_HEALTH_PATH
     startup_timeout = VLLM_STARTUP_TIMEOUT
+
+    def in_flight_probe(self) -> InFlightProbe:
+        """Returns how vLLM says how busy it is: its ``/metrics`` running and waiting gauges."""
+        return VLLM_METRICS
 
     def __init__(self, roots: Sequence[Path] | None = None, *, python: Path | None = None) -> None:
         self.roots = list(roots) if roots is not None else None
