@@ -96,6 +96,11 @@ def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
         async def logs(self, lines: int, _context: Any, **_: Any) -> None:
             _context.results.lines = supervisor.logs(shard_id, lines or 100)
 
+        async def drain(self, timeoutMs: int, _context: Any, **_: Any) -> None:
+            result = await supervisor.drain_shard(shard_id, timeoutMs / 1000)
+            _context.results.idle = result.idle
+            _context.results.inFlight = result.in_flight
+
     return ShardServer()
 
 

@@ -40,9 +40,12 @@ import zmq
 from llmgw.catalog.sources import is_remote
 from llmgw.logthrottle import LogThrottle, is_disconnection, reason
 from llmgw.node import markers, shard_state
+from llmgw.node.drain import DrainResult
+from llmgw.node.drain import drain as drain_engine
 from llmgw.node.engine_secret import auth_headers, secret_env
 from llmgw.node.engines import Engine, EngineRefused, base_environment
 from llmgw.node.engines import compute as engine_compute
+from llmgw.node.engines.load import in_flight_probe
 from llmgw.node.fetch import FetchError, FetchSettings, cached_path, fetch_adapters, fetch_weights
 from llmgw.node.kvevents import KvSubscriber
 from llmgw.node.ports import free_port, port_is_free
@@ -391,6 +394,14 @@ class Shard:
             )
         else:
             self.publish(ShardState.STARTING, "starting the engine (none was running)")
+
+    async def drain(self, timeout: float) -> DrainResult:
+        """Returns once the engine has no request in flight or ``timeout`` seconds passed
+        (see :func:`llmgw.node.drain.drain`; the reads carry the shard's secret)."""
+        return await drain_engine(
+            self.status.endpoint, in_flight_probe(self.engine), timeout,
+            headers=auth_headers(self.spec), label=f"shard {self.spec.id}",
+        )
 
     async def stop(self, grace: float) -> None:
         """Asks the shard task to stop its engine; returns once STOPPED is recorded.

@@ -31,6 +31,7 @@ from typing import Mapping
 import trio
 
 from llmgw.node import markers, shard_state
+from llmgw.node.drain import DrainResult
 from llmgw.node.engines import ENGINES, Engine, get_engine
 from llmgw.node.fetch import FetchSettings
 from llmgw.node.kvevents import KvEventsConfig
@@ -195,6 +196,12 @@ class Supervisor:
         Concurrent calls all wait for the one stop.
         """
         await self._shard(shard_id).stop(grace)
+
+    async def drain_shard(self, shard_id: str, timeout: float) -> DrainResult:
+        """Waits until the shard's engine has no request in flight, at most ``timeout`` seconds;
+        returns whether it did and the last count (see :meth:`Shard.drain`). Raises
+        :class:`~llmgw.spec.UnknownShard` if the shard is unknown."""
+        return await self._shard(shard_id).drain(timeout)
 
     def _shard(self, shard_id: str) -> Shard:
         """Returns the shard; raises :class:`~llmgw.spec.UnknownShard` if there is none by that id."""
