@@ -13,6 +13,7 @@ The executor is implemented by the RPC layer (it calls agents)::
     class Executor(Protocol):
         async def start_replica(self, node_id: str, spec: ShardSpec) -> None
         async def stop_replica(self, node_id: str, shard_id: str) -> None
+        async def drain_replica(self, node_id: str, shard_id: str, timeout: float) -> bool
 
 A pass reads the catalog and a registry snapshot, updates the failure book
 (:func:`~llmgw.control.placement.note_failures`), computes
@@ -26,8 +27,12 @@ fails marks the shard FAILED in the registry, so the next pass asks the node to 
 is simply planned again. Nothing an executor raises ends the loop; cancellation does.
 
 A stop that is a rollout step (``StopReplica.rollout``) first takes the replica out of
-routing (``shard_draining``) and waits ``rollout_drain`` seconds, so requests in flight on it
-finish; rollouts log each step with its reason.
+routing (``shard_draining``), waits ``rollout_settle`` seconds for the route change to reach
+every gateway, then asks the node to wait until the engine has no request in flight, at most
+``rollout_drain`` seconds (``drain_replica``), and stops it then, drained or not. The node's
+actions wait for the drain (a long stream holds that node's next actions, never other
+nodes'). A drain that fails (an agent without the call) falls back to the old fixed wait,
+:data:`ROLLOUT_DRAIN_S`. Rollouts log each step with its reason.
 
 Passes run one at a time: after a registry change, ``catalog_changed()``, the end of a
 failure backoff, or every ``tick`` seconds as a safety net.
@@ -70,10 +75,15 @@ ACTION_TIMEOUT_S = 15.0
 CATALOG_TIMEOUT_S = 10.0
 CATALOG_RETRY_S = 5.0
 # A rollout stops a replica that serves: it is first taken out of routing, then left this long
-# before its engine gets SIGTERM, so the route change reaches every gateway (standbys get it
-# streamed from the leader) and requests already sent to it finish. A stream longer than this
-# is cut as any engine stop cuts it: the gateway keeps no per-replica in-flight count across
-# its workers that could shorten or lengthen the wait.
+# before the engine is asked whether it is idle, so the route change reaches every gateway
+# (standbys get it streamed from the leader) and a request sent on the old route has arrived.
+ROLLOUT_SETTLE_S = 1.0
+# The most a rollout waits for an old replica's engine to finish its requests in flight (streams
+# included) before stopping it anyway: long generations finish, a stuck client cannot hold the
+# rollout (and that node's next actions) for ever.
+ROLLOUT_DRAIN_MAX_S = 120.0
+# The fixed wait when the drain call fails (an agent too old to have it): the wait every rollout
+# had before the drain read the engine; a stream longer than this is cut.
 ROLLOUT_DRAIN_S = 5.0
 
 
@@ -91,6 +101,12 @@ class Executor(Protocol):
         reconciler counts it as stopped (removed from the registry, so the next pass,
         which that removal triggers, places the model anew).
         """
+        ...
+
+    async def drain_replica(self, node_id: str, shard_id: str, timeout: float) -> bool:
+        """Ask ``node_id`` to wait until ``shard_id``'s engine has no request in flight, at most
+        ``timeout`` seconds; returns whether it got there. May raise (the reconciler then
+        waits :data:`ROLLOUT_DRAIN_S` instead)."""
         ...
 
 
@@ -119,7 +135,8 @@ class Reconciler:
         action_timeout: float = ACTION_TIMEOUT_S,
         catalog_timeout: float = CATALOG_TIMEOUT_S,
         new_id: Callable[[str], str] = placement.random_shard_id,
-        rollout_drain: float = ROLLOUT_DRAIN_S,
+        rollout_drain: float = ROLLOUT_DRAIN_MAX_S,
+        rollout_settle: float = ROLLOUT_SETTLE_S,
     ) -> None:
         self._registry = registry
         self._catalog = catalog
@@ -130,6 +147,7 @@ class Reconciler:
         self._catalog_timeout = catalog_timeout
         self._new_id = new_id
         self._rollout_drain = rollout_drain
+        self._rollout_settle = rollout_settle
         self._catalog_event = trio.Event()
         self._failures: dict[str, placement.FailureRecord] = {}
         self.passes = 0
@@ -264,13 +282,29 @@ class Reconciler:
                 self._registry.shard_removed(node_id, action.shard_id)
 
     async def _drain(self, node_id: str, action: StopReplica) -> None:
-        """Takes the replica a rollout stops out of routing and waits ``rollout_drain`` seconds
-        (:data:`ROLLOUT_DRAIN_S`); returns at once if the registry no longer has it."""
+        """Takes the replica a rollout stops out of routing, waits ``rollout_settle`` seconds,
+        then for its engine's requests in flight (at most ``rollout_drain`` seconds; a failed
+        drain call: :data:`ROLLOUT_DRAIN_S`); returns at once if the registry no longer has it."""
         if not self._registry.shard_draining(node_id, action.shard_id):
             return
-        log.info("rollout: draining %s on node %s for %g s before it stops (%s)",
+        log.info("rollout: draining %s on node %s (at most %g s) before it stops (%s)",
                  action.shard_id, node_id, self._rollout_drain, action.reason)
-        await trio.sleep(self._rollout_drain)
+        start = trio.current_time()
+        await trio.sleep(self._rollout_settle)
+        try:
+            idle = await self._executor.drain_replica(node_id, action.shard_id, self._rollout_drain)
+        except UnknownShard:
+            return  # nothing runs there: the stop that follows counts it as stopped
+        except Exception as exc:
+            log.warning("rollout: drain of %s on node %s failed (%s); waiting a fixed %g s instead",
+                        action.shard_id, node_id, _describe(exc, self._rollout_drain), ROLLOUT_DRAIN_S)
+            await trio.sleep_until(start + ROLLOUT_DRAIN_S)
+            return
+        if idle:
+            log.info("rollout: drained %s on node %s in %.1f s", action.shard_id, node_id, trio.current_time() - start)
+        else:
+            log.info("rollout: %s on node %s not drained after %g s; stopping it",
+                     action.shard_id, node_id, self._rollout_drain)
 
     def _start_failed(self, node_id: str, spec: ShardSpec, text: str) -> None:
         status = ShardStatus(id=spec.id, state=ShardState.FAILED, message=f"start request failed: {text}")

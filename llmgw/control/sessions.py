@@ -43,6 +43,9 @@ DEFAULT_STOP_GRACE = 10.0
 ADOPT_TIMEOUT = 10.0
 #: Logs are read from a file on the node.
 LOGS_TIMEOUT = 10.0
+#: A drain call waits up to its own timeout on the agent; this much more covers the round trip
+#: and a slow agent before the control plane gives up on the answer.
+DRAIN_CALL_MARGIN = 10.0
 #: Telling an agent its wanted engines is a small message; the installs run afterwards.
 WANT_ENGINES_TIMEOUT = 10.0
 #: An engine's version and device check starts the engine binary once (CUDA init included);
@@ -212,6 +215,18 @@ class NodeSession:
             raise
         self.shards.pop(shard_id, None)
 
+    async def drain_shard(self, shard_id: str, timeout: float) -> tuple[bool, int]:
+        """Asks the agent to wait until the shard's engine has no request in flight, at most
+        ``timeout`` seconds; returns (idle, requests still in flight). Raises
+        :class:`~llmgw.spec.UnknownShard` if the agent has no such shard, KeyError if this
+        session holds no handle on it, TooSlowError if the agent does not answer in time."""
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            raise KeyError(shard_id)
+        with trio.fail_after(timeout + DRAIN_CALL_MARGIN), _unknown_shard_typed(shard_id):
+            result = await shard.drain(max(0, min(int(timeout * 1000), 2**32 - 1)))
+        return bool(result.idle), int(result.inFlight)
+
     async def logs(self, shard_id: str, lines: int) -> list[str]:
         shard = self.shards.get(shard_id)
         if shard is None:
@@ -281,6 +296,16 @@ class NodeSessions:
 
     async def stop_replica(self, node_id: str, shard_id: str) -> None:
         await self.get(node_id).stop_shard(shard_id)
+
+    async def drain_replica(self, node_id: str, shard_id: str, timeout: float) -> bool:
+        """Returns whether the replica's engine finished every request in flight within
+        ``timeout`` seconds (logging how many it still has when not); raises like
+        :meth:`NodeSession.drain_shard`."""
+        idle, in_flight = await self.get(node_id).drain_shard(shard_id, timeout)
+        if not idle:
+            log.warning("rollout: %s on node %s still has %d request(s) in flight after %g s; stopping it",
+                        shard_id, node_id, in_flight, timeout)
+        return idle
 
 
 @contextlib.contextmanager

@@ -59,6 +59,8 @@ class FakeAgents:
         self.refused_starts = 0
         self.forgetful: set[str] = set()
         self.started: set[str] = set()
+        self.busy: set[str] = set()  # shards whose drain runs out of time (still in flight)
+        self.no_drain: set[str] = set()  # nodes whose drain call fails (an older agent)
 
     async def start_replica(self, node_id: str, spec: ShardSpec) -> None:
         self.calls.append(Call(trio.current_time(), "start", node_id, spec.id, spec.model))
@@ -85,6 +87,13 @@ class FakeAgents:
         if node_id in self.forgetful and shard_id not in self.started:
             raise UnknownShard(shard_id)
         self.started.discard(shard_id)
+
+    async def drain_replica(self, node_id: str, shard_id: str, timeout: float) -> bool:
+        self.calls.append(Call(trio.current_time(), "drain", node_id, shard_id))
+        if node_id in self.refusing or node_id in self.no_drain:
+            raise ConnectionError(f"node {node_id} has no drain call")
+        await trio.lowlevel.checkpoint()
+        return shard_id not in self.busy
 
     def ops(self, op: str) -> list[Call]:
         return [c for c in self.calls if c.op == op]
@@ -341,3 +350,26 @@ async def test_rollout_drains_each_old_replica_after_its_replacement_is_ready(
     for stop, seen in zip(stops, routed):
         assert stop.shard_id not in seen and len(seen) >= 1
     assert not {r.id for r in cluster.registry.replicas_of("m")} & old
+    # Each was drained at its engine (out of routing first) right before its stop.
+    drains = cluster.agents.ops("drain")
+    assert [d.shard_id for d in drains] == [c.shard_id for c in stops]
+    assert all(d.at <= c.at for d, c in zip(drains, stops))
+
+
+@pytest.mark.parametrize("trouble", ["busy", "no_drain"])
+async def test_rollout_stops_an_old_replica_its_drain_did_not_empty(
+        cluster: Cluster, autojump_clock: trio.testing.MockClock, trouble: str) -> None:
+    cluster.join("a")
+    cluster.catalog = [model("m")]
+    await cluster.start()
+    await cluster.until(lambda: len(cluster.ready_nodes("m")) == 1)
+    (old,) = {r.id for r in cluster.registry.replicas_of("m")}
+    if trouble == "busy":
+        cluster.agents.busy.add(old)
+    else:
+        cluster.agents.no_drain.add("a")
+    cluster.catalog = [attrs.evolve(model("m"), source="/w/m-v2")]
+    cluster.reconciler.catalog_changed()
+    await cluster.until(lambda: [c.shard_id for c in cluster.agents.ops("stop")] == [old])
+    assert [d.shard_id for d in cluster.agents.ops("drain")] == [old]
+    await cluster.until(lambda: len(cluster.ready_nodes("m")) == 1 and old not in cluster.registry.snapshot().nodes["a"].shards)

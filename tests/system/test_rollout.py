@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import yaml
@@ -20,8 +21,11 @@ from tests.system.test_restarts import AFTER, Load, run_load
 
 pytestmark = pytest.mark.system
 
-OLD_ARG = "--arg=--decode-us-per-token=100"
+# The old definition decodes slowly so that one stream on it outlasts the old fixed 5 s drain:
+# LONG_STREAM_TOKENS tokens (the simulator's shortest natural answer) at 0.5 s each: 12 s.
+OLD_ARG = "--arg=--decode-us-per-token=500000"
 NEW_ARG = "--arg=--decode-us-per-token=200"
+LONG_STREAM_TOKENS = 24
 
 
 def add_m1(cluster: Cluster, *args: str) -> Any:
@@ -34,6 +38,14 @@ def shard_state_fingerprints(cluster: Cluster, node_id: str) -> dict[str, str]:
     state = Path(yaml.safe_load((cluster.root / node_id / "agent.yaml").read_text())["state_dir"])
     return {p.parent.name: json.loads(p.read_text())["spec"]["fingerprint"]
             for p in state.rglob("state.json")}
+
+
+async def long_stream(gateway: str, done: list[str]) -> None:
+    """Streams LONG_STREAM_TOKENS tokens of m1 through the gateway; appends the whole body to ``done``."""
+    body = {"model": "m1", "prompt": "a long one", "max_tokens": LONG_STREAM_TOKENS, "stream": True}
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", f"{gateway}/v1/completions", json=body) as response:
+            done.append(f"HTTP {response.status_code}\n" + (await response.aread()).decode(errors="replace"))
 
 
 async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(tmp_path: Path) -> None:
@@ -53,6 +65,8 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_load, cluster.gateway, load, stop)
             await eventually(lambda: _true(load.total >= AFTER), "the load loop under way")
+            long_done: list[str] = []  # on an old replica: every replica is old yet
+            nursery.start_soon(long_stream, cluster.gateway, long_done)
 
             out = cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2", NEW_ARG, "--replace")
             assert out.returncode == 0, out.stderr
@@ -71,6 +85,11 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
             await eventually(lambda: _true(load.total >= at_done + AFTER), "requests after the rollout")
             stop.set()
         assert load.counts == {"ok": load.total}, load.failures
+        # The rollout drained that replica at its engine: the long stream ended, not cut.
+        (long_body,) = long_done
+        assert long_body.startswith("HTTP 200") and long_body.rstrip().endswith("data: [DONE]"), long_body[-300:]
+        assert '"error"' not in long_body, long_body[-300:]
+        assert long_body.count('"text":') == LONG_STREAM_TOKENS, long_body[-300:]
         (new_fp,) = {r["fingerprint"] for r in new}
         assert new_fp != old_fp
         assert outdated_seen <= set(old), "only replicas of the old definition were marked outdated"
@@ -80,6 +99,7 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
         assert cluster.server is not None
         server_log = cluster.server.output()
         assert "rollout: draining" in server_log and "rollout in place" not in server_log
+        assert server_log.count("rollout: drained") == 2, server_log
 
         # The agent keeps the fingerprint: persisted, reported again after a kill -9 and an
         # adoption, so the same definition saved again has nothing to roll out.
