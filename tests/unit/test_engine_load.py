@@ -62,6 +62,19 @@ def test_vllm_metrics_without_the_gauges_is_refused() -> None:
         vllm_metrics_in_flight("# HELP llamacpp:requests_processing x\nllamacpp:requests_processing 1\n")
 
 
+# Recorded from a real llama-server b11312 (llmgw's build; tiny model, -np 2), idle.
+LLAMACPP_SLOTS_RECORDED = (
+    '[{"id":0,"n_ctx":256,"speculative":false,"is_processing":false},'
+    '{"id":1,"n_ctx":256,"speculative":false,"is_processing":false}]'
+)
+
+
+def test_a_real_idle_llama_server_has_nothing_in_flight() -> None:
+    assert llamacpp_slots_in_flight(LLAMACPP_SLOTS_RECORDED) == 0
+    busy = LLAMACPP_SLOTS_RECORDED.replace('"is_processing":false}]', '"is_processing":true}]')
+    assert llamacpp_slots_in_flight(busy) == 1
+
+
 def test_llamacpp_slots_count_those_processing() -> None:
     assert llamacpp_slots_in_flight(LLAMACPP_SLOTS_BODY) == 1
     assert llamacpp_slots_in_flight(LLAMACPP_SLOTS_BODY.replace('"is_processing": true', '"is_processing": false')) == 0
