@@ -445,6 +445,15 @@ def _fresh_id(new_id: Callable[[str], str], model: str, taken: set[str]) -> str:
     raise RuntimeError(f"shard id factory keeps returning ids already in use (last: {sid!r})")
 
 
+def node_counts_alive(node: NodeView, now: float, grace: float) -> bool:
+    """Returns True if ``node``'s not-terminal replicas count as alive (module docstring): it is
+    ONLINE, or not ONLINE for less than ``grace`` seconds (``fleet.replace_grace``)."""
+    if node.state is NodeState.ONLINE:
+        return True
+    lost_since = node.lost_since if node.lost_since is not None else now
+    return now - lost_since < grace
+
+
 def _rollout_step(
     model: ModelSpec,
     want: int,
@@ -537,8 +546,7 @@ def plan(
 
     for node in fleet.nodes.values():
         online = node.state is NodeState.ONLINE
-        lost_since = node.lost_since if node.lost_since is not None else now
-        counted = online or now - lost_since < grace
+        counted = node_counts_alive(node, now, grace)
         cap = _Capacity(node) if online else None
         for shard in node.shards.values():
             spec = shard.spec

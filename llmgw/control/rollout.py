@@ -25,9 +25,10 @@ from llmgw.control.placement import (
     StopReplica,
     Unplaceable,
     Waiting,
+    node_counts_alive,
     plan,
 )
-from llmgw.control.registry import Fleet, NodeState, ShardView
+from llmgw.control.registry import Fleet, ShardView
 from llmgw.spec import ModelSpec, ShardState, ShardStatus
 
 #: Rollout.kind: the model was not in the catalog before.
@@ -67,7 +68,7 @@ def preview(model: ModelSpec, fleet: Fleet, *, now: float, existed: bool = True)
     alive = [
         shard
         for node in fleet.nodes.values()
-        if node.state is NodeState.ONLINE or now - (node.lost_since if node.lost_since is not None else now) < fleet.replace_grace
+        if node_counts_alive(node, now, fleet.replace_grace)
         for shard in node.shards.values()
         if shard.spec.model == name and not shard.status.state.is_terminal
     ]
@@ -102,7 +103,7 @@ def _first_step(model: ModelSpec, fleet: Fleet, now: float) -> tuple[str, str]:
     step, is blocked or waits (at most :data:`SIMULATED_PASSES` passes; the model's own
     replicas already starting count as READY)."""
     name = model.name
-    fleet = _with(fleet, name, ready=True)
+    fleet = _ready(fleet, name)
     for _ in range(SIMULATED_PASSES):
         mine = {sid for node in fleet.nodes.values() for sid, sh in node.shards.items() if sh.spec.model == name}
         moves: list[StartReplica | StopReplica] = []
@@ -145,13 +146,13 @@ def _preview_id(fleet: Fleet) -> Callable[[str], str]:
     return new_id
 
 
-def _with(fleet: Fleet, model: str, *, ready: bool) -> Fleet:
-    """Returns ``fleet`` with the not-terminal shards of ``model`` READY (``ready``)."""
+def _ready(fleet: Fleet, model: str) -> Fleet:
+    """Returns ``fleet`` with the not-terminal shards of ``model`` READY."""
     nodes = {}
     for nid, node in fleet.nodes.items():
         shards = {
             sid: (attrs.evolve(sh, status=attrs.evolve(sh.status, state=ShardState.READY))
-                  if ready and sh.spec.model == model and not sh.status.state.is_terminal else sh)
+                  if sh.spec.model == model and not sh.status.state.is_terminal else sh)
             for sid, sh in node.shards.items()
         }
         nodes[nid] = attrs.evolve(node, shards=shards)
