@@ -53,12 +53,11 @@ log = logging.getLogger(__name__)
 #: The journal directory's name under a control plane's state directory.
 JOURNAL_DIR_NAME = "usage-journal"
 SEGMENT_SUFFIX = ".usage"
-#: fsync policy: no fsync per record. Each record reaches the kernel with one ``write``
-#: before the request counts as finished, which is all a crash of the gateway process
-#: (kill -9, OOM kill) cannot take away; an fsync per request would put a disk flush on
-#: every request's path. A segment is fdatasync'ed when it is closed (rotation, stop), so
-#: power loss or a kernel crash loses at most the open segment's unsynced tail.
-FSYNC_EACH_RECORD = False
+# fsync policy: no fsync per record. Each record reaches the kernel with one ``write``
+# before the request counts as finished, which is all a crash of the gateway process
+# (kill -9, OOM kill) cannot take away; an fsync per request would put a disk flush on
+# every request's path. A segment is fdatasync'ed when it is closed (rotation, stop), so
+# power loss or a kernel crash loses at most the open segment's unsynced tail.
 #: A segment is closed and a new one started past this size, so :func:`release` can
 #: delete stored records while the journal keeps growing (about 10,000 records).
 SEGMENT_MAX_BYTES = 1 << 20
@@ -253,8 +252,6 @@ class UsageJournal:
                 raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
             self._torn = False
             self._size += written
-            if FSYNC_EACH_RECORD:
-                os.fdatasync(self._fd)
         except OSError as exc:
             self._failed(exc)
         else:
