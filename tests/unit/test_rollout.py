@@ -18,12 +18,12 @@ from llmgw.control.placement import (
     Waiting,
     plan,
 )
-from llmgw.control.registry import Fleet, NodeState, NodeView, ShardView
-from llmgw.spec import Adapter, EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+from llmgw.control.registry import NodeState, NodeView, ShardView
+from llmgw.spec import Adapter, GpuInfo, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
+from tests.unit.test_placement import NOW, fleet
+from tests.unit.test_placement import node as placement_node
 
 SIM = "sim"
-NOW = 1000.0
-GRACE = 60.0
 
 OLD = ModelSpec("m", SIM, "sim-src", Profile(replicas=2, memory_mb=1000, engine_args=("--decode-us-per-token=10",)))
 NEW = attrs.evolve(OLD, profile=attrs.evolve(OLD.profile, engine_args=("--decode-us-per-token=20",)))
@@ -41,15 +41,8 @@ def running(sid: str, model: ModelSpec, state: ShardState = ShardState.READY, *,
 
 def node(nid: str, *shards: ShardView, mem: int = 16384, gpus: tuple[GpuInfo, ...] = (),
          state: NodeState = NodeState.ONLINE) -> NodeView:
-    return NodeView(
-        id=nid, address=f"{nid}:1", hardware=Hardware(cpu_count=8, memory_total_mb=mem, memory_available_mb=mem, gpus=gpus),
-        engines=(EngineInfo(SIM, installed=True),), state=state, last_heartbeat=0.0, epoch=1,
-        shards={s.spec.id: s for s in shards}, lost_since=None if state is NodeState.ONLINE else NOW,
-    )
-
-
-def fleet(*nodes: NodeView) -> Fleet:
-    return Fleet(nodes={n.id: n for n in nodes}, replace_grace=GRACE)
+    return placement_node(nid, mem=mem, gpus=gpus, engines=(SIM,), state=state, shards=shards,
+                          lost_since=None if state is NodeState.ONLINE else NOW)
 
 
 def run(desired, f, failures=None):
