@@ -57,7 +57,6 @@ import httpx  # noqa: E402
 import psycopg  # noqa: E402
 import psycopg.sql  # noqa: E402
 import trio  # noqa: E402
-import yaml  # noqa: E402
 
 from llmgw.client import ReplicaRow, connect  # noqa: E402
 from llmgw.control.store import redact_dsn  # noqa: E402
@@ -327,13 +326,6 @@ async def drill_cluster(root: Path, opts: Options, *, extra: dict[str, Any] | No
             yield cluster
 
 
-def pin_ports(cluster: Cluster) -> None:
-    """Make the server's next start listen on the addresses it has now (the agent dials that RPC port)."""
-    raw = yaml.safe_load(cluster.server_yaml.read_text())
-    raw["rpc_listen"], raw["http_listen"] = cluster.rpc, cluster.gateway.removeprefix("http://")
-    cluster.server_yaml.write_text(yaml.safe_dump(raw))
-
-
 async def cluster_view(cluster: Cluster) -> tuple[dict[str, str], list[ReplicaRow]]:
     """Return the node states by id and the replicas of ``m1``, asked of the control plane now."""
     async with connect(cluster.rpc, tls_dir=cluster.admin_dir) as admin:
@@ -467,7 +459,7 @@ async def drill_server_kill(root: Path, opts: Options) -> dict[str, Any]:
     """Server SIGKILL and an immediate start on the same ports and store, under load."""
     async with drill_cluster(root, opts) as cluster:
         assert cluster.server is not None
-        pin_ports(cluster)
+        cluster.pin_ports()
         load, workload = Load(), Workload(opts.clients)
         result: dict[str, Any] = {}
         async with trio.open_nursery() as nursery:
@@ -495,7 +487,7 @@ async def drill_control_plane_restart(root: Path, opts: Options) -> dict[str, An
     """Server SIGTERM, then a start on the same ports and store, under load."""
     async with drill_cluster(root, opts) as cluster:
         assert cluster.server is not None
-        pin_ports(cluster)
+        cluster.pin_ports()
         load, workload = Load(), Workload(opts.clients)
         result: dict[str, Any] = {}
         async with trio.open_nursery() as nursery:

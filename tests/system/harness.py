@@ -165,6 +165,12 @@ class Cluster:
         m = await self.server.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
         self.rpc, self.gateway = m.group(1), m.group(2)
 
+    def pin_ports(self) -> None:
+        """Make the server's next start listen on the addresses it has now (agents dial that RPC port)."""
+        raw = yaml.safe_load(self.server_yaml.read_text())
+        raw["rpc_listen"], raw["http_listen"] = self.rpc, self.gateway.removeprefix("http://")
+        self.server_yaml.write_text(yaml.safe_dump(raw))
+
     def ca(self) -> ClusterCA:
         return ClusterCA.load(self.server_dir / "ca")
 

@@ -12,7 +12,6 @@ from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-import yaml
 
 from tests.system.harness import WAIT, Cluster, engine_auth, eventually, ready_replicas
 
@@ -91,9 +90,7 @@ async def test_a_restarted_control_plane_learns_the_secret_of_an_adopted_engine(
     [before] = await ready_replicas(cluster, MODEL, 1)
     assert cluster.server is not None
     cluster.server.kill()
-    raw = yaml.safe_load(cluster.server_yaml.read_text())
-    raw["rpc_listen"], raw["http_listen"] = cluster.rpc, cluster.gateway.removeprefix("http://")
-    cluster.server_yaml.write_text(yaml.safe_dump(raw))
+    cluster.pin_ports()
     await cluster.start_server()
     [after] = await ready_replicas(cluster, MODEL, 1)
     assert (after["id"], after["pid"]) == (before["id"], before["pid"])  # the same engine, adopted

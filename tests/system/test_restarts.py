@@ -170,9 +170,7 @@ async def test_a_restarted_control_plane_is_ready_only_with_its_replicas(cluster
 
         assert cluster.server is not None
         cluster.server.kill()
-        raw = yaml.safe_load(cluster.server_yaml.read_text())
-        raw["rpc_listen"], raw["http_listen"] = cluster.rpc, cluster.gateway.removeprefix("http://")
-        cluster.server_yaml.write_text(yaml.safe_dump(raw))
+        cluster.pin_ports()
         await cluster.start_server()
 
         async def readyz() -> httpx.Response | None:
