@@ -33,6 +33,7 @@ from typing import Callable, Mapping
 import attrs
 import trio
 
+from llmgw.config.agent import ENGINE_PATH_KEYS
 from llmgw.node.install import InstallError
 from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo
 
@@ -52,8 +53,6 @@ CHANGE_POLL = 5.0
 REASON_CHARS = 400
 #: The Python module that must import, per Python engine.
 _MODULES = {"vllm": "vllm", "sglang": "sglang"}
-#: agent.yaml key naming the path, per engine (for the operator's sentences).
-_KEYS = {"llama.cpp": "server", "vllm": "python", "sglang": "python"}
 
 #: Starts the line a Python engine's check prints its version on: vLLM logs at import (on
 #: stdout too), so the version is the line llmgw marked, not merely the last one.
@@ -183,7 +182,8 @@ class ConfiguredInstaller:
     @property
     def setting(self) -> str:
         """The agent.yaml key that names the path, e.g. ``engines.vllm.python``."""
-        return f"engines.{self.name}.{_KEYS[self.name]}"
+        key, _ = ENGINE_PATH_KEYS[self.name]
+        return f"engines.{self.name}.{key}"
 
     def _info(self, proof: Proof | None) -> EngineInfo:
         path = str(self.path)
