@@ -105,7 +105,8 @@ class Executor(Protocol):
 
     async def drain_replica(self, node_id: str, shard_id: str, timeout: float) -> bool:
         """Ask ``node_id`` to wait until ``shard_id``'s engine has no request in flight, at most
-        ``timeout`` seconds; returns whether it got there. May raise (the reconciler then
+        ``timeout`` seconds; returns whether it got there (logging what is still in flight when
+        not). May raise (the reconciler then
         waits :data:`ROLLOUT_DRAIN_S` instead)."""
         ...
 
@@ -300,11 +301,8 @@ class Reconciler:
                         action.shard_id, node_id, _describe(exc, self._rollout_drain), ROLLOUT_DRAIN_S)
             await trio.sleep_until(start + ROLLOUT_DRAIN_S)
             return
-        if idle:
+        if idle:  # not idle: the executor has logged how many requests are still in flight
             log.info("rollout: drained %s on node %s in %.1f s", action.shard_id, node_id, trio.current_time() - start)
-        else:
-            log.info("rollout: %s on node %s not drained after %g s; stopping it",
-                     action.shard_id, node_id, self._rollout_drain)
 
     def _start_failed(self, node_id: str, spec: ShardSpec, text: str) -> None:
         status = ShardStatus(id=spec.id, state=ShardState.FAILED, message=f"start request failed: {text}")
