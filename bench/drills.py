@@ -62,7 +62,7 @@ from llmgw.client import ReplicaRow, connect  # noqa: E402
 from llmgw.control.store import redact_dsn  # noqa: E402
 from llmgw.rpc.kjtrio import capnp_runtime  # noqa: E402
 from tests.pg import with_database  # noqa: E402
-from tests.system.harness import LLMGW, POLL, WAIT, Cluster, Proc, eventually, ready_replicas  # noqa: E402
+from tests.system.harness import LLMGW, POLL, WAIT, Cluster, Proc, eventually, ready_replicas, sse_events  # noqa: E402
 
 MODEL = "m1"
 NODE = "node-a"
@@ -225,11 +225,8 @@ async def one_request(http: httpx.AsyncClient, kind: str, workload: Workload, lo
                 return _record(load, started, kind, f"status_{status}", (await response.aread()).decode(errors="replace"))
             if kind == "plain":
                 return _record(load, started, kind, "ok", usage=json.loads(await response.aread())["usage"])
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
+            async for event in sse_events(response):
+                events.append(event)
                 if kind == "long" and len(events) == 1:
                     load.long_streaming += 1
                     load.note()

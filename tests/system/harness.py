@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import psutil
 import trio
@@ -284,6 +284,15 @@ def engine_auth(cluster: Cluster, replica: dict[str, Any]) -> dict[str, str]:
     own user can (the engine answers nobody without it)."""
     [state] = (cluster.root / replica["node_id"] / "state").rglob(f"{replica['id']}/state.json")
     return {"Authorization": f"Bearer {json.loads(state.read_text())['spec']['api_key']}"}
+
+
+async def sse_events(response: Any) -> AsyncIterator[Any]:
+    """Yield each ``data:`` event of a gateway's SSE stream (an httpx streaming response):
+    ``"[DONE]"`` as it is, any other decoded from JSON."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:

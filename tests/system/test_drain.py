@@ -9,7 +9,6 @@ were answered. No timing is asserted: the only clock is the server's own grace.
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ import pytest
 import trio
 
 from tests.system.harness import (
-    LLMGW, WAIT, Cluster, Proc, alive, engines_under, eventually, iter_replicas, ready_replicas,
+    LLMGW, WAIT, Cluster, Proc, alive, engines_under, eventually, iter_replicas, ready_replicas, serve_sim_model,
+    sse_events,
 )
 
 pytestmark = pytest.mark.system
@@ -81,11 +81,8 @@ async def one_stream(http: httpx.AsyncClient, kind: str, tally: Tally) -> None:
             if response.status_code != 200:
                 tally.bare_cuts.append(f"{kind}: status {response.status_code}")
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
+            async for event in sse_events(response):
+                events.append(event)
                 if kind == "long" and len(events) == 1:
                     tally.long_streaming += 1
                     tally.note()
@@ -152,13 +149,7 @@ async def wait_until(tally: Tally, condition: Any, what: str) -> None:
 
 async def test_server_sigterm_drains_streams_and_keeps_usage_exact(tmp_path: Path) -> None:
     async with Cluster(tmp_path, extra={"gateway": {"shutdown_grace": GRACE}}) as cluster:
-        await cluster.start_agent("node-a")
-        out = cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2",
-                          f"--arg=--decode-us-per-token={DECODE_US_PER_TOKEN}")
-        assert out.returncode == 0, out.stderr
-        await ready_replicas(cluster, "m1", 2)
-        assert cluster.server is not None
-        server = cluster.server
+        server = await serve_sim_model(cluster, "m1", 2, f"--arg=--decode-us-per-token={DECODE_US_PER_TOKEN}")
 
         tally = Tally()
         async with trio.open_nursery() as nursery:
