@@ -42,7 +42,7 @@ from typing import Mapping, Sequence
 import attrs
 
 from llmgw.catalog.engine_flags import Table, table_for
-from llmgw.catalog.engine_flags.reader import read
+from llmgw.catalog.engine_flags.reader import Problem, read
 
 __all__ = [
     "AGENT_ENV",
@@ -285,24 +285,24 @@ def violations(
     the classified options (default: ``engine``'s, :func:`~llmgw.catalog.engine_flags.table_for`;
     an engine with none has every argument refused).
     """
-    found: list[Violation] = []
+    problems: list[Problem] = []
     items: list[tuple[int, str]] = []
     for i, arg in enumerate(args):
         option = option_name(arg)
         if option is not None and option.startswith("--llmgw-"):
             problem = _llmgw_problem(engine, option)
             if problem is not None:
-                found.append(Violation(f"engine_args[{i}]", option, problem))
+                problems.append(Problem(i, option, problem))
             continue
         items.append((i, arg))
     table = table or table_for(engine)
     if table is None:
-        found += [Violation(f"engine_args[{i}]", arg, f"{arg} is not allowed: llmgw has no classified options "
-                            f"for engine {engine!r}") for i, arg in items]
+        problems += [Problem(i, arg, f"{arg} is not allowed: llmgw has no classified options for engine {engine!r}")
+                     for i, arg in items]
     else:
-        _, problems = read(table, items, running=version)
-        found += [Violation(f"engine_args[{p.index}]", p.subject, p.reason) for p in problems]
-    found.sort(key=lambda v: int(v.where[len("engine_args["):-1]))
+        problems += read(table, items, running=version)[1]
+    problems.sort(key=lambda p: p.index)
+    found = [Violation(f"engine_args[{p.index}]", p.subject, p.reason) for p in problems]
     for name, value in env.items():
         problem = _env_problem(engine, name, value, version)
         if problem is not None:
