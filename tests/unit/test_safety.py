@@ -87,8 +87,11 @@ def test_the_simulator_gets_name_refusals_but_no_family_allowlist() -> None:
 def test_a_profile_cannot_set_the_engine_secret_the_agent_sets(engine: str, name: str) -> None:
     (v,) = violations(engine, [], {name: "guess"})
     assert v.subject == name and v.reason.startswith("not allowed")
-    assert name in AGENT_ENV[engine] or name == "LLAMA_ARG_API_KEY"
-    assert API_KEY_ENV["sim"] == SIM_API_KEY_ENV  # the simulator reads the variable the agent sets
+    assert name in AGENT_ENV[engine]
+
+
+def test_the_simulator_reads_the_secret_variable_the_agent_sets() -> None:
+    assert API_KEY_ENV["sim"] == SIM_API_KEY_ENV
 
 
 @pytest.mark.parametrize(
