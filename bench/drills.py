@@ -452,20 +452,28 @@ async def drill_server_drain(root: Path, opts: Options) -> dict[str, Any]:
         return result
 
 
-async def drill_server_kill(root: Path, opts: Options) -> dict[str, Any]:
-    """Server SIGKILL and an immediate start on the same ports and store, under load."""
+async def drill_server_restart(root: Path, opts: Options, *, kill: bool) -> dict[str, Any]:
+    """Server SIGKILL (``kill``) or SIGTERM, then a start on the same ports and store, under load."""
     async with drill_cluster(root, opts) as cluster:
         assert cluster.server is not None
+        server = cluster.server
         cluster.pin_ports()
         load, workload = Load(), Workload(opts.clients)
         result: dict[str, Any] = {}
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_load, cluster.gateway, workload, load)
             await load.wait_for(lambda: load.answered >= opts.warmup, "the load loop under way")
-            result["in_flight_at_kill"] = load.in_flight
-            result["answered_before_kill"] = load.answered
+            if kill:
+                result["in_flight_at_kill"] = load.in_flight
+                result["answered_before_kill"] = load.answered
             t0 = trio.current_time()
-            cluster.server.kill()
+            if kill:
+                server.kill()
+            else:
+                server.signal(signal.SIGTERM)
+                result["exit_status"] = await server.wait_exit()
+                result["stop_s"] = round(trio.current_time() - t0, 3)
+                result["grace_ran_out"] = bool(GRACE_OVER.search(server.output()))
             await cluster.start_server()
             result["listening_s"] = round(trio.current_time() - t0, 3)
             result.update(await ready_and_rejoined(cluster, t0))
@@ -474,35 +482,10 @@ async def drill_server_kill(root: Path, opts: Options) -> dict[str, Any]:
             load.stopping = True
         result["requests"] = load.figures()
         result["outage_s"] = outage_s(load)
-        result["usage_answered"] = usage_answered(load)
-        result["usage_stored"] = await stored_usage(cluster)
-        result["usage_lost_requests"] = result["usage_answered"]["requests"] - result["usage_stored"]["requests"]
-        return result
-
-
-async def drill_control_plane_restart(root: Path, opts: Options) -> dict[str, Any]:
-    """Server SIGTERM, then a start on the same ports and store, under load."""
-    async with drill_cluster(root, opts) as cluster:
-        assert cluster.server is not None
-        cluster.pin_ports()
-        load, workload = Load(), Workload(opts.clients)
-        result: dict[str, Any] = {}
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_load, cluster.gateway, workload, load)
-            await load.wait_for(lambda: load.answered >= opts.warmup, "the load loop under way")
-            t0 = trio.current_time()
-            cluster.server.signal(signal.SIGTERM)
-            result["exit_status"] = await cluster.server.wait_exit()
-            result["stop_s"] = round(trio.current_time() - t0, 3)
-            result["grace_ran_out"] = bool(GRACE_OVER.search(cluster.server.output()))
-            await cluster.start_server()
-            result["listening_s"] = round(trio.current_time() - t0, 3)
-            result.update(await ready_and_rejoined(cluster, t0))
-            mark = load.answered
-            await load.wait_for(lambda: load.answered >= mark + opts.after, "answers after the restart")
-            load.stopping = True
-        result["requests"] = load.figures()
-        result["outage_s"] = outage_s(load)
+        if kill:
+            result["usage_answered"] = usage_answered(load)
+            result["usage_stored"] = await stored_usage(cluster)
+            result["usage_lost_requests"] = result["usage_answered"]["requests"] - result["usage_stored"]["requests"]
         return result
 
 
@@ -512,8 +495,8 @@ def drill_function(name: str) -> Callable[[Path, Options], Awaitable[dict[str, A
         "agent_kill": lambda root, opts: drill_agent(root, opts, signal.SIGKILL),
         "agent_sigterm": lambda root, opts: drill_agent(root, opts, signal.SIGTERM),
         "server_drain": drill_server_drain,
-        "server_kill": drill_server_kill,
-        "control_plane_restart": drill_control_plane_restart,
+        "server_kill": lambda root, opts: drill_server_restart(root, opts, kill=True),
+        "control_plane_restart": lambda root, opts: drill_server_restart(root, opts, kill=False),
     }[name]
 
 
