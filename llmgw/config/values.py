@@ -27,6 +27,7 @@ __all__ = [
     "parse_address",
     "parse_bool",
     "parse_duration",
+    "is_loopback_host",
     "parse_host",
     "parse_log_level",
     "parse_node_id",
@@ -170,6 +171,21 @@ def parse_str(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a non-empty string, got {show(value)}")
     return value.strip()
+
+
+def is_loopback_host(host: str) -> bool:
+    """Returns whether ``host`` (an address to listen on or a peer's address, or
+    ``localhost``) is loopback only: brackets and an IPv6 zone id are ignored, and an
+    IPv4-mapped IPv6 address counts as its IPv4 address. A name other than ``localhost``
+    is not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def parse_host(value: Any) -> str:

@@ -19,7 +19,6 @@ Nursery tree::
 from __future__ import annotations
 
 import functools
-import ipaddress
 import logging
 import ssl
 from pathlib import Path
@@ -30,6 +29,7 @@ import trio
 
 from llmgw.config import AuthConfig, ServingConfig
 from llmgw.config.defaults import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_NODE_LOST_AFTER, DEFAULT_REPLACE_GRACE
+from llmgw.config.values import is_loopback_host
 from llmgw.control.admin import AdminServices, make_admin
 from llmgw.control.cluster import ClusterServices, handle_connection
 from llmgw.control.keys import AccessSync
@@ -113,7 +113,7 @@ async def run_control_plane(
             access = AccessSync(store, gateway, usage_flush_interval=serving.usage_flush_interval,
                                 usage_journal=usage_journal)
             await nursery.start(access.run)
-            if not auth.enabled and not _is_loopback(http_host):
+            if not auth.enabled and not is_loopback_host(http_host):
                 log.warning(
                     "API KEYS ARE OFF (auth.enabled: false) AND THE GATEWAY LISTENS ON %s, NOT LOOPBACK: "
                     "ANYONE WHO CAN REACH IT CAN USE EVERY MODEL. Turn auth on for anything but a "
@@ -139,16 +139,6 @@ async def run_control_plane(
                 store=store, registry=registry, access=access, catalog_changed=catalog_changed,
                 rpc_port=bound_rpc, http_port=bound_http, gateway_url=gateway_url,
             ))
-
-
-def _is_loopback(host: str) -> bool:
-    """Return whether ``host`` (an address or name to listen on) is loopback only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _url_host(host: str) -> str:

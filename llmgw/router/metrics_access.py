@@ -18,7 +18,6 @@ JSON errors, like every other gateway error.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 from typing import Any, Awaitable, Callable
@@ -27,6 +26,7 @@ import attrs
 import trio
 
 from llmgw.config import MetricsConfig
+from llmgw.config.values import is_loopback_host
 
 from . import errors
 from .errors import GatewayError
@@ -103,19 +103,7 @@ def _bearer(scope: dict[str, Any]) -> bytes:
 
 def _from_loopback(scope: dict[str, Any]) -> bool:
     client = scope.get("client")
-    return bool(client) and _is_loopback_host(str(client[0]))
-
-
-def _is_loopback_host(host: str) -> bool:
-    """Returns whether ``host`` (an IP address, or ``localhost``) is a loopback address."""
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
+    return bool(client) and is_loopback_host(str(client[0]))
 
 
 class MetricsGate:
@@ -208,7 +196,7 @@ async def metrics_listener(
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_metrics, scrape, host, config.listen.port, MetricsAccess.on_listener(config))
         log.info("metrics on %s:%d (token %s)", host, port, "required" if config.token else "not required")
-        if not config.token and not _is_loopback_host(host):
+        if not config.token and not is_loopback_host(host):
             log.warning("metrics on %s:%d need no token: anyone who reaches that address reads tenant and model "
                         "names; set metrics.token_file unless only the scraper can reach it", host, port)
         task_status.started(port)

@@ -367,3 +367,15 @@ def test_docs_list_every_key() -> None:
     keys += [f"tls.{f.name}" for f in attrs.fields(AgentTLS)]
     missing = [key for key in keys if f"| `{key}` |" not in docs]
     assert not missing, f"docs/config.md does not document {missing}"
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("[::1]", True), ("::ffff:127.0.0.1", True),
+    ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("fe80::1%eth0", False),
+    ("gateway.example", False),
+])
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    """One rule for 'loopback only' (the auth warning of the control plane, /metrics access)."""
+    from llmgw.config.values import is_loopback_host
+
+    assert is_loopback_host(host) is loopback
