@@ -62,7 +62,7 @@ from llmgw.client import ReplicaRow, connect  # noqa: E402
 from llmgw.control.store import redact_dsn  # noqa: E402
 from llmgw.rpc.kjtrio import capnp_runtime  # noqa: E402
 from tests.pg import with_database  # noqa: E402
-from tests.system.harness import LLMGW, POLL, WAIT, Cluster, Proc, eventually, ready_replicas, sse_events  # noqa: E402
+from tests.system.harness import LLMGW, POLL, WAIT, Cluster, Proc, eventually, serve_sim_model, sse_events  # noqa: E402
 
 MODEL = "m1"
 NODE = "node-a"
@@ -314,12 +314,7 @@ async def drill_cluster(root: Path, opts: Options, *, extra: dict[str, Any] | No
         store_url = stack.enter_context(fresh_database(opts.pg)) if opts.pg else None
         # lost_after and replace_grace well above any drill: nothing is re-placed behind its back.
         async with Cluster(root, store_url=store_url, lost_after="60s", replace_grace="120s", extra=extra) as cluster:
-            await cluster.start_agent(NODE)
-            out = cluster.ctl("models", "add", MODEL, "--engine", "sim", "--replicas", str(REPLICAS),
-                              f"--arg=--decode-us-per-token={decode_us}")
-            if out.returncode != 0:
-                raise RuntimeError(f"ctl models add failed: {out.stderr.strip()}")
-            await ready_replicas(cluster, MODEL, REPLICAS)
+            await serve_sim_model(cluster, MODEL, REPLICAS, f"--arg=--decode-us-per-token={decode_us}")
             yield cluster
 
 
