@@ -15,7 +15,7 @@ from typing import Sequence
 
 import attrs
 
-from llmgw.catalog.engine_flags import ANY, MANY, OPTIONAL, Opt, Table
+from llmgw.catalog.engine_flags import MANY, OPTIONAL, Opt, Table
 
 __all__ = ["DOCS", "Problem", "Use", "read"]
 
@@ -73,6 +73,9 @@ class _Reader:
         else:
             why = f"a value with no option before it ({self.table.engine} would read it as its model)"
         self.problems.append(Problem(index, token, f"{token!r} is not allowed: {why}"))
+
+    def too_few(self, index: int, key: str, least: int) -> None:
+        self.refuse(index, key, "it needs a value after it" if least == 1 else f"it needs {least} values after it")
 
     def use(self, index: int, written: str, option: Opt, values: Sequence[str]) -> None:
         """Records ``option`` set to ``values``, refusing it if it is refused or a value is not allowed."""
@@ -160,9 +163,8 @@ class _Reader:
                 i += 1
             least = want if isinstance(want, int) else (1 if want == MANY else 0)
             if len(values) < least:
-                self.refuse(index, key, "it needs a value after it" if least == 1 else f"it needs {least} values after it")
+                self.too_few(index, key, least)
                 continue
-            assert want in (OPTIONAL, MANY, ANY) or isinstance(want, int)
             self.use(index, key, option, values)
 
     def unknown_argparse(self, index: int, key: str) -> None:
@@ -267,7 +269,7 @@ class _Reader:
             values = [t for _, t in items[i:i + want]]
             i += want
             if len(values) < want:
-                self.refuse(index, key, "it needs a value after it" if want == 1 else f"it needs {want} values after it")
+                self.too_few(index, key, want)
                 continue
             self.use(index, key, option, values)
 
