@@ -163,3 +163,16 @@ async def test_the_adapter_runs_the_named_path_and_knows_its_proven_version(tmp_
     assert (after.installed, after.version, after.path) == (True, "b11312", str(server))
     server.chmod(0o644)  # the file changed since: the proof no longer counts
     assert not adapter.probe().installed
+
+
+async def test_one_python_named_for_two_engines_is_proven_for_each(tmp_path: Path) -> None:
+    """vLLM importable, SGLang not: the proof for one engine never answers for the other."""
+    from llmgw.node.engines import node_engines
+
+    python = fake_python(tmp_path, "vllm")
+    adapters = node_engines(None, {"vllm": python, "sglang": python})
+    await ConfiguredInstaller("vllm", python).prove()
+    await ConfiguredInstaller("sglang", python).prove()
+    assert adapters["vllm"].probe().version == "9.9.1"
+    sglang = adapters["sglang"].probe()
+    assert not sglang.installed and "not usable" in sglang.detail

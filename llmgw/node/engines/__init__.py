@@ -149,7 +149,7 @@ def configured_probe(name: str, path: Path) -> EngineInfo:
     executable file, version unknown."""
     from llmgw.node.install.configured import last_proof
 
-    proof = last_proof(path)
+    proof = last_proof(name, path)
     if proof is not None:
         return EngineInfo(name, installed=proof.ok, version=proof.version,
                           detail="named in agent.yaml" if proof.ok else f"not usable: {proof.reason}",

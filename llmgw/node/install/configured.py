@@ -133,18 +133,20 @@ async def prove(engine: str, path: Path, timeout: float | None = None) -> Proof:
     return Proof(True, version=version, output=output)
 
 
-#: The last proof of each path, with the file's signature then (shared by the installer that
+#: The last proof of each (engine, path), with the file's signature then (shared by the installer that
 #: proves and the engine adapter that runs the path, see :func:`last_proof`). Written and read
 #: in the agent's trio thread; a reader in a worker thread sees a whole tuple or the previous one.
-_PROOFS: dict[Path, tuple[tuple[int, int, int, int] | None, Proof]] = {}
+#: Keyed by engine too: one interpreter named for vLLM and SGLang proves each separately.
+_PROOFS: dict[tuple[str, Path], tuple[tuple[int, int, int, int] | None, Proof]] = {}
 
 
-def last_proof(path: Path) -> Proof | None:
-    """Returns the last proof of ``path`` while its file is unchanged since, else None (cheap: one stat).
+def last_proof(engine: str, path: Path) -> Proof | None:
+    """Returns the last proof that ``path`` runs ``engine`` while its file is unchanged
+    since, else None (cheap: one stat).
 
     The engine adapters ask it for the version of an engine whose path agent.yaml names.
     """
-    entry = _PROOFS.get(path)
+    entry = _PROOFS.get((engine, path))
     if entry is None or _signature(path) != entry[0]:
         return None
     return entry[1]
@@ -218,7 +220,7 @@ class ConfiguredInstaller:
                 log.warning("engines: %s from agent.yaml (%s = %s) is not usable: %s",
                             self.name, self.setting, self.path, proof.reason)
         self._proof, self._proved_signature = proof, signature
-        _PROOFS[self.path] = (signature, proof)
+        _PROOFS[(self.name, self.path)] = (signature, proof)
         return self._info(proof)
 
     async def watch(self, report: Callable[[EngineInfo], None], interval: float) -> None:
