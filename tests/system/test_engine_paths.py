@@ -27,10 +27,7 @@ async def test_named_engines_are_proven_and_shown_by_ctl_nodes(tmp_path: Path) -
     broken = tmp_path / "opt" / "vllm-python"
     broken.write_text("not a program\n")  # mode 0644: cannot be run
     # server.yaml asks every node for llama.cpp: a node whose agent.yaml names it installs nothing.
-    cluster = Cluster(tmp_path, extra={"engines": {"llama.cpp": "b11312"}})
-    try:
-        await cluster.init()
-        await cluster.start_server()
+    async with Cluster(tmp_path, extra={"engines": {"llama.cpp": "b11312"}}) as cluster:
         await cluster.start_agent("node-a", extra={"engines": {
             "llama.cpp": {"server": str(server)}, "vllm": {"python": str(broken)}}})
 
@@ -64,5 +61,3 @@ async def test_named_engines_are_proven_and_shown_by_ctl_nodes(tmp_path: Path) -
             in refused.stderr
         # Nothing was installed beside the named llama-server.
         assert not (tmp_path / "node-a" / "state" / "engines" / "llama.cpp").exists()
-    finally:
-        cluster.stop()

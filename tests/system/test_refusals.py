@@ -11,11 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from llmgw.catalog.engine_flags import table_for
 from llmgw.config.server import load_server_config
 from llmgw.control.store import open_store
 from llmgw.spec import ModelSpec, Profile
 from tests.system.harness import Cluster, eventually, iter_replicas, ready_replicas
+
+pytestmark = pytest.mark.system
 
 MODEL = "legacy"
 #: What the node refuses (a library injected into the engine) and the words it says it with.
@@ -103,10 +107,7 @@ _NOT_ON_CPU: frozenset[str] = frozenset()
 async def test_ctl_models_add_names_every_option_the_tables_refuse_and_accepts_the_safe_ones(tmp_path: Path) -> None:
     """Driven by the classified tables: every refused option of an engine, in one `ctl models add`,
     is named with its reason; the same engine's safe options, all at once, are accepted."""
-    cluster = Cluster(tmp_path)
-    try:
-        await cluster.init()
-        await cluster.start_server()
+    async with Cluster(tmp_path) as cluster:
         for engine in ("vllm", "llama.cpp", "sim"):
             source = "sim" if engine == "sim" else "/models/m"
             args, reasons = _table_args(engine, refused=True)
@@ -125,5 +126,3 @@ async def test_ctl_models_add_names_every_option_the_tables_refuse_and_accepts_t
             assert ok.returncode == 0, ok.stdout + ok.stderr
             listed = {m["name"]: m for m in cluster.ctl_json("models", "list")}
             assert listed[name]["profile"]["engine_args"] == safe
-    finally:
-        cluster.stop()
