@@ -124,8 +124,9 @@ def check_engine_args(
     Returns None if ``args`` and ``env`` are acceptable for ``engine``; otherwise raises
     CatalogError naming every offending argument (``{path}.engine_args[i]``) and variable
     (``{path}.engine_env.NAME``) and why, in one message (its ``path`` is the first one's),
-    so that one fix of the profile is enough. The policy (an allowlist of tuning variables;
-    options that read, write or load, or that the agent sets, refused) is
+    so that one fix of the profile is enough. The policy (the options each engine version's
+    table classifies safe, :mod:`llmgw.catalog.engine_flags`; an allowlist of tuning
+    variables) is
     :mod:`llmgw.catalog.engine_options`, which the node applies again before start; with
     ``on_cpu`` (None: the device kind is not known) values the engine refuses on that kind
     of device are refused too.

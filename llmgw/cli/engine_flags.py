@@ -42,9 +42,7 @@ def dump(parser):
     out = []
     for a in parser._actions:
         if a.option_strings:
-            out.append({"names": list(a.option_strings), "nargs": a.nargs,
-                        "choices": [str(c) for c in a.choices] if a.choices else None,
-                        "help": (a.help or "")[:200]})
+            out.append({"names": list(a.option_strings), "nargs": a.nargs, "help": (a.help or "")[:200]})
     json.dump(out, sys.stdout)
 """
 ARGPARSE_DUMPERS = {
@@ -71,7 +69,6 @@ class Found:
     values: int | str
     help: str = ""
     env: str | None = None
-    choices: tuple[str, ...] | None = None
 
 
 def _arity(nargs: Any) -> int | str:
@@ -84,8 +81,7 @@ def _arity(nargs: Any) -> int | str:
 
 def read_argparse_dump(text: str) -> list[Found]:
     """Returns the options of a JSON dump made by :data:`ARGPARSE_DUMPERS`."""
-    return [Found(tuple(o["names"]), _arity(o["nargs"]), o.get("help") or "",
-                  choices=tuple(o["choices"]) if o.get("choices") else None) for o in json.loads(text)]
+    return [Found(tuple(o["names"]), _arity(o["nargs"]), o.get("help") or "") for o in json.loads(text)]
 
 
 _HELP_NAMES = re.compile(r"^(-[^\s,]+(?:,\s+-[^\s,]+)*)(?: (\S.*?))?(?:\s{2,}(.*))?$")
@@ -154,7 +150,8 @@ def read_parser(engine: str, program: str, *, timeout: float = PARSER_TIMEOUT) -
     """
     if engine == "sim":
         from llmgw.sim.config import build_parser
-        return read_argparse_dump(_dump_here(build_parser()))
+        return [Found(tuple(a.option_strings), _arity(a.nargs), a.help or "")
+                for a in build_parser()._actions if a.option_strings]
     if engine == "llama.cpp":
         argv = [program, "--help"]
     elif engine in ARGPARSE_DUMPERS:
@@ -168,13 +165,6 @@ def read_parser(engine: str, program: str, *, timeout: float = PARSER_TIMEOUT) -
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:2])} exited {done.returncode}: {done.stderr.strip()[-1000:]}")
     return parse_llama_help(done.stdout + done.stderr) if engine == "llama.cpp" else read_argparse_dump(done.stdout)
-
-
-def _dump_here(parser: argparse.ArgumentParser) -> str:
-    return json.dumps([
-        {"names": list(a.option_strings), "nargs": a.nargs, "choices": None, "help": a.help or ""}
-        for a in parser._actions if a.option_strings
-    ])
 
 
 def unclassified(table: Table, found: Sequence[Found]) -> tuple[list[Found], list[str]]:
