@@ -7,6 +7,7 @@ waited for with a deadline, never a sleep.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -38,13 +39,16 @@ class Fatal(AssertionError):
     """Raised by a check when waiting longer cannot help (the process died)."""
 
 
-async def eventually(check: Callable[[], Awaitable[T | None]], what: str, timeout: float = WAIT) -> T:
-    """Re-run ``check`` until it returns something truthy; return that. Fails after ``timeout``."""
+async def eventually(check: Callable[[], Awaitable[T | None] | T | None], what: str, timeout: float = WAIT) -> T:
+    """Re-run ``check`` (a coroutine function, or a plain one) until it returns something
+    truthy; return that. Fails after ``timeout``."""
     last: BaseException | None = None
     with trio.move_on_after(timeout):
         while True:
             try:
-                result = await check()
+                result = check()
+                if inspect.isawaitable(result):
+                    result = await result
                 if result:
                     return result
             except Fatal:

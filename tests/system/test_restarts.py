@@ -101,11 +101,11 @@ async def test_agent_kill_and_sigterm_cost_no_request(cluster: Cluster) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_load, cluster.gateway, load, stop)
         for run, how in enumerate((signal.SIGKILL, signal.SIGTERM), start=1):
-            await eventually(lambda: _true(load.total >= AFTER), "the load loop under way")
+            await eventually(lambda: load.total >= AFTER, "the load loop under way")
             at_stop = load.total
             agent.signal(how)
             await agent.wait_exit()
-            await eventually(lambda: _true(node_state(cluster, "node-a") == "disconnected"),
+            await eventually(lambda: node_state(cluster, "node-a") == "disconnected",
                              "node-a DISCONNECTED in ctl nodes")
             agent = agent_proc(cluster, "node-a", config, run)
             await agent.wait_for_line(r"agent: joined \S+ as node 'node-a' \(2 shards\)")
@@ -113,7 +113,7 @@ async def test_agent_kill_and_sigterm_cost_no_request(cluster: Cluster) -> None:
             after = {r["id"]: r["pid"] for r in await ready_replicas(cluster, "m1", 2)}
             assert after == before, "the new agent adopted both engines; nothing was re-placed"
             at_join = load.total
-            await eventually(lambda: _true(load.total >= at_join + AFTER), "requests after the rejoin")
+            await eventually(lambda: load.total >= at_join + AFTER, "requests after the rejoin")
             assert node_state(cluster, "node-a") == "online"
             assert load.counts["failed"] == 0, f"after {how.name}: {load.failures}"
         stop.set()
@@ -146,7 +146,7 @@ async def test_a_second_agent_with_the_same_node_id_is_refused(cluster: Cluster)
         nursery.start_soon(run_load, cluster.gateway, load, stop)
         twin = agent_proc(cluster, "twin", twin_config, 0)
         await twin.wait_for_line(r"already has a live session")
-        await eventually(lambda: _true(load.total >= AFTER), "the load loop under way")
+        await eventually(lambda: load.total >= AFTER, "the load loop under way")
         stop.set()
     assert "joined" not in twin.output(), "the second agent never held the session"
     assert node_state(cluster, "node-a") == "online"
@@ -189,6 +189,3 @@ async def test_a_restarted_control_plane_is_ready_only_with_its_replicas(cluster
             await one_request(http, cluster.gateway, index, load)
         assert load.counts == {"ok": AFTER}, load.failures
 
-
-async def _true(value: bool) -> bool:
-    return value

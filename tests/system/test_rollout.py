@@ -16,8 +16,8 @@ import pytest
 import trio
 import yaml
 
-from tests.system.harness import LLMGW, Cluster, Proc, eventually, iter_replicas, ready_replicas
-from tests.system.test_restarts import AFTER, Load, run_load
+from tests.system.harness import Cluster, eventually, iter_replicas, ready_replicas
+from tests.system.test_restarts import AFTER, Load, agent_proc, run_load
 
 pytestmark = pytest.mark.system
 
@@ -51,8 +51,7 @@ async def long_stream(gateway: str, done: list[str]) -> None:
 async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(tmp_path: Path) -> None:
     async with Cluster(tmp_path, lost_after="30s", replace_grace="60s") as cluster:
         config = cluster.node_config("node-a")
-        agent = Proc([*LLMGW, "agent", "-c", str(config)], cluster.root / "agent-node-a-0.log")
-        cluster.agents["node-a#0"] = agent
+        agent = agent_proc(cluster, "node-a", config, 0)
         await agent.wait_for_line(r"agent: joined \S+ as node 'node-a'")
         added = add_m1(cluster, OLD_ARG)
         assert added["rollout"]["kind"] == "new"
@@ -64,7 +63,7 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
         outdated_seen: set[str] = set()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_load, cluster.gateway, load, stop)
-            await eventually(lambda: _true(load.total >= AFTER), "the load loop under way")
+            await eventually(lambda: load.total >= AFTER, "the load loop under way")
             long_done: list[str] = []  # on an old replica: every replica is old yet
             nursery.start_soon(long_stream, cluster.gateway, long_done)
 
@@ -82,7 +81,7 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
 
             new = await eventually(rolled_out, "both replicas replaced by the new definition")
             at_done = load.total
-            await eventually(lambda: _true(load.total >= at_done + AFTER), "requests after the rollout")
+            await eventually(lambda: load.total >= at_done + AFTER, "requests after the rollout")
             stop.set()
         assert load.counts == {"ok": load.total}, load.failures
         # The rollout drained that replica at its engine: the long stream ended, not cut.
@@ -106,8 +105,7 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
         assert shard_state_fingerprints(cluster, "node-a") == {r["id"]: new_fp for r in new}
         agent.signal(signal.SIGKILL)
         await agent.wait_exit()
-        agent = Proc([*LLMGW, "agent", "-c", str(config)], cluster.root / "agent-node-a-1.log")
-        cluster.agents["node-a#1"] = agent
+        agent = agent_proc(cluster, "node-a", config, 1)
         await agent.wait_for_line(r"agent: joined \S+ as node 'node-a' \(2 shards\)")
         adopted = await ready_replicas(cluster, "m1", 2)
         assert {(r["id"], r["pid"], r["fingerprint"], r["outdated"]) for r in adopted} == {
@@ -116,9 +114,6 @@ async def test_replace_rolls_out_one_replica_at_a_time_without_a_failed_request(
         assert again["rollout"] == {"kind": "unchanged", "outdated": 0, "message": "m1: unchanged: nothing to roll out"}
         assert again["model"]["profile"]["engine_args"] == ["--decode-us-per-token=200"]
 
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_no_room_for_a_surge_rolls_out_in_place_and_says_so(tmp_path: Path) -> None:
@@ -133,7 +128,7 @@ async def test_no_room_for_a_surge_rolls_out_in_place_and_says_so(tmp_path: Path
         load, stop = Load(), trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_load, cluster.gateway, load, stop)
-            await eventually(lambda: _true(load.total >= AFTER), "the load loop under way")
+            await eventually(lambda: load.total >= AFTER, "the load loop under way")
             saved = add_m1(cluster, NEW_ARG, "--memory-mb", half, "--replace")
             assert saved["rollout"]["kind"] == "in-place" and saved["rollout"]["outdated"] == 2
             assert "in place: no room for a surge" in saved["rollout"]["message"]
@@ -146,7 +141,7 @@ async def test_no_room_for_a_surge_rolls_out_in_place_and_says_so(tmp_path: Path
 
             await eventually(rolled_out, "both replicas replaced in place")
             at_done = load.total
-            await eventually(lambda: _true(load.total >= at_done + AFTER), "requests after the rollout")
+            await eventually(lambda: load.total >= at_done + AFTER, "requests after the rollout")
             stop.set()
         assert load.counts == {"ok": load.total}, load.failures
         assert cluster.server is not None
