@@ -282,12 +282,17 @@ async def serve_sim_model(cluster: Cluster, model: str = "m1", replicas: int = 2
     return cluster.server
 
 
-def engine_auth(cluster: Cluster, replica: dict[str, Any]) -> dict[str, str]:
-    """Return the header that lets a test talk to ``replica``'s engine directly (a ``ctl
-    replicas --json`` row): its secret, read from the agent's shard state as the agent's
-    own user can (the engine answers nobody without it)."""
+def engine_secret(cluster: Cluster, replica: dict[str, Any]) -> str:
+    """Return ``replica``'s engine secret (a ``ctl replicas --json`` row), read from the
+    agent's shard state as the agent's own user can."""
     [state] = (cluster.root / replica["node_id"] / "state").rglob(f"{replica['id']}/state.json")
-    return {"Authorization": f"Bearer {json.loads(state.read_text())['spec']['api_key']}"}
+    return str(json.loads(state.read_text())["spec"]["api_key"])
+
+
+def engine_auth(cluster: Cluster, replica: dict[str, Any]) -> dict[str, str]:
+    """Return the header that lets a test talk to ``replica``'s engine directly: its secret
+    as Bearer token (the engine answers nobody without it)."""
+    return {"Authorization": f"Bearer {engine_secret(cluster, replica)}"}
 
 
 async def sse_events(response: Any) -> AsyncIterator[Any]:

@@ -8,12 +8,12 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import httpx
 import pytest
 
-from tests.system.harness import WAIT, Cluster, engine_auth, eventually, ready_replicas
+from tests.system.harness import WAIT, Cluster, engine_secret, eventually, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -26,10 +26,6 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         yield c
 
 
-def secret_of(cluster: Cluster, replica: dict[str, Any]) -> str:
-    return engine_auth(cluster, replica)["Authorization"].removeprefix("Bearer ")
-
-
 async def complete(http: httpx.AsyncClient, cluster: Cluster) -> httpx.Response:
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
     return await http.post(f"{cluster.gateway}/v1/completions", json=body)
@@ -39,7 +35,7 @@ async def test_only_the_gateway_reaches_the_engine_and_the_secret_shows_nowhere(
     await cluster.start_agent("node-a")
     assert cluster.ctl("models", "add", MODEL, "--engine", "sim").returncode == 0
     [replica] = await ready_replicas(cluster, MODEL, 1)
-    secret = secret_of(cluster, replica)
+    secret = engine_secret(cluster, replica)
     assert len(secret) >= 43
     endpoint = replica["endpoint"]
     async with httpx.AsyncClient(timeout=30) as http:
@@ -102,4 +98,4 @@ async def test_a_restarted_control_plane_learns_the_secret_of_an_adopted_engine(
 
         # The new control plane knows the secret only from the agent's registration.
         await eventually(served, "a request served by the adopted engine", WAIT)
-        assert secret_of(cluster, after) == secret_of(cluster, before)
+        assert engine_secret(cluster, after) == engine_secret(cluster, before)
