@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.system.harness import Cluster
+
+pytestmark = pytest.mark.system
 
 TOKEN = "f" * 64
 

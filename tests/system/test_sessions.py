@@ -41,9 +41,7 @@ async def test_agent_fails_over_and_rejoins_a_restarted_control_plane(tmp_path: 
         assert cluster.server is not None
         cluster.server.kill()
         rpc, gateway = cluster.rpc, cluster.gateway
-        raw_server = yaml.safe_load(cluster.server_yaml.read_text())
-        raw_server["rpc_listen"], raw_server["http_listen"] = rpc, gateway.removeprefix("http://")
-        cluster.server_yaml.write_text(yaml.safe_dump(raw_server))
+        cluster.pin_ports()
         await cluster.start_server()
         assert (cluster.rpc, cluster.gateway) == (rpc, gateway)
         await agent.wait_for_line(r"(?s)joined .*joined \S+ as node 'node-a' \(1 shards\)")
