@@ -55,7 +55,7 @@ from llmgw.router.http.upstream import UpstreamClient
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.kvrouting import KvAwarePolicy, RoundRobin
 from llmgw.router.prefixtree import path_hashes, prompt_text
-from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver
+from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, Route, RoutingObserver, RoutingPolicy
 from llmgw.sim.launch import DEFAULT_START_TIMEOUT_S, SimProcess, free_tcp_port, start_sim
 from llmgw.spec import KvDelta
 
@@ -98,6 +98,7 @@ class EngineShape:
     prefill_us_per_token: float
     decode_us_per_token: float
     max_tokens: int
+    prefill_concurrency: int = 1  # prefill queues per replica, as compute-bound prefill does
 
 
 def log(message: str) -> None:
@@ -123,7 +124,7 @@ def conversations(w: Workload, seed: int) -> list[list[dict[str, Any]]]:
         bodies = []
         for turn in range(w.turns):
             messages = messages + [{"role": "user", "content": words(rng, w.user_words, f"c{c}q{turn}")}]
-            bodies.append({"model": MODEL, "messages": messages, "stream": True,
+            bodies.append({"model": MODEL, "messages": messages, "stream": True, "user": f"tenant{tenant}",
                            "stream_options": {"include_usage": True}})
             messages = messages + [{"role": "assistant", "content": words(rng, w.answer_words, f"c{c}a{turn}")}]
         out.append(bodies)
@@ -158,6 +159,7 @@ def start_engines(shape: EngineShape, n: int) -> tuple[list[SimProcess], list[tu
             args = ["--port", "0", "--model", MODEL, "--block-size", str(BLOCK_SIZE),
                     "--num-blocks", str(shape.num_blocks),
                     "--prefill-us-per-token", str(shape.prefill_us_per_token),
+                    "--prefill-concurrency", str(shape.prefill_concurrency),
                     "--decode-us-per-token", str(shape.decode_us_per_token),
                     "--kv-events-endpoint", ep[0], "--kv-replay-endpoint", ep[1]]
             sims.append(start_sim(args, env=env, wait=False))  # all start at once; waited for below
@@ -207,6 +209,16 @@ class OraclePolicy(KvAwarePolicy):
 
     def precise_match(self, replica: Replica, hashes: Sequence[int]) -> int:
         return self._truth.get(replica.id, 0)
+
+
+class PinnedTenants(RoutingPolicy):
+    """The client-side oracle: each tenant's conversations all go to one replica (tenant i to
+    replica i mod n), so no replica ever holds another's tenants' prefixes. Best hit rate
+    when tenants are many and even; a hot spot when one tenant dominates."""
+
+    def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica:
+        tenant = int(str(request.body.get("user", "tenant0")).removeprefix("tenant"))
+        return candidates[tenant % len(candidates)]
 
 
 class Kinds(RoutingObserver):
@@ -265,11 +277,12 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
         info = RequestInfo("/v1/chat/completions", MODEL, stream=True, body=body)
         policy, load = routers[pick.randrange(gateways)]
         t0 = time.perf_counter()
-        choice = policy.choose(replicas, info)
-        replica = choice if isinstance(choice, Replica) else await choice
+        route = policy.route(replicas, info)
+        route = route if isinstance(route, Route) else await route
+        replica = route.replica
         route_s.append(time.perf_counter() - t0)
         per_replica[replica.id] += 1
-        lease = load.acquire(replica.id)
+        lease = load.acquire(replica.id, route.prefill_tokens, route.on_first_token)
         try:
             first: float | None = None
             async with http.stream("POST", replica.endpoint + "/v1/chat/completions", json=body) as response:
@@ -282,6 +295,7 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
                     chunk = json.loads(line[6:])
                     if first is None and chunk.get("choices"):
                         first = time.perf_counter()
+                        lease.first_token()
                     usage = chunk.get("usage")
                     if usage:
                         prompt += usage["prompt_tokens"]
@@ -343,7 +357,7 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
     return result
 
 
-POLICY_NAMES = ("round-robin", "least-load", "approximate", "precise", "oracle")
+POLICY_NAMES = ("round-robin", "least-load", "approximate", "precise", "oracle", "pinned")
 
 
 def policy_factory(name: str, http: httpx.AsyncClient) -> Any:
@@ -355,6 +369,8 @@ def policy_factory(name: str, http: httpx.AsyncClient) -> Any:
         return lambda load: KvAwarePolicy(load)
     if name == "oracle":
         return lambda load: OraclePolicy(load, http)
+    if name == "pinned":
+        return lambda load: PinnedTenants()
     raise ValueError(name)
 
 

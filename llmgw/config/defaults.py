@@ -101,14 +101,6 @@ DEFAULT_USAGE_FLUSH_INTERVAL = 10.0
 
 #: KV-cache aware routing: a request goes where its prefix is already cached.
 DEFAULT_ROUTING_POLICY = "kv"
-#: Least extra in-flight requests, over the least-loaded candidate, that a warm replica
-#: may carry and still be chosen for its cache (measured: 2 let a hot tenant's replica take
-#: 1.55x the mean request count in bench/routing.py; 1 keeps it under 1.5x).
-DEFAULT_LOAD_GATE_MIN = 1
-#: ...and the gate as a share of the mean in-flight count, for busy fleets: at 40 in
-#: flight per replica, a warm one may carry up to 10 more than the coolest (so no replica
-#: runs much past 1.25x the mean).
-DEFAULT_LOAD_GATE_SHARE = 0.25
 #: Seconds a routed-but-unconfirmed block counts as held by the replica it was sent to
 #: (llm-d's speculative entries): long enough for prefill plus the agent's event relay,
 #: short enough that a request that failed does not attract its prefix for long.

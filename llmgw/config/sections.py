@@ -8,6 +8,7 @@ and a ``read_*`` function that builds it from a :class:`~.yaml_reader.Section`.
 
 from __future__ import annotations
 
+import logging
 import urllib.parse
 from typing import Any
 
@@ -16,6 +17,12 @@ import attrs
 from . import defaults
 from .values import Address, count, parse_address, parse_bool, parse_duration, parse_ratio, parse_str, positive, show
 from .yaml_reader import MISSING, Reader
+
+log = logging.getLogger(__name__)
+
+#: ``routing:`` keys of earlier releases, accepted with a warning so that an old server.yaml
+#: still starts: the load gate they tuned is gone (llmgw/router/prefillcost.py replaced it).
+RETIRED_ROUTING_KEYS = ("load_gate_min", "load_gate_share")
 
 __all__ = [
     "ROUTING_POLICIES",
@@ -85,8 +92,6 @@ class RoutingConfig:
     """``routing:``: how the gateway picks a replica (KV-cache aware by default)."""
 
     policy: str = defaults.DEFAULT_ROUTING_POLICY
-    load_gate_min: int = defaults.DEFAULT_LOAD_GATE_MIN
-    load_gate_share: float = defaults.DEFAULT_LOAD_GATE_SHARE
     unconfirmed_ttl: float = defaults.DEFAULT_UNCONFIRMED_TTL
     tokenize_timeout: float = defaults.DEFAULT_TOKENIZE_TIMEOUT
     agreement_window: float = defaults.DEFAULT_AGREEMENT_WINDOW
@@ -237,13 +242,16 @@ def read_routing(reader: Reader, raw: Any) -> RoutingConfig:
     seconds = positive(parse_duration)
     config = RoutingConfig(
         policy=section.get("policy", _parse_policy, defaults.DEFAULT_ROUTING_POLICY),
-        load_gate_min=section.get("load_gate_min", count(0), defaults.DEFAULT_LOAD_GATE_MIN),
-        load_gate_share=section.get("load_gate_share", parse_ratio, defaults.DEFAULT_LOAD_GATE_SHARE),
         unconfirmed_ttl=section.get("unconfirmed_ttl", seconds, defaults.DEFAULT_UNCONFIRMED_TTL),
         tokenize_timeout=section.get("tokenize_timeout", seconds, defaults.DEFAULT_TOKENIZE_TIMEOUT),
         agreement_window=section.get("agreement_window", seconds, defaults.DEFAULT_AGREEMENT_WINDOW),
         mismatch_alarm_after=section.get("mismatch_alarm_after", count(1),
                                          defaults.DEFAULT_MISMATCH_ALARM_AFTER),
     )
+    for key in RETIRED_ROUTING_KEYS:
+        if section.raw(key) is not MISSING:
+            log.warning("%s: routing.%s is no longer used (the gateway prices each replica by its predicted "
+                        "time to first token instead of gating on requests in flight; docs/gateway.md): "
+                        "remove it", reader.source, key)
     section.finish()
     return config

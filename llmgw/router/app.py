@@ -46,7 +46,7 @@ from .http.forward import FastForward, ForwardCall, ForwardResult
 from .http.upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
 from .http.upstream_pool import H1Response
 from .kvindex import KvIndex
-from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, RoutingPolicy
+from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, Route, RoutingPolicy
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
 
 # -- observability (metrics, tracing, deadlines: llmgw/router/{metrics,tracing,instrument}.py)
@@ -370,8 +370,9 @@ class Gateway:
                 break
             if tried:
                 self.metrics.retry(info.model)
-            replica = await self._choose(forwarded, remaining)
-            lease = self.load.acquire(replica.id)
+            route = await self._choose(forwarded, remaining)
+            replica = route.replica
+            lease = self.load.acquire(replica.id, route.prefill_tokens, route.on_first_token)
             stack.callback(lease.release)
             # LoRA: llama.cpp's per-request lora field; the adapter loaded on the replica if needed.
             send_body = self.adapters.body_for(replica, target, forwarded.body, forwarded.tenant)
@@ -417,15 +418,15 @@ class Gateway:
             return response
         raise errors.replicas_unreachable(info.model, len(tried))
 
-    async def _choose(self, forwarded: _Request, remaining: Sequence[Replica]) -> Replica:
-        """Return the replica the policy picks among ``remaining`` (LoRA: warm, unsaturated ones first)."""
+    async def _choose(self, forwarded: _Request, remaining: Sequence[Replica]) -> Route:
+        """Return the route the policy picks among ``remaining`` (LoRA: warm, unsaturated ones first)."""
         remaining = self.adapters.prefer(forwarded.target, remaining)
         trace = forwarded.trace
         with trace.span("schedule") if trace is not None else _NO_SPAN:
-            replica = self.policy.choose(remaining, forwarded.info)
-            if not isinstance(replica, Replica):  # a KV-aware policy is async (it may tokenize)
-                replica = await replica
-        return replica
+            route = self.policy.route(remaining, forwarded.info)
+            if not isinstance(route, Route):  # a KV-aware policy is async (it may tokenize)
+                route = await route
+        return route
 
     async def _relay(self, forwarded: _Request, upstream: H1Response) -> ForwardResult:
         """Return (status, headers, body) for the replica's answer ``upstream``.
@@ -543,13 +544,18 @@ async def _relay_stream(
     watch = forwarded.stream
     assert watch is not None  # set when admitted, before any answer
     model = forwarded.info.model
+    lease = forwarded.lease
     try:
         try:
             async with contextlib.aclosing(body) as chunks:  # type: ignore[type-var]
-                while (chunk := await streams.read(chunks)) is not None:
+                chunk = await streams.read(chunks)
+                if chunk is not None and lease is not None:
+                    lease.first_token()  # an engine's first chunk follows its prefill
+                while chunk is not None:
                     out = watch.feed(chunk)
                     if out:
                         yield out
+                    chunk = await streams.read(chunks)
         except httpx.TimeoutException as error:
             failure = errors.upstream_timeout(model, describe_error(error))
         except httpx.HTTPError as error:

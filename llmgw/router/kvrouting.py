@@ -1,32 +1,40 @@
 """KV-cache-aware routing: send each request to the replica that holds its prefix, without hot spots.
 
-:class:`KvAwarePolicy` scores every candidate replica by the share of the request's
-leading KV blocks it holds, then picks among the ones that are not overloaded:
+:class:`KvAwarePolicy` prices every candidate replica by the time this request would wait
+there for its first token, and picks the cheapest: the prefill work already queued on it
+plus this request's tokens it does not hold, at the rate learnt for that replica from
+observed TTFTs (:mod:`llmgw.router.prefillcost`). A cached request costs a few ms of
+prefill where its prefix lives and its whole prompt elsewhere, so affinity holds as long
+as it pays, and a replica that is truly backed up loses to a cold one. What a replica
+holds is known:
 
-* **precise** for replicas whose KV events are live (vLLM, ``llmgw.sim``): the request's
-  tokens (``/tokenize`` on a replica, :mod:`llmgw.router.tokens`) are hashed as vLLM
-  hashes them and matched against the :class:`~llmgw.router.kvindex.KvIndex`. Blocks
-  routed but not yet confirmed by an event count for ``routing.unconfirmed_ttl``, so a
-  burst of one prefix sticks to one replica before its first event arrives.
-* **approximate** for engines without events (llama.cpp) and for replicas whose events
-  are missing (no delta yet, block size unknown) or stale (requests routed, no block
-  reported within the agreement window): a :class:`~llmgw.router.prefixtree.PrefixTree`
-  of the prompt text routed to each replica.
-* **load gate**: a replica with more than ``min + gate`` requests in flight (``gate``
-  = max(``load_gate_min``, ``load_gate_share`` x mean in flight)) is not
-  eligible, however warm: stickiness breaks before it becomes a hot spot. Load is the
-  gateway's :class:`~llmgw.router.replicas.LoadTracker`, counted on every forwarded
-  path; requests queued in admission have no replica yet.
-* **miss** (no eligible replica holds any block): the least-loaded, then least
-  recently chosen, replica (never "the smallest tree").
+* **precisely** for replicas whose KV events are live (vLLM, ``llmgw.sim``): the request's
+  tokens (:mod:`llmgw.router.tokens`) are hashed as vLLM hashes them and matched against
+  the :class:`~llmgw.router.kvindex.KvIndex`. Blocks routed but not yet confirmed by an
+  event count for ``routing.unconfirmed_ttl``, so a burst of one prefix sticks to one
+  replica before its first event arrives.
+* **approximately** for engines without events (llama.cpp), for replicas whose events are
+  missing (no delta yet, block size unknown) or stale (requests routed, no block reported
+  within the agreement window), and for replicas whose hashes disagree with the router's
+  (alarm raised): a :class:`~llmgw.router.prefixtree.PrefixTree` of the prompt text
+  routed to each replica, its match converted to tokens at
+  :data:`~llmgw.router.admission.CHARS_PER_TOKEN`.
+* **miss** (no candidate holds any block): the same price, so the replica with the least
+  work queued, then the least recently chosen (never "the smallest tree").
+
+The work queued counts every request this gateway forwarded, from routing to its first
+token (:class:`~llmgw.router.replicas.Lease`); other gateways' requests show in the TTFTs
+each replica's rate is fitted to.
 
 A model with one candidate skips all of this (no tokenization on the hot path).
 
 :class:`HashAgreement` checks continuously that the router's hashes are the engine's:
 after a routed request, the replica's reported blocks should include the request's
-leading blocks (held already or stored for it). A replica that reports blocks, but never
-the router's, raises an alarm (wrong seed, block size, tokenizer or template), instead
-of a silent 0% hit rate.
+leading blocks (held already or stored for it), at the latest :data:`AFTER_FIRST_TOKEN_S`
+after its first token. A replica that reports blocks, but not the router's, for
+``routing.mismatch_alarm_after`` requests in a row raises an alarm (wrong seed, block
+size, tokenizer or template) instead of a silent 0% hit rate, and is routed
+approximately until its hashes agree again (it is still checked on every request).
 """
 
 from __future__ import annotations
@@ -46,12 +54,13 @@ from llmgw.spec import KvDelta
 
 from .kvindex import KvIndex
 from .prefixtree import PrefixTree, path_hashes, prompt_text
-from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver, RoutingPolicy
+from .admission import CHARS_PER_TOKEN
+from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, Route, RoutingObserver, RoutingPolicy
 from .tokens import TokenHasher, cache_salt
 
 log = logging.getLogger(__name__)
 
-# The tunables operators may set (load gate, unconfirmed TTL, agreement window, alarm
+# The tunables operators may set (unconfirmed TTL, agreement window, alarm
 # threshold) are RoutingConfig's, with their defaults and reasons in llmgw/config/defaults.py.
 
 #: Consecutive routed requests after which the replica still had reported no block at
@@ -61,9 +70,17 @@ SILENT_AFTER = 3
 MAX_EXPECTATIONS = 64
 #: Leading block hashes of a request remembered per expectation (any one reported meets it).
 EXPECTED_HASHES = 64
+#: Seconds a replica has, after a request's first token, to report its blocks: the engine
+#: stores them in the step that ends prefill, and the agent relays events within tens of ms.
+AFTER_FIRST_TOKEN_S = 1.0
 
 ALARM_TEXT = ("router and engine block hashes disagree (seed, block size, tokenizer or template?) "
               "or the replica's KV events stopped")
+
+#: Predicted times to first token closer than this are equal (then the longest match, then
+#: the least recently chosen replica wins): below a millisecond the fit's noise decides,
+#: and idle replicas must take turns rather than all go to the one fitted fastest.
+COST_TIE_S = 0.001
 
 #: Engines that publish no KV events: routed approximately always.
 ENGINES_WITHOUT_EVENTS = frozenset({"llama.cpp"})
@@ -73,12 +90,17 @@ PRECISE, APPROXIMATE, MISS = "precise", "approximate", "miss"
 
 @attrs.frozen
 class Decision:
-    """One routing decision: the replica, the kind (precise/approximate/miss) and the hit."""
+    """One routing decision: the replica, the kind (precise/approximate/miss), the hit
+    (``matched`` of ``total`` blocks or tree nodes), the request's uncached prompt tokens
+    there (estimated) and its predicted time to first token (seconds)."""
 
     replica: Replica
     kind: str
     matched: int
     total: int
+    uncached: int = 0
+    cost: float = 0.0
+    expectation: Any = attrs.field(default=None, repr=False)  # HashAgreement's, told of the first token
 
 
 # -- hash agreement ----------------------------------------------------------------------
@@ -98,6 +120,7 @@ class _AgreementState:
     mismatches: int = 0
     silent: int = 0
     alarmed: bool = False
+    next_deadline: float = math.inf  # the earliest pending deadline
 
 
 class HashAgreement:
@@ -125,9 +148,10 @@ class HashAgreement:
         self._clock = clock
         self._state: dict[str, _AgreementState] = {}
 
-    def expect(self, model: str, replica_id: str, hashes: Iterable[int]) -> None:
+    def expect(self, model: str, replica_id: str, hashes: Iterable[int]) -> _Expectation | None:
         """Record that ``replica_id`` should soon report some of ``hashes`` (the first
-        :data:`EXPECTED_HASHES` are kept)."""
+        :data:`EXPECTED_HASHES` are kept); return the pending expectation (None: met at
+        once, or nothing to expect), to be passed to :meth:`started`."""
         wanted = frozenset(itertools.islice(hashes, EXPECTED_HASHES))
         state = self._state.get(replica_id)
         if state is None:
@@ -135,11 +159,32 @@ class HashAgreement:
         state.model = model
         self._expire(replica_id, state)
         if not wanted:
-            return
+            return None
         if self._held(replica_id, wanted):
             self._agreed(replica_id, state)
-        else:
-            state.pending.append(_Expectation(model, wanted, self._clock() + self.window))
+            return None
+        expectation = _Expectation(model, wanted, self._clock() + self.window)
+        state.pending.append(expectation)
+        state.next_deadline = min(state.next_deadline, expectation.deadline)
+        return expectation
+
+    def started(self, replica_id: str, expectation: _Expectation | None) -> None:
+        """The request behind ``expectation`` got its first token: its blocks are stored
+        now, so the replica has :data:`AFTER_FIRST_TOKEN_S` left to report them (not the
+        whole window, which also covers a long queue before prefill)."""
+        state = self._state.get(replica_id)
+        if expectation is None or state is None:
+            return
+        expectation.deadline = min(expectation.deadline, self._clock() + AFTER_FIRST_TOKEN_S)
+        state.next_deadline = min(state.next_deadline, expectation.deadline)
+
+    def sweep(self) -> None:
+        """Settle every replica's expectations whose deadline passed (a mismatch is found
+        without waiting for more traffic to the replica concerned)."""
+        now = self._clock()
+        for replica_id, state in self._state.items():
+            if state.next_deadline <= now:
+                self._expire(replica_id, state)
 
     def observe(self, replica_id: str, delta: KvDelta) -> None:
         """Check ``replica_id``'s new delta against its pending expectations."""
@@ -151,6 +196,7 @@ class HashAgreement:
             unmet = [exp for exp in state.pending if not any(h in stored for h in exp.hashes)]
             if len(unmet) < len(state.pending):
                 state.pending = collections.deque(unmet, maxlen=MAX_EXPECTATIONS)
+                state.next_deadline = min((exp.deadline for exp in unmet), default=math.inf)
                 self._agreed(replica_id, state)
             state.silent = 0
         self._expire(replica_id, state)
@@ -161,9 +207,14 @@ class HashAgreement:
 
     def _expire(self, replica_id: str, state: _AgreementState) -> None:
         now = self._clock()
-        pending = state.pending
-        while pending and pending[0].deadline <= now:
-            exp = pending.popleft()
+        if state.next_deadline > now:
+            return
+        due = [exp for exp in state.pending if exp.deadline <= now]
+        if due:
+            state.pending = collections.deque((exp for exp in state.pending if exp.deadline > now),
+                                              maxlen=MAX_EXPECTATIONS)
+        state.next_deadline = min((exp.deadline for exp in state.pending), default=math.inf)
+        for exp in due:
             entry = self.index.replica(replica_id)
             if entry is None or not entry.blocks:
                 state.silent += 1
@@ -375,46 +426,78 @@ class KvAwarePolicy(RoutingPolicy):
         return self.index.leading_match(replica.id, hashes, self.unconfirmed.live(replica.id))
 
     async def decide(self, candidates: Sequence[Replica], request: RequestInfo) -> Decision:
-        """Score ``candidates`` for ``request`` and return the decision (and record it)."""
+        """Price ``candidates`` for ``request`` and return the cheapest (and record it).
+
+        Each candidate's price is its predicted time to first token
+        (:meth:`~llmgw.router.prefillcost.PrefillLedger.predict`) for the tokens of this
+        request it does not hold: precisely from the KV index where its hashes agree with
+        the engine's, else from the prefix tree. Prices within :data:`COST_TIE_S` are
+        equal; then the longest match, then the least recently chosen replica wins.
+        """
         adapter = request.adapter
         salt = cache_salt(request.body)
-        path = path_hashes(prompt_text(request.body), salt=(adapter, salt))
+        text = prompt_text(request.body)
+        path = path_hashes(text, salt=(adapter, salt))
+        self.agreement.sweep()
         precise = await self.precise_hashes(candidates, request, adapter)
-        load = self.load.outstanding
-        loads = [load(r.id) for r in candidates]
-        least = min(loads)
-        mean = sum(loads) / len(loads)
-        gate = max(self.settings.load_gate_min, math.ceil(self.settings.load_gate_share * mean))
+        prompt_tokens = _prompt_tokens(precise, self.index, text)
+        ledger = self.load.prefill
         best: tuple[Any, ...] | None = None
-        chosen: tuple[Replica, str, int, int] | None = None
-        for r, n in zip(candidates, loads):
+        chosen: Decision | None = None
+        for r in candidates:
             hashes = precise.get(r.id)
-            if hashes is not None:
+            if hashes is not None and not self.agreement.alarmed(r.id):
                 matched, total, kind = self.precise_match(r, hashes), len(hashes), PRECISE
             else:
                 matched, total, kind = self.tree.match(r.id, path), len(path), APPROXIMATE
-            eligible = n <= least + gate
-            share = matched / total if total else 0.0
-            if not eligible or matched == 0:
-                share = 0.0
-            # Highest share, then fewest in flight, then least recently chosen.
-            key = (eligible, share, -n, -self._last_chosen.get(r.id, -1.0))
+            uncached = prompt_tokens - (prompt_tokens * matched // total if total else 0)
+            cost = ledger.predict(r.id, uncached)
+            key = (-round(cost / COST_TIE_S), matched, -self._last_chosen.get(r.id, -1.0))
             if best is None or key > best:
-                best, chosen = key, (r, kind if share > 0 else MISS, matched if share > 0 else 0, total)
+                best = key
+                chosen = Decision(r, kind if matched else MISS, matched, total, uncached, cost)
         assert chosen is not None
-        replica, kind, matched, total = chosen
-        self._record(replica, request, kind, path, precise.get(replica.id), matched)
-        return Decision(replica, kind, matched, total)
+        return self._record(chosen, request, path, precise.get(chosen.replica.id))
 
-    def _record(self, replica: Replica, request: RequestInfo, kind: str, path: list[int],
-                hashes: tuple[int, ...] | None, matched: int) -> None:
+    def route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route | Awaitable[Route]:
+        """Return the only candidate's route at once, else an awaitable of the cheapest's
+        (with its uncached tokens, and the hash-agreement check told of its first token)."""
+        if not candidates:
+            raise ValueError("route() needs at least one candidate replica")
+        if len(candidates) == 1:
+            return Route(candidates[0])
+        return self._route(candidates, request)
+
+    async def _route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route:
+        decision = await self.decide(candidates, request)
+        replica_id, expectation = decision.replica.id, decision.expectation
+        if expectation is None:
+            return Route(decision.replica, decision.uncached)
+        return Route(decision.replica, decision.uncached, lambda _s: self.agreement.started(replica_id, expectation))
+
+    def _record(self, decision: Decision, request: RequestInfo, path: list[int],
+                hashes: tuple[int, ...] | None) -> Decision:
+        """Record ``decision`` (tree, metrics, unconfirmed blocks, hash agreement); return it
+        with its hash-agreement expectation."""
+        replica = decision.replica
         self._last_chosen[replica.id] = next(self._picks)
         self.tree.insert(replica.id, path)
-        total = len(hashes) if hashes is not None else len(path)
-        self.observer.decision(request.model, kind, matched, total)
+        self.observer.decision(request.model, decision.kind, decision.matched, decision.total)
         if hashes:
-            self.agreement.expect(request.model, replica.id, hashes)
             self.unconfirmed.add(replica.id, hashes)
+            return attrs.evolve(decision, expectation=self.agreement.expect(request.model, replica.id, hashes))
+        return decision
+
+
+def _prompt_tokens(precise: dict[str, tuple[int, ...]], index: KvIndex, text: str) -> int:
+    """Return the request's prompt length in tokens, one figure for every candidate: from its
+    block hashes where a replica tokenized it (full blocks, plus half a block for the partial
+    last one), else estimated from its text at :data:`CHARS_PER_TOKEN`."""
+    for replica_id, hashes in precise.items():
+        block = index.block_size(replica_id)
+        if block > 0:
+            return len(hashes) * block + block // 2
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
 class RoundRobin(RoutingPolicy):

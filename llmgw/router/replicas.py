@@ -29,6 +29,7 @@ import trio
 from llmgw.spec import KvDelta
 
 from .kvindex import KvIndex
+from .prefillcost import PrefillLedger
 
 
 @attrs.frozen
@@ -184,36 +185,69 @@ def _checked(model: str, replicas: Sequence[Replica]) -> tuple[Replica, ...]:
 
 
 class Lease:
-    """One request in flight on one replica; :meth:`release` ends it (idempotent)."""
+    """One request in flight on one replica; :meth:`release` ends it (idempotent).
 
-    def __init__(self, tracker: LoadTracker, replica_id: str) -> None:
+    ``prefill_tokens`` is the router's estimate of the request's uncached prompt tokens on
+    the replica; the lease counts them as queued prefill there until :meth:`first_token`
+    (which also records the request's time to first token) or :meth:`release`.
+    ``on_first_token`` (optional) is called once with the seconds to first token.
+    """
+
+    __slots__ = ("_tracker", "replica_id", "_released", "prefill_tokens", "_work", "_started_at", "_started",
+                 "on_first_token")
+
+    def __init__(self, tracker: LoadTracker, replica_id: str, prefill_tokens: int = 0,
+                 on_first_token: Callable[[float], None] | None = None) -> None:
         self._tracker = tracker
         self.replica_id = replica_id
         self._released = False
+        self.prefill_tokens = prefill_tokens
+        self._work = tracker.prefill.routed(replica_id, prefill_tokens)
+        self._started_at = tracker.prefill.clock()
+        self._started = False
+        self.on_first_token = on_first_token
+
+    def first_token(self) -> None:
+        """The replica sent the request's first token: its prefill leaves the replica's
+        queue and its time to first token is recorded. Later calls do nothing."""
+        if self._started or self._released:
+            return
+        self._started = True
+        seconds = self._tracker.prefill.clock() - self._started_at
+        self._tracker.prefill.first_token(self.replica_id, self.prefill_tokens, self._work, seconds)
+        callback = self.on_first_token
+        if callback is not None:
+            self.on_first_token = None
+            callback(seconds)
 
     def release(self) -> None:
         """Stop counting this request; calling it again does nothing."""
         if not self._released:
             self._released = True
+            self._tracker.prefill.finished(self.replica_id, self.prefill_tokens, self._started)
             self._tracker._release(self.replica_id)
 
 
 class LoadTracker:
-    """Counts requests in flight per replica id.
+    """Counts requests in flight per replica id, and (:attr:`prefill`) the prefill work
+    queued on each and what it costs there (:class:`~llmgw.router.prefillcost.PrefillLedger`).
 
     Counts live here rather than on :class:`Replica` so that they survive table updates
     (a replica that stays in the table keeps its count).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._outstanding: dict[str, int] = {}
         self._changed = trio.Event()
+        self.prefill = PrefillLedger(clock)
 
-    def acquire(self, replica_id: str) -> Lease:
-        """Count one more request on ``replica_id``; return the lease that un-counts it."""
+    def acquire(self, replica_id: str, prefill_tokens: int = 0,
+                on_first_token: Callable[[float], None] | None = None) -> Lease:
+        """Count one more request on ``replica_id`` (with ``prefill_tokens`` uncached prompt
+        tokens queued there until its first token); return the lease that un-counts it."""
         self._outstanding[replica_id] = self._outstanding.get(replica_id, 0) + 1
         self._notify()
-        return Lease(self, replica_id)
+        return Lease(self, replica_id, prefill_tokens, on_first_token)
 
     def outstanding(self, replica_id: str) -> int:
         """Return the number of requests in flight on ``replica_id`` (0 if unknown)."""
@@ -247,6 +281,16 @@ class LoadTracker:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+
+@attrs.frozen
+class Route:
+    """A policy's answer: the replica, and its estimate of the request's uncached prompt
+    tokens there (0: no estimate), with an optional callback for the first token's arrival."""
+
+    replica: Replica
+    prefill_tokens: int = 0
+    on_first_token: Callable[[float], None] | None = None
 
 
 @attrs.frozen
@@ -299,6 +343,14 @@ class RoutingPolicy(abc.ABC):
         llmgw/router/kvrouting.py); the gateway awaits it then.
         """
 
+    def route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route | Awaitable[Route]:
+        """Return the :class:`Route` for ``request`` (or an awaitable of it): :meth:`choose`'s
+        replica with no prefill estimate here; a cost-aware policy overrides it."""
+        choice = self.choose(candidates, request)
+        if isinstance(choice, Replica):
+            return Route(choice)
+        return _route_of(choice)
+
     def attach_observer(self, observer: RoutingObserver) -> None:
         """Send routing decisions, mismatches and alarms to ``observer`` (the gateway's metrics)."""
 
@@ -314,6 +366,10 @@ class RoutingPolicy(abc.ABC):
     def alarms(self) -> list[str]:
         """Return the policy's standing alarms in words (for ``ctl status``); none here."""
         return []
+
+
+async def _route_of(choice: Awaitable[Replica]) -> Route:
+    return Route(await choice)
 
 
 class LeastOutstanding(RoutingPolicy):

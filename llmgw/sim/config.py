@@ -33,6 +33,7 @@ class SimConfig:
     data_parallel_rank: int = 0
     hash_seed: str | None = None
     prefill_us_per_token: float = 20.0
+    prefill_concurrency: int = 0  # prefills computed at once (0: no limit)
     decode_us_per_token: float = 0.0
     max_tokens_default: int = 16
     enable_lora: bool = False
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-rank", type=int, default=0)
     p.add_argument("--hash-seed", default=None, help="block-hash seed; default: $PYTHONHASHSEED as vLLM does")
     p.add_argument("--prefill-us-per-token", type=float, default=20.0, help="time to first token per uncached token")
+    p.add_argument("--prefill-concurrency", type=int, default=0, metavar="N",
+                   help="prefills computed at once, the rest queue in arrival order, as on a real engine "
+                   "whose compute prefill saturates (default 0: no limit, every prefill runs on its own)")
     p.add_argument("--decode-us-per-token", type=float, default=0.0, help="time per generated token")
     p.add_argument("--max-tokens-default", type=int, default=16, help="max_tokens when a request gives none")
     p.add_argument("--enable-lora", action="store_true")
@@ -97,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     for flag, value in (("--block-size", a.block_size), ("--num-blocks", a.num_blocks), ("--max-num-seqs", a.max_num_seqs), ("--max-model-len", a.max_model_len), ("--max-loras", a.max_loras)):
         if value <= 0:
             parser.error(f"{flag} must be positive, got {value}")
+    if a.prefill_concurrency < 0:
+        parser.error(f"--prefill-concurrency must be 0 (no limit) or positive, got {a.prefill_concurrency}")
     env = os.environ if environ is None else environ
     seed = a.hash_seed if a.hash_seed is not None else kvhash.seed_from_env(dict(env))
     return SimConfig(
@@ -113,6 +119,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         data_parallel_rank=a.data_parallel_rank,
         hash_seed=seed,
         prefill_us_per_token=a.prefill_us_per_token,
+        prefill_concurrency=a.prefill_concurrency,
         decode_us_per_token=a.decode_us_per_token,
         max_tokens_default=a.max_tokens_default,
         enable_lora=a.enable_lora,

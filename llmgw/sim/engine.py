@@ -145,6 +145,8 @@ class Engine:
         self.loras: dict[str, LoraRef] = {}
         self._next_lora_id = 1
         self._slots = trio.Semaphore(cfg.max_num_seqs)
+        # Prefill compute: a FIFO queue when limited (trio's semaphore wakes waiters in order).
+        self._prefill = trio.Semaphore(cfg.prefill_concurrency) if cfg.prefill_concurrency > 0 else None
         self.running = 0
         self.waiting = 0
         self.running_blocks = 0
@@ -249,14 +251,17 @@ class Engine:
             self.running_loras[name] += 1
         run = Run(self, prompt, lora, cache_salt)
         try:
-            pre = self.cache.prefill(prompt, lora=lora, cache_salt=cache_salt)
-            run.cached_tokens = pre.cached_tokens
-            run.prompt_hashes = pre.hashes
-            uncached = len(prompt) - pre.cached_tokens
-            if uncached and self.prefill_s_per_token > 0:
-                await trio.sleep(uncached * self.prefill_s_per_token)
-            else:
-                await trio.lowlevel.checkpoint()
+            async with self._prefill if self._prefill is not None else contextlib.nullcontext():
+                # The cache is looked up when this prefill's turn comes (as a scheduler does),
+                # so a request queued behind one with the same prefix finds it cached.
+                pre = self.cache.prefill(prompt, lora=lora, cache_salt=cache_salt)
+                run.cached_tokens = pre.cached_tokens
+                run.prompt_hashes = pre.hashes
+                uncached = len(prompt) - pre.cached_tokens
+                if uncached and self.prefill_s_per_token > 0:
+                    await trio.sleep(uncached * self.prefill_s_per_token)
+                else:
+                    await trio.lowlevel.checkpoint()
             self._observe_ttft(time.perf_counter() - t0)
             self.prompt_tokens += len(prompt)
             yield run

@@ -2,7 +2,7 @@
 events reach the gateway's index through real ZMQ sockets and the agent's KvSubscriber.
 
 Proves: repeated-prefix requests land on the replica holding the prefix (the engine reports
-the prompt as cached); a warm replica past the load gate is bypassed; engines hashing with
+the prompt as cached); a warm replica with a long prefill queue is bypassed; engines hashing with
 another seed raise the hash-agreement alarm (metric and words), not a silent 0% hit rate.
 """
 
@@ -133,7 +133,9 @@ async def test_overloaded_warm_replica_is_bypassed() -> None:
         assert await cached_tokens(c, conversation(7, 0)) == 0
         await held_everywhere(c)
         warm = next(r for r, e in zip(c.replicas, c.engines) if len(e.cache))
-        leases = [c.load.acquire(warm.id) for _ in range(RoutingConfig().load_gate_min + 1)]
+        # a backlog of uncached prefill on the warm replica: waiting there costs more than
+        # prefilling the whole prompt elsewhere
+        leases = [c.load.acquire(warm.id, prefill_tokens=100_000)]
         try:
             assert await cached_tokens(c, conversation(7, 1)) == 0  # sent to a cold replica
         finally:

@@ -19,15 +19,21 @@ def load(tmp_path: Path, text: str) -> RoutingConfig:
 def test_defaults_and_values(tmp_path: Path) -> None:
     assert load(tmp_path, "") == RoutingConfig()
     assert RoutingConfig().policy == "kv"
-    config = load(tmp_path, "routing:\n  policy: least-load\n  load_gate_min: 4\n  load_gate_share: 0.25\n"
+    config = load(tmp_path, "routing:\n  policy: least-load\n"
                             "  unconfirmed_ttl: 500ms\n  tokenize_timeout: 1s\n  agreement_window: 30\n"
                             "  mismatch_alarm_after: 5\n")
-    assert config == RoutingConfig("least-load", 4, 0.25, 0.5, 1.0, 30.0, 5)
+    assert config == RoutingConfig("least-load", 0.5, 1.0, 30.0, 5)
+
+
+def test_the_retired_load_gate_keys_start_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = load(tmp_path, "routing:\n  load_gate_min: 4\n  load_gate_share: 0.25\n")
+    assert config == RoutingConfig()
+    warned = [r.getMessage() for r in caplog.records if "no longer used" in r.getMessage()]
+    assert len(warned) == 2 and "routing.load_gate_min" in warned[0] and "remove it" in warned[0]
 
 
 @pytest.mark.parametrize("text, message", [
     ("routing:\n  policy: random\n", "routing.policy: expected one of kv, least-load, round-robin"),
-    ("routing:\n  load_gate_share: 2\n", "routing.load_gate_share"),
     ("routing:\n  mismatch_alarm_after: 0\n", "routing.mismatch_alarm_after"),
     ("routing:\n  polcy: kv\n", "polcy"),
 ])

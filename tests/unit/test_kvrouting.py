@@ -1,4 +1,4 @@
-"""KvAwarePolicy decisions, unconfirmed blocks, the load gate, and the hash-agreement check."""
+"""KvAwarePolicy decisions, unconfirmed blocks, pricing by predicted TTFT, and the hash-agreement check."""
 
 from __future__ import annotations
 
@@ -90,19 +90,61 @@ async def test_single_candidate_skips_tokenizing() -> None:
     assert hasher.calls == 0
 
 
-async def test_load_gate_breaks_stickiness() -> None:
+async def test_affinity_holds_while_it_pays() -> None:
+    # B holds the prefix and has a few cached requests (a few tokens each) queued: their
+    # wait is a few tokens' prefill, far less than the whole prompt on A.
+    load = LoadTracker()
+    p = policy(Clock(), load=load)
+    live(p, A)
+    live(p, B, HASHES)
+    leases = [load.acquire("b", prefill_tokens=16) for _ in range(8)]
+    decision = await p.decide([A, B], chat())
+    assert (decision.replica, decision.kind) == (B, PRECISE)
+    assert decision.uncached < len(HASHES) * 16
+    for lease in leases:
+        lease.release()
+
+
+async def test_a_backed_up_replica_loses_to_a_cold_one() -> None:
     load = LoadTracker()
     clock = Clock()
     p = policy(clock, load=load)
     live(p, A)
     live(p, B, HASHES)
-    gate = p.settings.load_gate_min
-    leases = [load.acquire("b") for _ in range(gate + 1)]  # past the gate
+    backlog = load.acquire("b", prefill_tokens=10 * len(HASHES) * 16)  # ten whole prompts queued on B
     decision = await p.decide([A, B], chat())
     assert decision.replica is A and decision.kind == MISS
-    leases.pop().release()  # at the gate: still eligible
+    backlog.first_token()  # its prefill is done: B's queue is empty again
     clock.now += 10  # A's unconfirmed copy of the prefix has expired
     assert (await p.decide([A, B], chat())).replica is B
+
+
+async def test_route_carries_the_uncached_tokens_and_the_first_token_shortens_the_agreement_window() -> None:
+    clock = Clock()
+    rec = Recorder()
+    load = LoadTracker(clock)
+    p = KvAwarePolicy(load, hasher=FixedHasher(), clock=clock)  # type: ignore[arg-type]
+    p.attach_observer(rec)
+    live(p, A, (999,))  # A reports blocks, never the router's (a wrong seed)
+    live(p, B)
+    load.acquire("b", prefill_tokens=1_000_000)  # B is backed up: everything goes to A
+    threshold = RoutingConfig().mismatch_alarm_after
+    for i in range(threshold):
+        route = await p.route([A, B], chat())
+        assert route.replica is A
+        if i == 0:
+            assert route.prefill_tokens == len(HASHES) * 16 + 8  # nothing held: all of it, and a partial block
+        lease = load.acquire(route.replica.id, route.prefill_tokens, route.on_first_token)
+        clock.now += 0.5
+        lease.first_token()
+        lease.release()
+        clock.now += 1.1  # past AFTER_FIRST_TOKEN_S, well inside the agreement window
+        p.agreement.sweep()
+        p.unconfirmed.forget("a")
+    assert rec.mismatches == threshold
+    assert rec.alarms == [("a", True)]  # within the first few mismatches, without waiting for the window
+    decision = await p.decide([A, B], chat())
+    assert decision.replica is A and decision.kind == APPROXIMATE  # alarmed: routed by the prefix tree
 
 
 async def test_miss_goes_least_loaded_then_least_recently_chosen() -> None:

@@ -28,6 +28,7 @@ OPTIONS = (
     opt("--data-parallel-rank"),
     opt("--hash-seed"),
     opt("--prefill-us-per-token"),
+    opt("--prefill-concurrency"),
     opt("--decode-us-per-token"),
     opt("--max-tokens-default"),
     opt("--enable-lora", values=0),
