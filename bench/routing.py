@@ -2,7 +2,8 @@
 
 ``python -m bench.routing [--quick]`` starts four simulated engines (``python -m llmgw.sim``
 processes on 127.0.0.1, a small KV cache so placement matters, a prefill cost per uncached
-token so cache hits show in time to first token, KV events over ZMQ with a replay socket)
+token so cache hits show in time to first token, one prefill at a time per engine so prefill
+work queues as on a compute-bound engine, KV events over ZMQ with a replay socket)
 and one :class:`llmgw.node.kvevents.KvSubscriber` per engine (the agent's own class),
 whose deltas feed the KV index of the policy under test.
 
@@ -15,14 +16,17 @@ stream through one of two router instances at random (each with its own load cou
 separate gateway processes have): the KV events reach both, the prefix trees see half each.
 
 Policies, all driven in this process on the same request stream (requests go over HTTP,
-streamed, straight to the chosen engine, counted in a shared ``LoadTracker`` while in flight):
+streamed, straight to the chosen engine, counted in a shared ``LoadTracker`` while in flight,
+its first chunk reported to the lease as the gateway does):
 
 * ``round-robin``, ``least-load``: the baselines;
 * ``approximate``: :class:`~llmgw.router.kvrouting.KvAwarePolicy` fed no events (prefix tree only);
 * ``precise``: the same policy fed the engines' KV events, tokenizing through ``/tokenize``;
-* ``oracle``: the same scoring and load gate, but each candidate's hit read from the engine
-  itself (``POST /debug/cached_blocks``) just before routing: the best a router that knows
-  every cache can do. Its TTFT includes those lookups.
+* ``oracle``: the same pricing, but each candidate's hit read from the engine itself
+  (``POST /debug/cached_blocks``) just before routing: the best a router that knows every
+  cache can do. Its TTFT includes those lookups.
+* ``pinned``: the client-side oracle: each tenant's conversations all go to one replica
+  (tenant i to replica i mod 4). No replica ever holds another's tenants.
 
 Figures per policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from the
 engines' usage), mean and p99 TTFT (request start to first content chunk, routing included),
@@ -466,8 +470,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
     shape = EngineShape(num_blocks=args.num_blocks, prefill_us_per_token=args.prefill_us,
                         decode_us_per_token=args.decode_us, max_tokens=8)
-    normal = Workload(tenants=12, conversations=40 if quick else 120, turns=5 if quick else 6, system_words=250,
-                      user_words=40, answer_words=80, concurrency=args.concurrency)
+    normal = Workload(tenants=args.tenants, conversations=40 if quick else 120, turns=5 if quick else 6,
+                      system_words=args.system_words, user_words=args.user_words, answer_words=args.answer_words,
+                      concurrency=args.concurrency)
     hot = attrs.evolve(normal, hot_share=0.7)
     log(f"starting {REPLICAS} engines ({shape})")
     sims, endpoints = await trio.to_thread.run_sync(lambda: start_engines(shape, REPLICAS))
@@ -523,6 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer conversations (under five minutes)")
     parser.add_argument("--concurrency", type=int, default=8, help="conversations in flight at once")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per engine")
+    parser.add_argument("--tenants", type=int, default=12, help="tenants (each with its own system prompt)")
+    parser.add_argument("--system-words", type=int, default=250, help="words in each tenant's system prompt")
+    parser.add_argument("--user-words", type=int, default=40, help="words in each question")
+    parser.add_argument("--answer-words", type=int, default=80, help="words in each earlier answer")
     parser.add_argument("--prefill-us", type=float, default=400.0, help="engine prefill time per uncached token (us)")
     parser.add_argument("--decode-us", type=float, default=2000.0, help="engine time per generated token (us)")
     args = parser.parse_args(argv)

@@ -513,7 +513,8 @@ class _Request:
             ticket.settle(usage.total)
             metrics = self.admission.metrics
             if metrics is not None:
-                metrics.usage(self.tenant.name, self.info.model, usage.prompt_tokens, usage.completion_tokens)
+                metrics.usage(self.tenant.name, self.info.model, usage.prompt_tokens, usage.completion_tokens,
+                              usage.cached_tokens)
 
 
 def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]:

@@ -183,6 +183,16 @@ class GatewayMetrics:
         self.routing_prompt_blocks = Counter(
             f"{PREFIX}_routing_prompt_blocks", "Prompt blocks of routed requests, by model.", ("model",), registry=r,
         )
+        self.engine_prompt_tokens = Counter(
+            f"{PREFIX}_engine_prompt_tokens", "Prompt tokens of answered requests, by model, as the engines "
+            "counted them (divide engine_cached_prompt_tokens by it for the engines' own hit share).",
+            ("model",), registry=r,
+        )
+        self.engine_cached_prompt_tokens = Counter(
+            f"{PREFIX}_engine_cached_prompt_tokens", "Prompt tokens the engines found in their prefix caches, "
+            "by model (usage.prompt_tokens_details.cached_tokens: vLLM with --enable-prompt-tokens-details, "
+            "which the agent sets, and the simulator).", ("model",), registry=r,
+        )
         self.kv_mismatches = Counter(
             f"{PREFIX}_kv_hash_mismatches", "Routed requests whose block hashes the replica never reported "
             "while it reported others, by model and replica.", ("model", "replica"), registry=r,
@@ -277,11 +287,17 @@ class GatewayMetrics:
         """Count one request refused by admission, with a short fixed ``reason`` word."""
         self.shed_total.labels(tenant or "", self.model_label(model), reason or UNKNOWN).inc()
 
-    def usage(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """Add an engine's reported token usage; negative or non-int values are ignored."""
-        labels = (tenant or "", self.model_label(model))
+    def usage(self, tenant: str, model: str, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> None:
+        """Add an engine's reported token usage (``cached_tokens``: of the prompt, found in
+        its prefix cache); negative or non-int values are ignored."""
+        model_label = self.model_label(model)
+        labels = (tenant or "", model_label)
         if isinstance(prompt_tokens, int) and prompt_tokens > 0:
             self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+            self.engine_prompt_tokens.labels(model_label).inc(prompt_tokens)
+            if isinstance(cached_tokens, int) and cached_tokens > 0:
+                self.engine_cached_prompt_tokens.labels(model_label).inc(min(cached_tokens, prompt_tokens))
         if isinstance(completion_tokens, int) and completion_tokens > 0:
             self.completion_tokens.labels(*labels).inc(completion_tokens)
 

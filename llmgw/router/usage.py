@@ -34,10 +34,12 @@ _DECODER = json.JSONDecoder()
 
 @attrs.frozen
 class Usage:
-    """Tokens one request used."""
+    """Tokens one request used; ``cached_tokens``: of its prompt, those the engine found in
+    its prefix cache (``prompt_tokens_details.cached_tokens``; 0 when it does not say)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -66,7 +68,9 @@ def usage_of(value: Any) -> Usage | None:
     """Return the :class:`Usage` in a parsed ``usage`` object, or None if it is not one."""
     if not isinstance(value, Mapping):
         return None
-    return Usage(_tokens(value.get("prompt_tokens")), _tokens(value.get("completion_tokens")))
+    details = value.get("prompt_tokens_details")
+    cached = _tokens(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+    return Usage(_tokens(value.get("prompt_tokens")), _tokens(value.get("completion_tokens")), cached)
 
 
 def usage_from_body(body: bytes) -> Usage | None:

@@ -112,6 +112,13 @@ async def held_everywhere(c: Cluster) -> None:
             await trio.sleep(0.01)
 
 
+def metric_value(text: str, sample: str) -> float:
+    """Return the value of the exposition line starting with ``sample`` (fails if absent)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")]
+    assert len(values) == 1, f"{sample} not in /metrics"
+    return values[0]
+
+
 async def test_repeated_prefixes_go_where_the_prefix_is() -> None:
     async with cluster() as c:
         for tenant in range(4):
@@ -125,6 +132,11 @@ async def test_repeated_prefixes_go_where_the_prefix_is() -> None:
         metrics = (await c.http.get("/metrics")).text
         assert 'llmgw_gateway_routing_decisions_total{kind="precise",model="m"}' in metrics
         assert "llmgw_gateway_kv_index_blocks" in metrics
+        # the engines' own hit share is published beside the router's estimate
+        engine_cached = metric_value(metrics, 'llmgw_gateway_engine_cached_prompt_tokens_total{model="m"}')
+        engine_prompt = metric_value(metrics, 'llmgw_gateway_engine_prompt_tokens_total{model="m"}')
+        assert 0 < engine_cached < engine_prompt
+        assert engine_cached == sum(e.cache.hits for e in c.engines)  # what the engines counted
         assert c.policy.alarms() == []  # same seed: router and engines agree
 
 

@@ -13,6 +13,9 @@ distribution). What the agent sets, and the profile may not (see
 - ``--prefix-caching-hash-algo sha256_cbor`` and ``PYTHONHASHSEED`` =
   :data:`VLLM_HASH_SEED`: the router hashes prompts exactly like this to find the replica
   holding a prefix;
+- ``--enable-prompt-tokens-details`` (unless the profile sets it either way): each answer's
+  usage says how many prompt tokens the engine found cached, which the gateway publishes
+  beside its own estimate (``llmgw_gateway_engine_cached_prompt_tokens_total``);
 - ``--kv-events-config`` always (unless the profile says ``--llmgw-no-kv-events``): a
   loopback ZMQ endpoint the agent's subscriber binds and a replay endpoint vLLM binds
   (:class:`~llmgw.node.kvevents.KvEventsConfig`, chosen by :meth:`VllmEngine.kv_events_for`
@@ -193,6 +196,8 @@ def vllm_argv(
             argv.append("--enforce-eager")
     if kv_events is not None:
         argv += ["--kv-events-config", kv_events_config_arg(kv_events)]
+    if not _has_option(args, "--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"):
+        argv.append("--enable-prompt-tokens-details")  # usage names cached tokens: the gateway's engine hit share
     if spec.api_key:  # the secret itself comes in VLLM_API_KEY, never here
         argv += ["--middleware", GUARD_MIDDLEWARE]
     argv += lora_args(spec, args)
