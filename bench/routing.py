@@ -436,6 +436,11 @@ async def router_cost(quick: bool, replicas: list[Replica], http: httpx.AsyncCli
         raise RuntimeError("decide() suspended")
 
     least = LeastOutstanding(load)
+
+    memo = kvhash.BlockHashMemo()
+    memo.event_hashes(tokens[:-512], BLOCK_SIZE, seed=kvhash.KV_HASH_SEED)
+    tails = iter([[rng.randrange(100, 50_000) for _ in range(512)] for _ in range(runs)])
+
     figures = {
         "index_blocks": len(index),
         "index_rss_mb": round(index_mb, 1),
@@ -446,6 +451,10 @@ async def router_cost(quick: bool, replicas: list[Replica], http: httpx.AsyncCli
         "decision_us": round(timed(decide, runs) * 1e6, 1),
         "hash_8k_tokens_ms": round(timed(lambda: kvhash.event_hashes(
             kvhash.block_hashes(tokens, BLOCK_SIZE, seed=kvhash.KV_HASH_SEED)), max(5, runs // 10)) * 1e3, 2),
+        # A conversation's next turn: the earlier turns' 7,680 tokens were hashed before
+        # (BlockHashMemo, as the router's TokenHasher keeps it), 512 new tokens are not.
+        "hash_8k_next_turn_ms": round(timed(lambda: memo.event_hashes(
+            tokens[:-512] + next(tails), BLOCK_SIZE, seed=kvhash.KV_HASH_SEED), runs) * 1e3, 3),
         "single_candidate_choose_us": round(timed(lambda: policy.choose(cands[:1], info), runs * 10) * 1e6, 2),
         "least_load_choose_us": round(timed(lambda: least.choose(cands, info), runs * 10) * 1e6, 2),
     }

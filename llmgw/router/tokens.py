@@ -13,7 +13,9 @@ The ids are hashed with :mod:`llmgw.kvhash` (seed :data:`~llmgw.kvhash.KV_HASH_S
 the block size the replica reported, the LoRA key ``("lora", name, path)`` and the
 body's ``cache_salt``) and folded to vLLM's 64-bit event form. Results are cached by
 the exact tokenize request plus the hash parameters, bounded by :data:`MAX_CACHED_HASHES`,
-so identical prompts (retries, fan-out, benchmarks) are tokenized and hashed once.
+so identical prompts (retries, fan-out, benchmarks) are tokenized and hashed once; and
+block digests are remembered by what they hash (:class:`~llmgw.kvhash.BlockHashMemo`), so
+a conversation's next turn hashes only the blocks its earlier turns did not have.
 
 Every failure (deadline, connection, bad answer) returns None: the caller routes
 approximately instead. Nothing here raises for a bad request body.
@@ -93,7 +95,8 @@ class TokenHasher:
 
     ``client`` is the gateway's upstream client (set with :meth:`bind` when the gateway
     starts serving; None: every call returns None). ``seed`` is the hash seed engines run
-    with. Counters: ``calls`` (``/tokenize`` requests made), ``cache_hits``, ``failures``.
+    with. Counters: ``calls`` (``/tokenize`` requests made), ``cache_hits``, ``failures``;
+    ``memo`` counts the blocks hashed and the blocks found remembered.
     """
 
     def __init__(self, *, seed: str | None = kvhash.KV_HASH_SEED, timeout: float = DEFAULT_TOKENIZE_TIMEOUT,
@@ -103,6 +106,7 @@ class TokenHasher:
         self.max_cached = max_cached
         self.client: UpstreamClient | None = None
         self._cache: collections.OrderedDict[tuple[Any, ...], tuple[int, ...]] = collections.OrderedDict()
+        self.memo = kvhash.BlockHashMemo()
         self._cached = 0
         self.calls = 0
         self.cache_hits = 0
@@ -139,8 +143,7 @@ class TokenHasher:
             ids = await self._tokenize(replica, payload)
             if ids is None:
                 return None
-        digests = kvhash.block_hashes(ids, block_size, seed=self.seed, lora=lora, cache_salt=salt)
-        result = tuple(kvhash.event_hashes(digests))
+        result = tuple(self.memo.event_hashes(ids, block_size, seed=self.seed, lora=lora, cache_salt=salt))
         self._remember(key, result)
         return result
 

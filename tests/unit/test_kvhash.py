@@ -88,3 +88,40 @@ def test_seed_from_env():
 def test_bad_block_size():
     with pytest.raises(ValueError):
         kvhash.block_hashes([1, 2], 0)
+
+
+def test_memo_golden_values_and_next_turn_hashes_only_new_blocks():
+    memo = kvhash.BlockHashMemo()
+    # vLLM 0.32, PYTHONHASHSEED=0, block size 16, tokens 1..32 (shared/reference/vllm.md)
+    assert memo.event_hashes(TOKENS_32, 16, seed="0") == [3236607068019569386, 2758186210834249151]
+    assert memo.hashed == 2 and memo.remembered == 0
+    # The next turn: the same 32 tokens, then 40 new ones (2 new full blocks, a partial one).
+    turn = TOKENS_32 + list(range(500, 540))
+    assert memo.event_hashes(turn, 16, seed="0") == kvhash.event_hashes(kvhash.block_hashes(turn, 16, seed="0"))
+    assert memo.hashed == 4 and memo.remembered == 2
+
+
+def test_memo_keys_seed_salt_lora_and_block_size():
+    memo = kvhash.BlockHashMemo()
+    for kwargs in ({}, {"seed": "0"}, {"cache_salt": "tenant-A"}, {"lora": ("a", "/p")},
+                   {"lora": ("a", "/p"), "cache_salt": "s"}, {"seed": "0", "lora": ("a", "/other")}):
+        for size in (16, 32):
+            expected = kvhash.event_hashes(kvhash.block_hashes(TOKENS_64, size, **kwargs))
+            assert memo.event_hashes(TOKENS_64, size, **kwargs) == expected, (kwargs, size)
+            assert memo.event_hashes(TOKENS_64, size, **kwargs) == expected, (kwargs, size)
+    # A salt changes block 0 and so, through the chain, every block after it.
+    assert memo.event_hashes(TOKENS_64, 32, cache_salt="tenant-A") == [14674343608358853909, 11118100713856289451]
+
+
+def test_memo_bounded_least_recently_used_dropped_first():
+    memo = kvhash.BlockHashMemo(max_blocks=3)
+    first = memo.event_hashes(TOKENS_32, 16)
+    memo.event_hashes(list(range(100, 132)), 16)  # 2 more blocks: one of the first prompt's is dropped
+    assert len(memo) == 3
+    hashed = memo.hashed
+    assert memo.event_hashes(TOKENS_32, 16) == first  # still right, though partly hashed again
+    assert memo.hashed > hashed and len(memo) == 3
+    with pytest.raises(ValueError):
+        kvhash.BlockHashMemo(max_blocks=0)
+    with pytest.raises(ValueError):
+        memo.event_hashes([1, 2], 0)
