@@ -68,6 +68,28 @@ async def test_chunked_body_split_at_every_byte_is_decoded_and_the_connection_re
             nursery.cancel_scope.cancel()
 
 
+async def test_a_whole_chunked_stream_in_one_write_is_decoded_with_extensions_and_trailers() -> None:
+    # An engine faster than the gateway: 64 events, a chunk extension and a trailer, one segment.
+    payload = [b"data: %d\n\n" % i for i in range(64)]
+    wire = (b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payload)
+            + b"0\r\nx-trailer: yes\r\n\r\n")
+
+    async def handler(stream: trio.SocketStream) -> None:
+        while await _read_request(stream):
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + wire)
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await _serve(nursery, handler)
+            pool = _pool()
+            for _ in range(2):  # the connection is reused: nothing of the first body is left over
+                response = await pool.request(url, "POST", "/v1/x", [], b"{}")
+                assert [piece async for piece in response.aiter_raw()] == [b"".join(payload)]
+                assert response.release_if_reusable()
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+
 async def test_request_is_one_write_and_content_length_body_comes_back_whole() -> None:
     seen: list[bytes] = []
 
