@@ -444,8 +444,9 @@ class Gateway:
         if content_type.split(";")[0].strip().lower() == _EVENT_STREAM:
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
-            chunks = self.upstream_client().iter_body(upstream, lease.replica_id)  # under deadlines
-            return upstream.status_code, headers, _relay_stream(upstream, forwarded, chunks, self.streams)
+            # Under the deadlines, cut by a stopping gateway's grace running out.
+            chunks = self.upstream_client().iter_body(upstream, lease.replica_id, self.streams)
+            return upstream.status_code, headers, _relay_stream(upstream, forwarded, chunks)
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
@@ -530,15 +531,13 @@ def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]
     return json.dumps(changed).encode(), True
 
 
-async def _relay_stream(
-    upstream: H1Response, forwarded: _Request, body: AsyncIterator[bytes], streams: StreamCuts
-) -> AsyncIterator[bytes]:
+async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Yield the upstream body's bytes as they arrive; at the end release the request's
     lease, close ``upstream`` and account the request.
 
     If the replica breaks the stream (closes it early, goes silent past the read
-    deadline), or the stopping gateway cuts it (``streams``: its shutdown grace ran
-    out), the client gets one final SSE event ``data: {"error": {...}}`` (which OpenAI
+    deadline), or the stopping gateway cuts it (``body`` raises StreamCut: its shutdown
+    grace ran out), the client gets one final SSE event ``data: {"error": {...}}`` (which OpenAI
     clients raise as an error) and the stream's end instead of a silently truncated
     answer. Cancellation (client gone) closes the upstream connection and propagates.
     """
@@ -549,14 +548,14 @@ async def _relay_stream(
     try:
         try:
             async with contextlib.aclosing(body) as chunks:  # type: ignore[type-var]
-                chunk = await streams.read(chunks)
-                if chunk is not None and lease is not None:
-                    lease.first_token()  # an engine's first chunk follows its prefill
-                while chunk is not None:
+                first_token = lease.first_token if lease is not None else None
+                async for chunk in chunks:
+                    if first_token is not None:
+                        first_token()  # an engine's first chunk follows its prefill
+                        first_token = None
                     out = watch.feed(chunk)
                     if out:
                         yield out
-                    chunk = await streams.read(chunks)
         except httpx.TimeoutException as error:
             failure = errors.upstream_timeout(model, describe_error(error))
         except httpx.HTTPError as error:

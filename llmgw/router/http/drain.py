@@ -3,15 +3,16 @@
 A stopping gateway (:func:`~llmgw.router.http.serve.serve_gateway`) lets its in-flight
 requests finish for ``gateway.shutdown_grace`` seconds. A stream still running then
 must end with an SSE error event and the stream's end, never a bare close. Each relayed
-stream reads its upstream through :meth:`StreamCuts.read`, one cancel scope per read and
-never around a yield to the client; :meth:`StreamCuts.cut_all` cancels the reads in
-progress and makes every later one raise :class:`StreamCut`, so the relay writes its
-error event and returns while the client connection is still open.
+stream reads its upstream through
+:meth:`~llmgw.router.http.upstream.UpstreamClient.iter_body` given the gateway's
+:class:`StreamCuts`: each read's deadline scope is listed in :attr:`StreamCuts.reading`
+while it waits (one cancel scope per read, the deadline's, and never around a yield to
+the client). :meth:`StreamCuts.cut_all` cancels the reads in progress and makes every
+later one raise :class:`StreamCut`, so the relay writes its error event and returns while
+the client connection is still open.
 """
 
 from __future__ import annotations
-
-from typing import AsyncIterator
 
 import trio
 
@@ -23,39 +24,19 @@ class StreamCut(Exception):
 class StreamCuts:
     """The upstream reads of one gateway's relayed streams, and the switch that ends them."""
 
-    __slots__ = ("_reading", "cut")
+    __slots__ = ("reading", "cut")
 
     def __init__(self) -> None:
-        self._reading: set[trio.CancelScope] = set()
-        #: True once :meth:`cut_all` was called: every read raises :class:`StreamCut`.
+        #: The cancel scopes of the reads waiting now (added and removed by the reader).
+        self.reading: set[trio.CancelScope] = set()
+        #: True once :meth:`cut_all` was called: readers raise :class:`StreamCut`.
         self.cut = False
-
-    async def read(self, chunks: AsyncIterator[bytes]) -> bytes | None:
-        """Return the next chunk of ``chunks``, or None at its end.
-
-        Raises :class:`StreamCut` if :meth:`cut_all` was called before or during the
-        read (the read is cancelled: ``chunks`` is then finished, close it as usual).
-        Errors of ``chunks`` and cancellation from outside propagate.
-        """
-        if self.cut:
-            raise StreamCut
-        scope = trio.CancelScope()
-        self._reading.add(scope)
-        try:
-            with scope:
-                try:
-                    return await anext(chunks)
-                except StopAsyncIteration:
-                    return None
-        finally:
-            self._reading.discard(scope)
-        raise StreamCut  # the scope caught cut_all's cancellation
 
     def cut_all(self) -> int:
         """End every stream: cancel the reads in progress, refuse later ones. Returns the
         number of reads cancelled (streams waiting on their replica at that moment)."""
         self.cut = True
-        reading = list(self._reading)
+        reading = list(self.reading)
         for scope in reading:
             scope.cancel()
         return len(reading)

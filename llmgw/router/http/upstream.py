@@ -30,6 +30,7 @@ from llmgw.config.defaults import (
 )
 
 from ..replicas import Replica
+from .drain import StreamCut, StreamCuts
 from .upstream_pool import H1Pool, H1Response
 
 if TYPE_CHECKING:
@@ -209,30 +210,45 @@ class UpstreamClient:
             self._count(replica.id, "status_5xx")
         return response
 
-    async def iter_body(self, response: H1Response, replica_id: str) -> AsyncIterator[bytes]:
+    async def iter_body(self, response: H1Response, replica_id: str,
+                        cuts: StreamCuts | None = None) -> AsyncIterator[bytes]:
         """Yield the raw body chunks of ``response`` (from :meth:`open`) as they arrive.
 
         The first chunk must come within the first-byte deadline of the head, each later
         one within the chunk deadline of the previous one; otherwise raises
-        :class:`UpstreamDeadline`. Other failures raise ``httpx.HTTPError``. Does not
-        close ``response``; closing this generator (``contextlib.aclosing``) closes the
-        underlying stream iterator. Cancellation propagates.
+        :class:`UpstreamDeadline`. With ``cuts`` (the gateway's relayed streams), each
+        read's deadline scope is listed in ``cuts.reading`` while it waits, and once
+        ``cuts.cut_all()`` was called the read raises :class:`~llmgw.router.http.drain.StreamCut`
+        instead: one cancel scope per chunk serves both. Other failures raise
+        ``httpx.HTTPError``. Does not close ``response``; closing this generator
+        (``contextlib.aclosing``) closes the underlying stream iterator. Cancellation
+        propagates.
         """
         timeouts = self.timeouts
         chunks = response.aiter_raw()
         phase, limit = "first_chunk", timeouts.first_byte
+        reading = cuts.reading if cuts is not None else None
         try:
             while True:
-                chunk: bytes | None = None
+                if cuts is not None and cuts.cut:
+                    raise StreamCut
+                scope = trio.CancelScope(deadline=trio.current_time() + limit)
+                if reading is not None:
+                    reading.add(scope)
                 try:
-                    with trio.move_on_after(limit):
+                    with scope:
                         chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     return
                 except httpx.HTTPError:
                     self._count(replica_id, "protocol")
                     raise
-                if chunk is None:
+                finally:
+                    if reading is not None:
+                        reading.discard(scope)
+                if scope.cancelled_caught:
+                    if cuts is not None and cuts.cut:
+                        raise StreamCut
                     self._count(replica_id, f"{phase}_timeout")
                     raise UpstreamDeadline(replica_id, phase, limit)
                 yield chunk
