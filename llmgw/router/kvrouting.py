@@ -489,7 +489,12 @@ class KvAwarePolicy(RoutingPolicy):
         replica = decision.replica
         self._last_chosen[replica.id] = next(self._picks)
         self.tree.insert(replica.id, path)
-        self.observer.decision(request.model, decision.kind, decision.matched, decision.total)
+        # The hit-share estimate counts only what the engine itself reported holding (KV
+        # events), of requests the router hashed: blocks routed but unconfirmed and the
+        # prefix tree's guesses steer routing, but they overstated the hit share where
+        # engines evicted (0.89 claimed where the engines counted 0.36).
+        reported = self.index.leading_match(replica.id, hashes) if hashes else 0
+        self.observer.decision(request.model, decision.kind, reported, len(hashes) if hashes else 0)
         if hashes:
             self.unconfirmed.add(replica.id, hashes)
             return attrs.evolve(decision, expectation=self.agreement.expect(request.model, replica.id, hashes))

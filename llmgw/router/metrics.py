@@ -177,11 +177,14 @@ class GatewayMetrics:
             ("model", "kind"), registry=r,
         )
         self.routing_matched_blocks = Counter(
-            f"{PREFIX}_routing_matched_blocks", "Leading prompt blocks the chosen replica held, by model "
-            "(divide by routing_prompt_blocks for the hit share).", ("model",), registry=r,
+            f"{PREFIX}_routing_matched_blocks", "Leading prompt blocks the chosen replica had reported holding "
+            "(KV events) when a request was routed to it, by model (divide by routing_prompt_blocks for the "
+            "router's hit-share estimate; engine_cached_prompt_tokens is the engines' own count).",
+            ("model",), registry=r,
         )
         self.routing_prompt_blocks = Counter(
-            f"{PREFIX}_routing_prompt_blocks", "Prompt blocks of routed requests, by model.", ("model",), registry=r,
+            f"{PREFIX}_routing_prompt_blocks", "Prompt blocks of the routed requests the router hashed, by model.",
+            ("model",), registry=r,
         )
         self.engine_prompt_tokens = Counter(
             f"{PREFIX}_engine_prompt_tokens", "Prompt tokens of answered requests, by model, as the engines "
@@ -242,7 +245,8 @@ class GatewayMetrics:
     # -- routing (a llmgw.router.replicas.RoutingObserver) --------------------------------
 
     def decision(self, model: str, kind: str, matched: int, total: int) -> None:
-        """Count one routing decision of ``kind`` with ``matched`` of ``total`` prompt blocks held."""
+        """Count one routing decision of ``kind`` with ``matched`` of ``total`` prompt blocks
+        reported held (``total`` 0: a request the router did not hash)."""
         label = self.model_label(model)
         self.routing_decisions.labels(label, kind).inc()
         if total > 0:

@@ -83,6 +83,31 @@ async def test_precise_goes_to_the_replica_holding_the_prefix() -> None:
     assert (decision.replica, decision.kind, decision.matched, decision.total) == (B, PRECISE, 4, 10)
 
 
+async def test_hit_share_estimate_counts_only_blocks_the_engine_reported() -> None:
+    rec = Recorder()
+    p = KvAwarePolicy(LoadTracker(), hasher=FixedHasher(), clock=Clock())  # type: ignore[arg-type]
+    p.attach_observer(rec)
+    live(p, A)
+    live(p, B, HASHES[:4])
+    first = await p.decide([A, B], chat())
+    assert first.replica is B and rec.decisions[-1] == (PRECISE, 4, 10)
+    # B was just sent all 10 blocks: routing counts them (it sends the next one there too),
+    # but until B's KV events report them the estimate still says 4 of 10.
+    second = await p.decide([A, B], chat())
+    assert (second.replica, second.matched) == (B, 10)
+    assert rec.decisions[-1] == (PRECISE, 4, 10)
+    # B evicts and says so: the estimate follows the engine, not the router's memory.
+    delta = KvDelta(removed=HASHES[:4], block_size=16)
+    p.index.apply("b", delta)
+    p.kv_applied("b", delta)
+    await p.decide([A, B], chat())
+    assert rec.decisions[-1][1:] == (0, 10)
+    # A request the router could not hash counts in neither figure.
+    p.hasher = FixedHasher(None)  # type: ignore[assignment]
+    await p.decide([A, B], chat())
+    assert rec.decisions[-1] == (rec.decisions[-1][0], 0, 0)
+
+
 async def test_single_candidate_skips_tokenizing() -> None:
     hasher = FixedHasher()
     p = policy(Clock(), hasher)
