@@ -226,11 +226,17 @@ class PinnedTenants(RoutingPolicy):
 
 
 class Kinds(RoutingObserver):
+    """Counts decisions by kind, and the router's hit-share estimate (the gateway's
+    ``routing_matched_blocks`` / ``routing_prompt_blocks`` metrics)."""
+
     def __init__(self) -> None:
         self.kinds: collections.Counter[str] = collections.Counter()
+        self.matched = self.total = 0
 
     def decision(self, model: str, kind: str, matched: int, total: int) -> None:
         self.kinds[kind] += 1
+        self.matched += matched
+        self.total += total
 
 
 # -- one run -----------------------------------------------------------------------------
@@ -356,6 +362,8 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
         result["tokenize_calls"] = sum(p.hasher.calls for p, _ in routers)
         result["tokenize_failures"] = sum(p.hasher.failures for p, _ in routers)
         result["hash_alarms"] = [a for p, _ in routers for a in p.alarms()]
+        # What the gateway's metrics would claim, beside the engines' own hit rate above.
+        result["router_estimated_hit_rate"] = round(kinds.matched / kinds.total, 4) if kinds.total else None
     log(f"  {name}: hit {result['hit_rate']:.3f}, ttft mean {result['ttft_mean_ms']} ms "
         f"p99 {result['ttft_p99_ms']} ms, spread {result['load_spread']}, {counts}, {result['seconds']} s")
     return result
