@@ -69,9 +69,12 @@ typedef struct conn {
     long long s_due;
     char s_usage[160];
     struct conn *prev, *next; /* in the list of paced streams */
+    int closed;               /* closed; freed once the current batch of events is handled */
+    struct conn *next_closed; /* in the list of closed connections waiting to be freed */
 } conn_t;
 
 static conn_t *g_streams = NULL; /* connections with a paced stream in progress */
+static conn_t *g_closed = NULL;  /* closed connections: a later event of the same batch may name them */
 
 static int buf_reserve(buf_t *b, size_t extra) {
     if (b->len + extra <= b->cap) return 0;
@@ -509,12 +512,24 @@ static int process(conn_t *c) {
 }
 
 static void close_conn(conn_t *c) {
+    if (c->closed) return;
     stream_unlink(c);
     epoll_ctl(g_epfd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
-    free(c->in.data);
-    free(c->out.data);
-    free(c);
+    c->closed = 1;
+    c->next_closed = g_closed;
+    g_closed = c;
+}
+
+/* Free the connections closed while handling the last batch of events. */
+static void free_closed(void) {
+    while (g_closed) {
+        conn_t *c = g_closed;
+        g_closed = c->next_closed;
+        free(c->in.data);
+        free(c->out.data);
+        free(c);
+    }
 }
 
 /* After I/O on a connection: close it if it failed or is done, else watch what it waits for. */
@@ -631,11 +646,13 @@ int main(int argc, char **argv) {
                 continue;
             }
             conn_t *c = tag;
+            if (c->closed) continue; /* closed earlier in this batch (a stream's timer turn) */
             uint32_t e = events[i].events;
             if (e & EPOLLOUT) flush_out(c);
             if (!c->dead && (e & (EPOLLIN | EPOLLHUP | EPOLLERR))) on_readable(c);
             settle(c);
         }
+        free_closed();
         if (g_streams) { /* arm the timer for the earliest due token */
             long long due = g_streams->s_due;
             for (conn_t *c = g_streams->next; c != NULL; c = c->next)
