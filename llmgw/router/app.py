@@ -187,8 +187,12 @@ class Gateway:
     async def _start(self) -> None:
         self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)
         self.policy.bind_upstream(self.upstream)  # a KV-aware policy tokenizes through it
+        # The relayed streams' read deadlines, kept by one task instead of a cancel scope
+        # per chunk (llmgw/router/http/drain.py); it runs in the app's lifespan nursery.
+        await self.app.nursery.start(self.streams.watch)
 
     async def _stop(self) -> None:
+        self.streams.stop_watching()
         upstream, self.upstream = self.upstream, None
         self.policy.bind_upstream(None)
         if upstream is not None:

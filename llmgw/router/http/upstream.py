@@ -30,7 +30,7 @@ from llmgw.config.defaults import (
 )
 
 from ..replicas import Replica
-from .drain import StreamCut, StreamCuts
+from .drain import CUT, DEADLINE, StreamCut, StreamCuts
 from .upstream_pool import H1Pool, H1Response
 
 if TYPE_CHECKING:
@@ -95,6 +95,10 @@ class UpstreamTimeouts:
         """Return these deadlines as an ``httpx.Timeout`` (its read timeout is only a backstop)."""
         read = max(self.first_byte, self.chunk) + READ_BACKSTOP_SLACK_S
         return httpx.Timeout(connect=self.connect, read=read, write=self.write, pool=self.pool)
+
+
+#: A watched read's deadline while it is not reading.
+_NO_DEADLINE = float("inf")
 
 
 class UpstreamDeadline(httpx.TimeoutException):
@@ -216,44 +220,66 @@ class UpstreamClient:
 
         The first chunk must come within the first-byte deadline of the head, each later
         one within the chunk deadline of the previous one; otherwise raises
-        :class:`UpstreamDeadline`. With ``cuts`` (the gateway's relayed streams), each
-        read's deadline scope is listed in ``cuts.reading`` while it waits, and once
-        ``cuts.cut_all()`` was called the read raises :class:`~llmgw.router.http.drain.StreamCut`
-        instead: one cancel scope per chunk serves both. Other failures raise
-        ``httpx.HTTPError``. Does not close ``response``; closing this generator
-        (``contextlib.aclosing``) closes the underlying stream iterator. Cancellation
-        propagates.
+        :class:`UpstreamDeadline`. ``cuts`` are the gateway's relayed streams
+        (:mod:`~llmgw.router.http.drain`): while their watch task runs, the deadlines are
+        kept by it (no cancel scope per chunk), else each read gets a deadline scope,
+        listed in ``cuts.reading`` while it waits. Once ``cuts.cut_all()`` was called, a
+        read raises :class:`~llmgw.router.http.drain.StreamCut` instead. Other failures
+        raise ``httpx.HTTPError``. Does not close ``response`` (a deadline or a cut may
+        have closed its connection); closing this generator (``contextlib.aclosing``)
+        closes the underlying stream iterator. Cancellation propagates.
         """
         timeouts = self.timeouts
         chunks = response.aiter_raw()
         phase, limit = "first_chunk", timeouts.first_byte
+        watched = cuts.open(response.abort) if cuts is not None and cuts.watching else None
         reading = cuts.reading if cuts is not None else None
         try:
             while True:
                 if cuts is not None and cuts.cut:
                     raise StreamCut
-                scope = trio.CancelScope(deadline=trio.current_time() + limit)
-                if reading is not None:
-                    reading.add(scope)
-                try:
-                    with scope:
+                if watched is not None:
+                    watched.deadline = trio.current_time() + limit
+                    try:
                         chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    return
-                except httpx.HTTPError:
-                    self._count(replica_id, "protocol")
-                    raise
-                finally:
+                    except StopAsyncIteration:
+                        return
+                    except httpx.HTTPError:
+                        if watched.ended == CUT:
+                            raise StreamCut from None
+                        if watched.ended == DEADLINE:
+                            self._count(replica_id, f"{phase}_timeout")
+                            raise UpstreamDeadline(replica_id, phase, limit) from None
+                        self._count(replica_id, "protocol")
+                        raise
+                    # Not reading while the chunk goes to the client: a slow client is
+                    # not a silent replica.
+                    watched.deadline = _NO_DEADLINE
+                else:
+                    scope = trio.CancelScope(deadline=trio.current_time() + limit)
                     if reading is not None:
-                        reading.discard(scope)
-                if scope.cancelled_caught:
-                    if cuts is not None and cuts.cut:
-                        raise StreamCut
-                    self._count(replica_id, f"{phase}_timeout")
-                    raise UpstreamDeadline(replica_id, phase, limit)
+                        reading.add(scope)
+                    try:
+                        with scope:
+                            chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except httpx.HTTPError:
+                        self._count(replica_id, "protocol")
+                        raise
+                    finally:
+                        if reading is not None:
+                            reading.discard(scope)
+                    if scope.cancelled_caught:
+                        if cuts is not None and cuts.cut:
+                            raise StreamCut
+                        self._count(replica_id, f"{phase}_timeout")
+                        raise UpstreamDeadline(replica_id, phase, limit)
                 yield chunk
                 phase, limit = "chunk", timeouts.chunk
         finally:
+            if watched is not None and cuts is not None:
+                cuts.close(watched)
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
                 await chunks.aclose()
 

@@ -131,6 +131,12 @@ class H1Response:
             return True
         return False
 
+    def abort(self) -> None:
+        """Close the connection at once, failing a read in progress on it (a read past its
+        deadline, a stream cut). Never raises; :meth:`aclose` must still be called."""
+        self._conn.keep_alive = False
+        self._conn.close_now()
+
     async def aclose(self) -> None:
         """Release the connection: back to the pool if reusable, else closed. Idempotent."""
         if self._closed:
