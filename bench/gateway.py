@@ -877,6 +877,10 @@ def serve_llmgw(port: int, urls: Sequence[str], workers: int) -> None:
 
     table = ReplicaTable()
     table.set_model_replicas(MODEL, [Replica(id=f"r{i}", model=MODEL, endpoint=url) for i, url in enumerate(urls)])
+    if os.environ.get("LLMGW_BENCH_DEFAULT_GC") != "1":  # what llmgw server does (A/B: set it to 1)
+        from llmgw.gctune import tune_for_serving
+
+        tune_for_serving()
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -62,6 +62,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
     except TLSFileError as exc:
         fail(f"{exc}\n(first run? create the cluster CA and certificates with `llmgw server init`)")
     from llmgw.control.plane import run_control_plane
+    from llmgw.gctune import tune_for_serving
     from llmgw.router.build import build_gateway
     from llmgw.router.metrics_access import metrics_listener
     from llmgw.router.settings import GatewaySettings
@@ -71,6 +72,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
             settings = GatewaySettings.of(config)
             gateway = build_gateway(settings)
+            tune_for_serving()  # set up: what is alive now is never garbage (llmgw/gctune.py)
             await nursery.start(metrics_listener, gateway.scrape, config.metrics)
             plane = await nursery.start(
                 lambda task_status: run_control_plane(

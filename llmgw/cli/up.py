@@ -29,6 +29,7 @@ from llmgw.config import AuthConfig, GatewayConfig
 from llmgw.config.defaults import DEFAULT_GATEWAY_WORKERS, DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT, DEFAULT_SQLITE_NAME
 from llmgw.control.plane import ControlPlane, run_control_plane
 from llmgw.control.store import STORE_DIR_MODE
+from llmgw.gctune import tune_for_serving
 from llmgw.router.build import build_gateway
 from llmgw.router.settings import GatewaySettings
 from llmgw.node.agent import Agent
@@ -124,6 +125,7 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
         async with capnp_runtime(), trio.open_nursery() as nursery:
             settings = GatewaySettings(gateway=GatewayConfig(workers=gateway_workers), auth=AuthConfig(enabled=auth))
             gateway = build_gateway(settings)
+            tune_for_serving()  # set up: what is alive now is never garbage (llmgw/gctune.py)
             plane_scope, plane_stopped = trio.CancelScope(), trio.Event()
             supervisor: Supervisor | None = None
 

@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from ...gctune import tune_for_serving
 from ..app import Gateway
 from ..build import assemble_gateway
 from ..http.serve import serve_gateway
@@ -205,6 +206,7 @@ async def _main(fd: int) -> None:
                 return
             if message.get("t") in KV_KINDS:  # the full KV copy comes first
                 worker.apply_kv(message)
+        tune_for_serving()  # set up: what is alive now is never garbage (llmgw/gctune.py)
         async with trio.open_nursery() as nursery:
             serving = trio.CancelScope()
             nursery.start_soon(worker.read, serving)
