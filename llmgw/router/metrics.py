@@ -116,6 +116,7 @@ class GatewayMetrics:
         # the keys are bounded as the labels are (see the module docstring).
         self._done_children: dict[tuple[str, str, int], tuple[Callable[[], None], Callable[[float], None]]] = {}
         self._admitted_children: dict[tuple[str, str], Callable[[], None]] = {}
+        self._usage_children: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}_requests", "HTTP requests finished, by model, tenant and status code.",
@@ -295,15 +296,20 @@ class GatewayMetrics:
               cached_tokens: int = 0) -> None:
         """Add an engine's reported token usage (``cached_tokens``: of the prompt, found in
         its prefix cache); negative or non-int values are ignored."""
-        model_label = self.model_label(model)
-        labels = (tenant or "", model_label)
+        key = (tenant or "", self.model_label(model))
+        children = self._usage_children.get(key)
+        if children is None:  # label lookups once per (tenant, model): this runs per request
+            children = self._usage_children[key] = (
+                self.prompt_tokens.labels(*key).inc, self.engine_prompt_tokens.labels(key[1]).inc,
+                self.engine_cached_prompt_tokens.labels(key[1]).inc, self.completion_tokens.labels(*key).inc,
+            )
         if isinstance(prompt_tokens, int) and prompt_tokens > 0:
-            self.prompt_tokens.labels(*labels).inc(prompt_tokens)
-            self.engine_prompt_tokens.labels(model_label).inc(prompt_tokens)
+            children[0](prompt_tokens)
+            children[1](prompt_tokens)
             if isinstance(cached_tokens, int) and cached_tokens > 0:
-                self.engine_cached_prompt_tokens.labels(model_label).inc(min(cached_tokens, prompt_tokens))
+                children[2](min(cached_tokens, prompt_tokens))
         if isinstance(completion_tokens, int) and completion_tokens > 0:
-            self.completion_tokens.labels(*labels).inc(completion_tokens)
+            children[3](completion_tokens)
 
     def upstream_error(self, replica: str, kind: str) -> None:
         """Count one failed exchange with ``replica`` (a shard id) of the given ``kind``."""
