@@ -138,11 +138,11 @@ def event_hashes(digests: Iterable[bytes]) -> list[int]:
     return [event_hash(d) for d in digests]
 
 
-#: Blocks a :class:`BlockHashMemo` remembers by default. An entry is about 400 bytes (the
-#: key's 16-int tuple and digest, the value's digest and int, the LRU links): 250,000
-#: blocks is ~100 MB and four million tokens of recent prompts, a few thousand
-#: conversations of a few thousand tokens each.
-DEFAULT_MEMO_BLOCKS = 250_000
+#: Blocks a :class:`BlockHashMemo` remembers by default. An entry is about 700 bytes
+#: (measured: the key's tuple of 16 token ints and the ints themselves, the digests, the
+#: LRU entry): 150,000 blocks is ~100 MB and 2.4 million tokens of recent prompts, a
+#: thousand conversations of a few thousand tokens each.
+DEFAULT_MEMO_BLOCKS = 150_000
 
 
 class BlockHashMemo:
