@@ -125,27 +125,16 @@ static void flush_out(conn_t *c) {
     if (c->out.off == c->out.len) c->out.off = c->out.len = 0;
 }
 
-/* Write one piece with its own send() when nothing is queued before it; queue what does not go. */
+/* Queue one piece; when nothing was queued before it, send it at once in its own send()
+ * (what does not go waits for EPOLLOUT). */
 static void put(conn_t *c, const char *s, size_t n) {
     if (c->dead || n == 0) return;
-    if (c->out.len == c->out.off) {
-        while (n > 0) {
-            ssize_t k = send(c->fd, s, n, MSG_NOSIGNAL);
-            if (k > 0) {
-                s += k;
-                n -= (size_t)k;
-            } else if (k < 0 && errno == EINTR) {
-                continue;
-            } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                break;
-            } else {
-                c->dead = 1;
-                return;
-            }
-        }
-        if (n == 0) return;
+    int idle = c->out.len == c->out.off;
+    if (buf_append(&c->out, s, n) < 0) {
+        c->dead = 1;
+        return;
     }
-    if (buf_append(&c->out, s, n) < 0) c->dead = 1;
+    if (idle) flush_out(c);
 }
 
 /* One HTTP chunk (size line, data, CRLF) in one send(). */

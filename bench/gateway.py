@@ -300,14 +300,15 @@ def start_replicas(fleet: Fleet, count: int, decode_us: float) -> tuple[list[tup
     return [(sim.host, sim.port) for sim in pending], [sim.proc for sim in pending]
 
 
-def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int) -> Proxy:
-    """Start llmgw's gateway (router only) in its own process over ``replicas``."""
+def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int, default_gc: bool = False) -> Proxy:
+    """Start llmgw's gateway (router only) in its own process over ``replicas`` (``default_gc``:
+    with CPython's garbage-collector settings instead of the server's)."""
     port = free_tcp_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     # One process; with --workers N > 1 it runs llmgw's GatewayPool (the server's
     # gateway.workers): N worker processes on the port, fed over their channels.
     cmd = [sys.executable, "-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", str(workers),
-           *[f"http://{h}:{p}" for h, p in replicas]]
+           *(["--default-gc"] if default_gc else []), *[f"http://{h}:{p}" for h, p in replicas]]
     procs = [fleet.spawn("llmgw", cmd, env)]
     for proc in procs:
         _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
@@ -810,7 +811,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"replicas": args.replicas, "rounds": args.rounds, "duration_s": args.duration,
                      "nonstream_max_tokens": NONSTREAM_MAX_TOKENS, "stream_chunks": STREAM_CHUNKS,
                      "stream_concurrency": STREAM_CONCURRENCY, "nginx_workers": NGINX_WORKERS,
-                     "llmgw_workers": args.workers, "rust_router_policy": RUST_ROUTER_POLICY,
+                     "llmgw_workers": args.workers, "llmgw_default_gc": args.default_gc, "rust_router_policy": RUST_ROUTER_POLICY,
                      "engine": args.engine, "engine_requested": args.engine},
         "peers": {}, "results": {}, "rounds": {},
     }
@@ -821,7 +822,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # "direct" bills the engines' own CPU: the yardstick that they cost far less than a proxy.
             proxies: list[Proxy] = [Proxy("direct", replicas, engines)]
             log("starting llmgw")
-            proxies.append(start_llmgw(fleet, replicas, args.workers))
+            proxies.append(start_llmgw(fleet, replicas, args.workers, args.default_gc))
             report["peers"]["llmgw"] = {"ok": True, "version": proxies[-1].version}
             slow: list[Proxy] = []
             for name in wanted:
@@ -871,13 +872,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # -- llmgw's gateway process ----------------------------------------------------------------------
 
 
-def serve_llmgw(port: int, urls: Sequence[str], workers: int) -> None:
-    """Run llmgw's router alone on 127.0.0.1:``port`` over the engines at ``urls`` (until SIGTERM)."""
+def serve_llmgw(port: int, urls: Sequence[str], workers: int, default_gc: bool = False) -> None:
+    """Run llmgw's router alone on 127.0.0.1:``port`` over the engines at ``urls`` (until SIGTERM),
+    with the garbage-collector settings ``llmgw server`` uses unless ``default_gc``."""
     from llmgw.router import Replica, ReplicaTable, create_app, serve_gateway
 
     table = ReplicaTable()
     table.set_model_replicas(MODEL, [Replica(id=f"r{i}", model=MODEL, endpoint=url) for i, url in enumerate(urls)])
-    if os.environ.get("LLMGW_BENCH_DEFAULT_GC") != "1":  # what llmgw server does (A/B: set it to 1)
+    if not default_gc:
         from llmgw.gctune import tune_for_serving
 
         tune_for_serving()
@@ -918,13 +920,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--stream-token-us", type=float, default=STREAM_TOKEN_US,
                    help=f"fast engine: microseconds between stream tokens (default {STREAM_TOKEN_US:g}; 0 = back to back)")
     p.add_argument("--decode-us", type=float, default=0.0, help="sim engine: decode time per token (default 0)")
+    p.add_argument("--default-gc", action="store_true",
+                   help="run llmgw with CPython's garbage-collector settings, not the server's (llmgw/gctune.py)")
     p.add_argument("--skip", action="append", default=[], help="a peer to leave out (repeatable)")
     p.add_argument("--setup", action="store_true", help="install missing peers first (package registries)")
     p.add_argument("--serve-llmgw", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("urls", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_llmgw is not None:
-        serve_llmgw(args.serve_llmgw, args.urls, args.workers)
+        serve_llmgw(args.serve_llmgw, args.urls, args.workers, args.default_gc)
         return
     if args.quick:
         args.rounds, args.duration = 1, 2.0

@@ -5,7 +5,7 @@ objects, and now and then a full one over every object alive, the imported modul
 configuration and caches included. A gateway allocates a few hundred such objects per
 request (coroutines, cancel scopes, dicts) and frees nearly all of them by reference
 counting at once, so those collections find little garbage, yet under load they took 15%
-of the gateway's CPU, a full collection (about 40 ms here) stalling every request in
+of the gateway's CPU, a full collection (40-55 ms here) stalling every request in
 flight (bench/README.md has the figures).
 
 :func:`tune_for_serving` freezes what is alive once the process is set up (it is never

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import trio
+import trio.testing
 
 from llmgw.router.http.drain import CUT, DEADLINE, StreamCuts
 

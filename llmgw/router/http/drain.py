@@ -23,12 +23,10 @@ relay writes its error event and returns while the client connection is still op
 
 from __future__ import annotations
 
-import logging
+import math
 from typing import Callable
 
 import trio
-
-log = logging.getLogger(__name__)
 
 #: Seconds between two checks of the open streams' deadlines. A deadline fires up to this
 #: late; deadlines are seconds to minutes (gateway.chunk_timeout), so 50 ms is noise, and
@@ -37,6 +35,9 @@ WATCH_TICK_S = 0.05
 
 #: Why a watched read was ended.
 DEADLINE, CUT = "deadline", "cut"
+
+#: A watched read's deadline while its reader is not reading (sending a chunk to the client).
+NOT_READING = math.inf
 
 
 class StreamCut(Exception):
@@ -54,7 +55,7 @@ class WatchedRead:
     __slots__ = ("deadline", "abort", "ended")
 
     def __init__(self, abort: Callable[[], None]) -> None:
-        self.deadline = float("inf")
+        self.deadline = NOT_READING
         self.abort = abort
         self.ended: str | None = None
 
@@ -91,8 +92,7 @@ class StreamCuts:
         closes, watched until :meth:`close` is called with it."""
         read = WatchedRead(abort)
         self.watched.add(read)
-        if not self._opened.is_set():
-            self._opened.set()
+        self._opened.set()  # wakes the watch if it sleeps for want of streams
         return read
 
     def close(self, read: WatchedRead) -> None:

@@ -30,7 +30,7 @@ from llmgw.config.defaults import (
 )
 
 from ..replicas import Replica
-from .drain import CUT, DEADLINE, StreamCut, StreamCuts
+from .drain import CUT, DEADLINE, NOT_READING, StreamCut, StreamCuts
 from .upstream_pool import H1Pool, H1Response
 
 if TYPE_CHECKING:
@@ -95,10 +95,6 @@ class UpstreamTimeouts:
         """Return these deadlines as an ``httpx.Timeout`` (its read timeout is only a backstop)."""
         read = max(self.first_byte, self.chunk) + READ_BACKSTOP_SLACK_S
         return httpx.Timeout(connect=self.connect, read=read, write=self.write, pool=self.pool)
-
-
-#: A watched read's deadline while it is not reading.
-_NO_DEADLINE = float("inf")
 
 
 class UpstreamDeadline(httpx.TimeoutException):
@@ -238,6 +234,7 @@ class UpstreamClient:
             while True:
                 if cuts is not None and cuts.cut:
                     raise StreamCut
+                ended: str | None = None  # why the read was ended: CUT, DEADLINE or not at all
                 if watched is not None:
                     watched.deadline = trio.current_time() + limit
                     try:
@@ -245,16 +242,13 @@ class UpstreamClient:
                     except StopAsyncIteration:
                         return
                     except httpx.HTTPError:
-                        if watched.ended == CUT:
-                            raise StreamCut from None
-                        if watched.ended == DEADLINE:
-                            self._count(replica_id, f"{phase}_timeout")
-                            raise UpstreamDeadline(replica_id, phase, limit) from None
-                        self._count(replica_id, "protocol")
-                        raise
+                        if watched.ended is None:
+                            self._count(replica_id, "protocol")
+                            raise
+                        ended = watched.ended  # the watch closed the connection under the read
                     # Not reading while the chunk goes to the client: a slow client is
                     # not a silent replica.
-                    watched.deadline = _NO_DEADLINE
+                    watched.deadline = NOT_READING
                 else:
                     scope = trio.CancelScope(deadline=trio.current_time() + limit)
                     if reading is not None:
@@ -271,10 +265,12 @@ class UpstreamClient:
                         if reading is not None:
                             reading.discard(scope)
                     if scope.cancelled_caught:
-                        if cuts is not None and cuts.cut:
-                            raise StreamCut
-                        self._count(replica_id, f"{phase}_timeout")
-                        raise UpstreamDeadline(replica_id, phase, limit)
+                        ended = CUT if cuts is not None and cuts.cut else DEADLINE
+                if ended == CUT:
+                    raise StreamCut
+                if ended == DEADLINE:
+                    self._count(replica_id, f"{phase}_timeout")
+                    raise UpstreamDeadline(replica_id, phase, limit)
                 yield chunk
                 phase, limit = "chunk", timeouts.chunk
         finally:
