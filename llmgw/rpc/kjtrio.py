@@ -47,6 +47,7 @@ import capnp
 from capnp.lib import capnp as _capnp_lib
 
 from llmgw.rpc.errors import remote_failure
+from llmgw.rpc.gcthread import collecting_on_this_thread
 from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
@@ -417,7 +418,8 @@ async def capnp_runtime() -> AsyncIterator[TrioLoop]:
     """Run pycapnp's KJ event loop inside the current trio run.
 
     Every capnp object (connections, capabilities, promises) must be created,
-    used and released inside this block, in this thread. On exit, open
+    used and released inside this block, in this thread; while it runs, cyclic
+    garbage is collected only by a task of the block (:mod:`llmgw.rpc.gcthread`). On exit, open
     connections are closed, server calls still running are cancelled and waited
     for, and the KJ loop is shut down.
 
@@ -432,6 +434,9 @@ async def capnp_runtime() -> AsyncIterator[TrioLoop]:
             _thread_state.loop = loop
             try:
                 await nursery.start(loop._drain)
+                # Reference cycles holding capnp objects must not be collected in
+                # another thread (llmgw/rpc/gcthread.py).
+                await nursery.start(collecting_on_this_thread)
                 async with capnp.kj_loop():
                     yield loop
                     loop._closed = True
