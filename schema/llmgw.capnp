@@ -141,7 +141,44 @@ interface Cluster {
   join @0 (registration :Registration) -> (desk :NodeDesk, heartbeatIntervalMs :UInt32);
   # Nodes only. The session lasts as long as this connection; a second join for the same node replaces it.
   admin @1 () -> (admin :Admin);
-  # Admin certificates only.
+  # Admin certificates only. On a standby, the leader's Admin (reached over the standby's peer session).
+  peer @2 (feed :GatewayFeed) -> (peer :ControlPeer, epoch :UInt64);
+  # Control-plane certificates named in the store only, and only while this control plane leads:
+  # the leader streams its gateway's routes and KV-cache state into the standby's feed.
+}
+
+struct RouteReplica {
+  # One ready replica as the gateway routes to it (llmgw.router.replicas.Replica).
+  id @0 :Text;
+  model @1 :Text;
+  endpoint @2 :Text;
+  nodeId @3 :Text;
+  engine @4 :Text;
+  adapters @5 :List(KeyValue);  # adapter name -> its path on the node
+  apiKey @6 :Text;              # the engine's secret: sent over mutual TLS to control planes only
+}
+
+struct RouteModel {
+  name @0 :Text;
+  engine @1 :Text;
+  adapters @2 :List(Text);
+  maxLoadedAdapters @3 :UInt32;
+}
+
+interface GatewayFeed {
+  # A standby's gateway, fed by the leader in order: the whole route table on every change,
+  # KV-cache deltas per replica (a reset first: a full copy).
+  routes @0 (replicas :List(RouteReplica), models :List(RouteModel)) -> ();
+  kvUpdate @1 (replica :Text, update :KvUpdate) -> ();
+  kvForget @2 (replica :Text) -> ();
+}
+
+interface ControlPeer {
+  # The leader's side of one standby's peer session.
+  ping @0 () -> (epoch :UInt64);
+  # Fails once the leader no longer leads.
+  admin @1 (actor :Text) -> (admin :Admin);
+  # The leader's Admin for a standby's admin caller (actor: the caller's certificate name).
 }
 
 interface NodeDesk {
@@ -240,7 +277,19 @@ struct ClusterStatus {
   servingStopped @8 :Bool;
   admission @9 :List(TenantAdmission);
   kvAlarms @10 :List(Text);  # KV routing alarms in words (hash mismatch between router and engine, ...)
+  leader @11 :Text;          # the control plane that leads (answers this call)
+  epoch @12 :UInt64;         # its epoch: grows by one at every change of leader
+  leaderSince @13 :Float64;  # Unix seconds it has led since
+  controlPlanes @14 :List(ControlPlaneView);
   # Per tenant, since this control plane's gateway started.
+}
+
+struct ControlPlaneView {
+  name @0 :Text;
+  rpcAddress @1 :Text;
+  httpAddress @2 :Text;
+  role @3 :Text;        # "leader", "standby" (streaming from the leader), "down" (no peer session)
+  lastSeen @4 :Float64; # Unix seconds it last started
 }
 
 struct Tenant {

@@ -90,6 +90,10 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     auth=config.auth,
                     serving=config.serving,
                     usage_journal=settings.usage_journal,
+                    name=creds.identity.name,
+                    advertise_host=config.advertise_hosts[0] if config.advertise_hosts else "",
+                    peer_context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
+                    leader_lease=config.leader_lease,
                     task_status=task_status,
                 )
             )

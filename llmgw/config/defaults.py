@@ -35,6 +35,11 @@ DEFAULT_HEARTBEAT_INTERVAL = 2.0
 #: slow network moment or GC pause does not flap a node, while a dead node does not stay
 #: online for long.
 DEFAULT_NODE_LOST_AFTER = 10.0
+#: Seconds a leading control plane's lease lasts without renewal (server.yaml
+#: ``leader_lease``): a frozen or cut-off leader is replaced after about this long, a dead
+#: one (its database session closes with it) within a second. Shorter leases let a slow
+#: database (a Patroni failover takes ~10-30 s) depose healthy leaders.
+DEFAULT_LEADER_LEASE = 10.0
 #: A lost node's replicas are placed elsewhere only after this grace: moving a replica
 #: means loading its weights elsewhere (minutes for large models), while an agent restart
 #: or short network cut comes back within seconds and must not reshuffle the fleet.

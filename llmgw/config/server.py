@@ -70,6 +70,7 @@ class ServerConfig:
     heartbeat_interval: float = defaults.DEFAULT_HEARTBEAT_INTERVAL
     node_lost_after: float = defaults.DEFAULT_NODE_LOST_AFTER
     replace_grace: float = defaults.DEFAULT_REPLACE_GRACE
+    leader_lease: float = defaults.DEFAULT_LEADER_LEASE
     engines: Mapping[str, str] = attrs.field(factory=dict, converter=frozen_mapping)
     log_level: str = defaults.DEFAULT_LOG_LEVEL
     gateway: GatewayConfig = GatewayConfig()
@@ -109,6 +110,7 @@ def load_server_config(
         node_lost_after=top.get("node_lost_after", positive(parse_duration),
                                 defaults.DEFAULT_NODE_LOST_AFTER),
         replace_grace=top.get("replace_grace", parse_duration, defaults.DEFAULT_REPLACE_GRACE),
+        leader_lease=top.get("leader_lease", positive(parse_duration), defaults.DEFAULT_LEADER_LEASE),
         engines=reader.named_values(top.raw("engines"), "engines", ENGINE_NAME, ENGINE_NAME_RULE, _parse_version),
         log_level=top.get("log_level", parse_log_level, defaults.DEFAULT_LOG_LEVEL),
         gateway=read_gateway(reader, top.raw("gateway")),

@@ -9,7 +9,7 @@ whose message is for the operator (the client shows the last line).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import attrs
 import trio
@@ -46,6 +46,8 @@ class AdminServices:
     catalog_changed: Callable[[], None]
     #: The gateway's base URL, as clients reach it (``http://host:port``).
     gateway_url: str
+    #: Who leads and the control planes, as ``ClusterStatus`` fields (leader, epoch, ...).
+    leadership: Callable[[], Awaitable[dict[str, Any]]]
 
 
 def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
@@ -75,6 +77,7 @@ def make_admin(services: AdminServices, actor: str) -> Any:
                 "servingStopped": gateway.stopped,
                 "admission": admission_rows(gateway),
                 "kvAlarms": list(gateway.kv_alarms),
+                **await services.leadership(),
             }
 
         async def listNodes(self, _context: Any, **_: Any) -> None:

@@ -1,7 +1,10 @@
 """The bootstrap ``Cluster`` capability of the RPC port, one per connection.
 
 The TLS client certificate says who is calling: ``join`` is for the node named
-in the certificate, ``admin`` for admin certificates. A refused call raises
+in the certificate, ``admin`` for admin certificates, ``peer`` for the control planes the
+store lists. Only the leader takes node sessions and peer streams; a standby refuses a
+join saying who leads (the agent tries its next control plane), and answers ``admin``
+with the leader's Admin, reached over its own peer session. A refused call raises
 ``PermissionError`` with a message naming both sides, and is logged and audited with
 the certificate's name (:mod:`llmgw.control.refusals`). The handlers act on the
 :class:`ClusterServices` the control plane's wiring gives them.
@@ -10,13 +13,13 @@ the certificate's name (:mod:`llmgw.control.refusals`). The handlers act on the
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import attrs
 import trio
 
 from llmgw.control import refusals
-from llmgw.control.registry import Registry
+from llmgw.control.peers import pump
 from llmgw.control.reports import endpoint_hosts, screen_shards
 from llmgw.control.sessions import NodeSession, NodeSessions, SessionConflict, watch_heartbeats
 from llmgw.control.store import Store
@@ -24,6 +27,9 @@ from llmgw.logthrottle import LogThrottle
 from llmgw.rpc import convert, schema
 from llmgw.rpc.connection import serve_stream
 from llmgw.rpc.tls import Identity, Role
+
+if TYPE_CHECKING:
+    from llmgw.control.plane import Term
 
 log = logging.getLogger(__name__)
 #: A refused second agent retries every second or so: one line per node, then one per interval.
@@ -39,12 +45,19 @@ class ClusterServices:
     """What the ``Cluster`` bootstrap acts on, for one running control plane."""
 
     store: Store
-    registry: Registry
-    sessions: NodeSessions
     #: Seconds between a node's heartbeats, told to every node that joins.
     heartbeat_interval: float
-    #: Returns the ``Admin`` capability for an admin certificate's name.
-    make_admin: Callable[[str], Any]
+    #: Returns the current term while this control plane leads, else None.
+    term: Callable[[], Term | None]
+    #: Why this control plane takes no node sessions now, naming the leader.
+    not_leader: Callable[[], str]
+    #: Returns the ``Admin`` capability for an admin certificate's name (on a standby, the
+    #: leader's); raises ConnectionError when there is none to give.
+    make_admin: Callable[[str], Awaitable[Any]]
+
+
+class NotLeaderError(RuntimeError):
+    """A call only the leader answers reached a standby; the message names the leader."""
 
 
 async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, identity: Identity) -> None:
@@ -53,7 +66,7 @@ async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, 
     A node session started on this connection ends with it: the registry is told
     (the node becomes LOST) and the session's tasks are cancelled.
     """
-    state: dict[str, NodeSession] = {}
+    state: dict[str, Any] = {}
     try:
         async with trio.open_nursery() as nursery:
             bootstrap = _make_cluster(services, identity, nursery, state, _peer_host(stream))
@@ -62,7 +75,7 @@ async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, 
     finally:
         session = state.get("session")
         if session is not None:
-            services.sessions.detach(session)
+            state["sessions"].detach(session)
 
 
 def _peer_host(stream: trio.abc.Stream) -> str | None:
@@ -75,7 +88,7 @@ def _peer_host(stream: trio.abc.Stream) -> str | None:
 
 
 def _make_cluster(
-    services: ClusterServices, identity: Identity, nursery: trio.Nursery, state: dict[str, NodeSession],
+    services: ClusterServices, identity: Identity, nursery: trio.Nursery, state: dict[str, Any],
     peer: str | None,
 ) -> Any:
     s = schema.load()
@@ -94,8 +107,12 @@ def _make_cluster(
             ]
             agent = registration.agent
             version = str(registration.version)
+            term = services.term()
+            if term is None:
+                raise NotLeaderError(services.not_leader())
+            sessions = term.sessions
             try:
-                await services.sessions.check_replaceable(node_id)
+                await sessions.check_replaceable(node_id)
             except SessionConflict as exc:
                 _conflicts.failure(("conflict", node_id), logging.WARNING,
                                    "refused a join of node %s from %s: %s", node_id, address, exc)
@@ -103,16 +120,20 @@ def _make_cluster(
             if "session" in state:  # a second join on this connection while the ping was out
                 raise RuntimeError("this connection has joined already")
 
+            if services.term() is not term:  # the lead was lost during the ping
+                raise NotLeaderError(services.not_leader())
+            registry = term.registry
             hosts = endpoint_hosts(address, peer)
-            shards = screen_shards(node_id, hosts, shards, services.registry.shard_owner)
-            epoch = services.registry.node_joined(node_id, address, hardware, engines, shards)
-            session = NodeSession(services.registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
+            shards = screen_shards(node_id, hosts, shards, registry.shard_owner)
+            epoch = registry.node_joined(node_id, address, hardware, engines, shards)
+            session = NodeSession(registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
             state["session"] = session
-            services.sessions.attach(session)
-            services.sessions.agent_versions[node_id] = version
-            nursery.start_soon(watch_heartbeats, session, services.registry.lost_after)
+            state["sessions"] = sessions
+            sessions.attach(session)
+            sessions.agent_versions[node_id] = version
+            nursery.start_soon(watch_heartbeats, session, registry.lost_after)
             nursery.start_soon(_adopt_all, session, [spec.id for spec, _ in shards])
-            nursery.start_soon(_push_engines, session, dict(services.sessions.wanted_engines))
+            nursery.start_soon(_push_engines, session, dict(sessions.wanted_engines))
             nursery.start_soon(_record_seen, services, node_id, address)
             log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
             _context.results.desk = session.desk()
@@ -120,9 +141,52 @@ def _make_cluster(
 
         async def admin(self, _context: Any, **_: Any) -> None:
             await refusals.require(services.store, identity, Role.ADMIN, call="admin", target="cluster")
-            _context.results.admin = services.make_admin(identity.name)
+            _context.results.admin = await services.make_admin(identity.name)
+
+        async def peer(self, feed: Any, _context: Any, **_: Any) -> None:
+            await refusals.require(services.store, identity, Role.CONTROL, call="peer", target="cluster")
+            known = {record.name for record in await services.store.list_control_planes()}
+            if identity.name not in known:
+                await refusals.refuse(services.store, identity, call="peer", target="cluster",
+                                      reason=f"control plane {identity.name!r} is not listed in the store")
+            term = services.term()
+            if term is None:
+                raise NotLeaderError(services.not_leader())
+            if "peer" in state:
+                raise RuntimeError("this connection streams to a standby already")
+            state["peer"] = True
+            queue = term.tee.attach(identity.name)
+            nursery.start_soon(_stream_then_close, term, queue, feed, identity.name, nursery.cancel_scope)
+            log.info("standby %s attached: streaming routes and KV state to it (epoch %d)", identity.name, term.epoch)
+            _context.results.peer = _make_control_peer(services, term)
+            _context.results.epoch = term.epoch
 
     return ClusterServer()
+
+
+def _make_control_peer(services: ClusterServices, term: Term) -> Any:
+    """The leader's ``ControlPeer`` for one standby: answers while ``term`` is current."""
+
+    def current() -> Term:
+        if services.term() is not term:
+            raise NotLeaderError(f"the term of epoch {term.epoch} is over: {services.not_leader()}")
+        return term
+
+    class ControlPeerServer(schema.load().ControlPeer.Server):  # type: ignore[misc]
+        async def ping(self, _context: Any, **_: Any) -> None:
+            _context.results.epoch = current().epoch
+
+        async def admin(self, actor: str, _context: Any, **_: Any) -> None:
+            _context.results.admin = await services.make_admin(f"{actor} (via a standby)")
+
+    return ControlPeerServer()
+
+
+async def _stream_then_close(term: Term, queue: Any, feed: Any, name: str, connection: trio.CancelScope) -> None:
+    """Stream to standby ``name`` until its session fails, then close its connection (it
+    reconnects and starts from a full copy)."""
+    await pump(term.tee, queue, feed, name)
+    connection.cancel()
 
 
 async def _adopt_all(session: NodeSession, shard_ids: list[str]) -> None:

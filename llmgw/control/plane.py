@@ -1,28 +1,35 @@
-"""The control plane process, wired in one place: store, live registry, reconciler, RPC port, gateway.
+"""The control plane process, wired in one place: store, election, live registry, reconciler, RPC port, gateway.
 
 The gateway is given (:func:`llmgw.router.build.build_gateway` makes it) and driven only
 through :class:`~llmgw.router.interface.GatewayInterface`, whether it serves in this
 process or through worker processes. Every handler gets its collaborators explicitly
 (:class:`~llmgw.control.cluster.ClusterServices`, :class:`~llmgw.control.admin.AdminServices`).
 
+Any number of control planes may share one store; one leads (:mod:`llmgw.control.leader`).
+What only the leader does runs in a :class:`Term`, made each time this control plane
+takes the lead and cancelled, with every node session of it, the moment the lead is lost.
+A standby feeds its gateway from the leader's stream (:mod:`llmgw.control.peers`) and
+passes admin calls to the leader.
+
 Nursery tree::
 
     run_control_plane
-    ├── registry watchdog (marks silent nodes LOST)
-    ├── reconciler (catalog vs fleet, one placement pass at a time)
-    ├── route feed (catalog x ready replicas -> the gateway, and its readiness: routes.py)
     ├── access sync (keys, tenants, serving.stopped -> the gateway; usage -> the store)
     ├── gateway (GatewayInterface.serve; its last usage is stored when it stops)
-    └── rpc listener ── per connection: Cluster bootstrap ── node session / admin
+    ├── rpc listener ── per connection: Cluster bootstrap ── node session / admin / peer stream
+    ├── follower (while a standby: the peer session with the leader, into the gateway)
+    └── election ── while leading: Term
+                     ├── registry watchdog (marks silent nodes LOST)
+                     ├── reconciler (catalog vs fleet, one placement pass at a time)
+                     └── route feed (catalog x ready replicas -> the gateway and the standbys)
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import ssl
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import trio
@@ -33,9 +40,11 @@ from llmgw.config.values import is_loopback_host
 from llmgw.control.admin import AdminServices, make_admin
 from llmgw.control.cluster import ClusterServices, handle_connection
 from llmgw.control.keys import AccessSync
+from llmgw.control.leader import LEADER_LEASE_S, LeaderElection
+from llmgw.control.peers import FeedTee, Follower
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import Registry
-from llmgw.control.routes import RouteFeed
+from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store, open_store
 from llmgw.router.interface import GatewayInterface
@@ -47,19 +56,46 @@ log = logging.getLogger(__name__)
 
 
 @attrs.frozen
+class Term:
+    """What this control plane runs while it leads, at one epoch."""
+
+    epoch: int
+    registry: Registry
+    sessions: NodeSessions
+    reconciler: Reconciler
+    tee: FeedTee
+    admin: AdminServices
+    #: Tells the reconciler and the route feed that the catalog changed.
+    catalog_changed: Callable[[], None]
+
+
+@attrs.define
 class ControlPlane:
     """A running control plane, as the program that started it sees it."""
 
     store: Store
-    registry: Registry
+    election: LeaderElection
     #: Keys, tenants and ``serving.stopped`` into the gateway (``reload`` after a direct store change).
     access: AccessSync
-    #: Call after changing the catalog in the store directly: the reconciler and the gateway see it.
-    catalog_changed: Callable[[], None]
     rpc_port: int
     http_port: int
     #: The gateway's base URL (``http://host:port``).
     gateway_url: str
+    #: The current term while this control plane leads, else None.
+    term: Term | None = None
+
+    @property
+    def registry(self) -> Registry:
+        """The live registry of the current term; raises RuntimeError while not leading."""
+        if self.term is None:
+            raise RuntimeError("this control plane does not lead: it has no registry of the nodes")
+        return self.term.registry
+
+    def catalog_changed(self) -> None:
+        """Call after changing the catalog in the store directly: the reconciler and the
+        gateway see it (a standby's gateway through the leader, which must be told there)."""
+        if self.term is not None:
+            self.term.catalog_changed()
 
 
 async def run_control_plane(
@@ -78,38 +114,36 @@ async def run_control_plane(
     serving: ServingConfig = ServingConfig(),
     engines: Mapping[str, str] | None = None,
     usage_journal: Path | None = None,
+    name: str = "",
+    advertise_host: str = "",
+    peer_context: ssl.SSLContext | None = None,
+    leader_lease: float = LEADER_LEASE_S,
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane, and serve ``gateway``, until cancelled.
 
     Signals the :class:`ControlPlane` as started value once the store is open, the
     gateway and the RPC port are listening (``rpc_port``/``http_port`` of the returned
-    object are the bound ports; 0 asks for free ones). Raises the store's error if the
+    object are the bound ports; 0 asks for free ones) and the first election attempt is
+    made (a lone control plane leads by then). Raises the store's error if the
     database cannot be opened, and ``OSError`` if a port is taken. Cancellation closes
-    every connection, stops the gateway and stores its last usage, then closes the store;
-    engines on the nodes are not touched. ``auth`` is the gateway's API-key switch (read
-    only to warn when keys are off beyond loopback: the gateway was built with it),
-    ``serving`` gives the usage flush interval (``server.yaml`` sections); ``usage_journal``
-    is the directory the gateway journals its usage in (replayed into the store before the
-    gateway serves: :mod:`llmgw.control.usage_replay`). ``engines``
+    every connection, stops the gateway and stores its last usage, gives up the lead,
+    then closes the store; engines on the nodes are not touched. ``auth`` is the gateway's
+    API-key switch (read only to warn when keys are off beyond loopback: the gateway was
+    built with it), ``serving`` gives the usage flush interval (``server.yaml`` sections);
+    ``usage_journal`` is the directory the gateway journals its usage in (replayed into the
+    store before the gateway serves: :mod:`llmgw.control.usage_replay`). ``engines``
     (name -> version, "" = the installer's default) is what every node is told to install.
+
+    Several control planes: ``name`` is this one's (its certificate's), ``advertise_host``
+    the address others reach its ports at (default: the listening host), ``peer_context``
+    the client TLS context (its own certificate) a standby dials the leader with (None:
+    this one never streams from a leader), ``leader_lease`` the lease in seconds.
     """
     with unwrap_single_group():
         async with open_store(store_url) as store, trio.open_nursery() as nursery:
-            registry = Registry(lost_after=lost_after, replace_grace=replace_grace)
-            sessions = NodeSessions(registry, wanted_engines=dict(engines or {}))
-            sessions.on_kv_update = gateway.kv_update
-            registry.on_shard_gone = gateway.kv_forget
-            await nursery.start(registry.watchdog)
-            reconciler = Reconciler(registry, store.list_models, sessions)
-            await nursery.start(reconciler.run)
-            routes = RouteFeed(store, registry, gateway, heartbeat_interval=heartbeat_interval)
-            await nursery.start(routes.run)
-
-            def catalog_changed() -> None:
-                reconciler.catalog_changed()
-                routes.catalog_changed()
-
+            # Not ready until a term's route feed (or, on a standby, the leader's first table) says so.
+            gateway.set_readiness(NOT_READY_REASON)
             access = AccessSync(store, gateway, usage_flush_interval=serving.usage_flush_interval,
                                 usage_journal=usage_journal)
             await nursery.start(access.run)
@@ -121,24 +155,110 @@ async def run_control_plane(
                 )
             bound_http = await nursery.start(access.serve, http_host, http_port)
             gateway_url = f"http://{_url_host(http_host)}:{bound_http}"
-            admin = AdminServices(
-                store=store, registry=registry, sessions=sessions, reconciler=reconciler, gateway=gateway,
-                access=access, catalog_changed=catalog_changed, gateway_url=gateway_url,
-            )
+            plane_ref: list[ControlPlane] = []
+            follower = Follower(gateway)
+
+            def current_term() -> Term | None:
+                return plane_ref[0].term if plane_ref else None
+
+            async def admin_for(actor: str) -> Any:
+                term = current_term()
+                if term is not None:
+                    return make_admin(term.admin, actor)
+                return await follower.admin(actor)
+
+            def not_leader() -> str:
+                leader = plane_ref[0].election.leader if plane_ref else None
+                if leader is None or current_term() is not None:
+                    return f"control plane {name or '(unnamed)'} does not lead yet: try again in a few seconds"
+                return (f"control plane {name or '(unnamed)'} is a standby: the leader is {leader.name} "
+                        f"at {leader.rpc_address} (epoch {leader.epoch})")
+
             cluster = ClusterServices(
-                store=store, registry=registry, sessions=sessions, heartbeat_interval=heartbeat_interval,
-                make_admin=functools.partial(make_admin, admin),
+                store=store, heartbeat_interval=heartbeat_interval, term=current_term, not_leader=not_leader,
+                make_admin=admin_for,
             )
 
             async def handler(stream: trio.SSLStream, identity: Identity) -> None:
                 await handle_connection(cluster, stream, identity)
 
             bound_rpc = await nursery.start(net.listen, handler, rpc_host, rpc_port, server_context)
-            log.info("control plane: rpc on %s:%d, gateway on %s", rpc_host, bound_rpc, gateway_url)
-            task_status.started(ControlPlane(
-                store=store, registry=registry, access=access, catalog_changed=catalog_changed,
-                rpc_port=bound_rpc, http_port=bound_http, gateway_url=gateway_url,
-            ))
+            host = _url_host(advertise_host or rpc_host)
+            rpc_address = f"{host}:{bound_rpc}"
+            http_address = f"http://{host}:{bound_http}"
+            name = name or rpc_address
+            election = LeaderElection(store_url, store, name=name, rpc_address=rpc_address,
+                                      http_address=http_address, lease=leader_lease)
+            await store.record_control_plane(name, rpc_address, http_address)
+            plane = ControlPlane(store=store, election=election, access=access, rpc_port=bound_rpc,
+                                 http_port=bound_http, gateway_url=gateway_url)
+            plane_ref.append(plane)
+
+            async def leadership() -> dict[str, Any]:
+                return await _leadership_fields(store, election, plane.term, follower)
+
+            async def lead(epoch: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                registry = Registry(lost_after=lost_after, replace_grace=replace_grace)
+                sessions = NodeSessions(registry, wanted_engines=dict(engines or {}))
+                inherited = follower.routes
+                tee = FeedTee(gateway, inherited)
+                sessions.on_kv_update = tee.kv_update
+                registry.on_shard_gone = tee.kv_forget
+                try:
+                    async with trio.open_nursery() as term_nursery:
+                        await term_nursery.start(registry.watchdog)
+                        reconciler = Reconciler(registry, store.list_models, sessions)
+                        await term_nursery.start(reconciler.run)
+                        routes = RouteFeed(store, registry, tee, heartbeat_interval=heartbeat_interval,
+                                           inherited=inherited[0] if inherited else None)
+                        await term_nursery.start(routes.run)
+
+                        def catalog_changed() -> None:
+                            reconciler.catalog_changed()
+                            routes.catalog_changed()
+
+                        admin = AdminServices(
+                            store=store, registry=registry, sessions=sessions, reconciler=reconciler,
+                            gateway=gateway, access=access, catalog_changed=catalog_changed,
+                            gateway_url=gateway_url, leadership=leadership,
+                        )
+                        plane.term = Term(epoch=epoch, registry=registry, sessions=sessions, reconciler=reconciler,
+                                          tee=tee, admin=admin, catalog_changed=catalog_changed)
+                        task_status.started()
+                        await trio.sleep_forever()
+                finally:
+                    plane.term = None
+                    sessions.close_all()
+
+            await nursery.start(election.run, lead)
+            if peer_context is not None:
+                nursery.start_soon(follower.follow, election, peer_context)
+            log.info("control plane %s: rpc on %s:%d, gateway on %s (%s)", name, rpc_host, bound_rpc, gateway_url,
+                     f"leads at epoch {election.epoch}" if election.leading else "standby")
+            task_status.started(plane)
+
+
+async def _leadership_fields(
+    store: Store, election: LeaderElection, term: Term | None, follower: Follower,
+) -> dict[str, Any]:
+    """Returns who leads and every control plane's role, as ``ClusterStatus`` fields."""
+    leader = election.leader
+    rows = []
+    for record in await store.list_control_planes():
+        if leader is not None and record.name == leader.name and term is not None:
+            role = "leader"
+        elif term is not None:
+            role = "standby" if record.name in term.tee.peer_names else "down"
+        else:
+            role = "standby" if record.name == election.name and follower.peer is not None else "unknown"
+        rows.append({"name": record.name, "rpcAddress": record.rpc_address, "httpAddress": record.http_address,
+                     "role": role, "lastSeen": record.last_seen})
+    return {
+        "leader": leader.name if leader is not None else "",
+        "epoch": leader.epoch if leader is not None else 0,
+        "leaderSince": leader.since if leader is not None else 0.0,
+        "controlPlanes": rows,
+    }
 
 
 def _url_host(host: str) -> str:

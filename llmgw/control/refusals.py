@@ -20,7 +20,7 @@ from llmgw.control.store import Store
 from llmgw.logthrottle import LogThrottle
 from llmgw.rpc.tls import Identity, Role, require_role
 
-__all__ = ["AUDIT_TIMEOUT_S", "actor_of", "require"]
+__all__ = ["AUDIT_TIMEOUT_S", "actor_of", "refuse", "require"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,25 @@ async def require(
     try:
         require_role(identity, role, name=name)
     except PermissionError as exc:
-        key = (identity.role, identity.name, call, name)  # joining as node-b and as node-c are two kinds
-        repeated = _refusals.suppressed(key)
-        if _refusals.failure(key, logging.WARNING, "refused %s from %s: %s", call, identity, exc) and store is not None:
-            await _audit(store, identity, call, target or (name or ""), str(exc), repeated)
+        await _record(store, identity, call, name, target or (name or ""), exc)
         raise
+
+
+async def refuse(store: Store | None, identity: Identity, *, call: str, target: str, reason: str) -> None:
+    """Refuse ``call`` from ``identity`` for ``reason`` (a check beyond the certificate's
+    role): logged and audited as :func:`require` does; raises PermissionError."""
+    exc = PermissionError(f"{identity} may not make this call ({call}): {reason}")
+    await _record(store, identity, call, None, target, exc)
+    raise exc
+
+
+async def _record(
+    store: Store | None, identity: Identity, call: str, name: str | None, target: str, exc: PermissionError,
+) -> None:
+    key = (identity.role, identity.name, call, name)  # joining as node-b and as node-c are two kinds
+    repeated = _refusals.suppressed(key)
+    if _refusals.failure(key, logging.WARNING, "refused %s from %s: %s", call, identity, exc) and store is not None:
+        await _audit(store, identity, call, target, str(exc), repeated)
 
 
 async def _audit(store: Store, identity: Identity, call: str, target: str, reason: str, repeated: int) -> None:

@@ -12,11 +12,17 @@ would answer 503 for models whose engines are running fine. The gateway is not r
 until every node in the store's list is back, or :data:`REJOIN_HEARTBEATS` heartbeat
 intervals have passed (a node that is not back by then is not waited for), and a pass of
 routes has been handed over after that.
+
+A control plane that takes the lead from another (a failover) was a standby whose gateway
+routed by the old leader's table: it passes that table as ``inherited``, and until the
+nodes are back the gateway routes to the replicas the table had on every node not yet
+rejoined (their engines kept serving), and stays ready.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any, Mapping, Sequence
 
 import trio
 
@@ -54,12 +60,14 @@ class RouteFeed:
     cluster's, in seconds)."""
 
     def __init__(
-        self, store: Store, registry: Registry, gateway: GatewayInterface, *,
+        self, store: Store, registry: Registry, gateway: GatewayInterface | Any, *,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        inherited: Mapping[str, Sequence[Replica]] | None = None,
     ) -> None:
         self.store = store
         self.registry = registry
-        self.gateway = gateway
+        self.gateway = gateway  # or anything with its feeding methods (llmgw.control.peers.FeedTee)
+        self.inherited = inherited
         self.rejoin_window = REJOIN_HEARTBEATS * heartbeat_interval
         self._catalog_version = 0
         self._catalog_event = trio.Event()
@@ -79,7 +87,8 @@ class RouteFeed:
         retried on the next change; a node list that cannot be read is waited for the whole
         window.
         """
-        self.gateway.set_readiness(NOT_READY_REASON)
+        if self.inherited is None:
+            self.gateway.set_readiness(NOT_READY_REASON)
         ready_at = trio.current_time() + self.rejoin_window
         expected = await self._known_nodes()
         infos: dict[str, ModelInfo] = {}  # catalog models, in catalog order
@@ -98,12 +107,7 @@ class RouteFeed:
                     log.warning("gateway: could not read the catalog: %s", exc)
             seen_registry = self.registry.version
             self.gateway.replace_routes(
-                {
-                    model: [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters, r.api_key)
-                            for r in self.registry.replicas_of(model)]
-                    for model in infos
-                },
-                infos,
+                {model: self._replicas(model, inherit=not ready) for model in infos}, infos,
             )
             if not started:
                 task_status.started()
@@ -112,6 +116,8 @@ class RouteFeed:
                 ready = True
                 self.gateway.set_readiness(None)
                 log.info("gateway ready: the replica table is rebuilt")
+                if self.inherited:
+                    continue  # once more, without the inherited replicas of nodes that did not come back
             async with trio.open_nursery() as waiters:
                 catalog_event = self._catalog_event
 
@@ -131,6 +137,16 @@ class RouteFeed:
                 waiters.start_soon(catalog_changed)
                 if not ready:
                     waiters.start_soon(window_over)
+
+    def _replicas(self, model: str, *, inherit: bool) -> list[Replica]:
+        """Returns ``model``'s ready replicas in the registry, and, with ``inherit``, the
+        inherited ones on nodes that have not rejoined yet."""
+        replicas = [Replica(r.id, r.model, r.endpoint, r.node_id, r.engine, r.adapters, r.api_key)
+                    for r in self.registry.replicas_of(model)]
+        if inherit and self.inherited:
+            nodes = self.registry.snapshot().nodes
+            replicas += [r for r in self.inherited.get(model, ()) if r.node_id not in nodes]
+        return replicas
 
     async def _known_nodes(self) -> set[str] | None:
         """Returns the ids of every node the store has seen join (None: the store failed)."""

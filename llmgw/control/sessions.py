@@ -277,6 +277,12 @@ class NodeSessions:
         if current is not None and await current.answers():
             raise SessionConflict(node_id)
 
+    def close_all(self) -> None:
+        """Close every node session (this control plane stopped leading: the agents go and
+        find the leader). Synchronous; never raises."""
+        for session in list(self._sessions.values()):
+            session.close()
+
     def get(self, node_id: str) -> NodeSession:
         session = self._sessions.get(node_id)
         if session is None:

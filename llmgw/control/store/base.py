@@ -45,6 +45,22 @@ class StoreClosedError(StoreError):
     """The store was used after ``close()``."""
 
 
+class FencedError(StoreError):
+    """A write made on behalf of leadership was refused: this control plane no longer leads
+    (another took the lead at a later epoch). Nothing was written."""
+
+
+@attrs.frozen
+class ControlPlaneRecord:
+    """A control plane that has run on this store, by its certificate's name. Times are Unix seconds."""
+
+    name: str
+    rpc_address: str
+    http_address: str
+    first_seen: float
+    last_seen: float
+
+
 @attrs.frozen
 class NodeRecord:
     """A node that has joined at least once. Times are Unix seconds."""
@@ -153,6 +169,23 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def schema_version(self) -> int:
         """Return the highest migration version applied to the database."""
+
+    # -- leadership (migration 5) --------------------------------------------------------
+
+    @abc.abstractmethod
+    def set_fence(self, epoch: int | None) -> None:
+        """From now on, refuse every write made on behalf of leadership (catalog, tenants,
+        keys, settings, nodes) with :class:`FencedError` unless the store's leadership epoch
+        is still ``epoch``, checked in the write's own transaction. None: no check (a store
+        no election runs on). Usage and audit writes are never fenced."""
+
+    @abc.abstractmethod
+    async def record_control_plane(self, name: str, rpc_address: str, http_address: str) -> ControlPlaneRecord:
+        """Record that control plane ``name`` runs (its addresses as others reach it)."""
+
+    @abc.abstractmethod
+    async def list_control_planes(self) -> list[ControlPlaneRecord]:
+        """Return every control plane that has run on this store, by name."""
 
     # -- models (the catalog) ------------------------------------------------------------
 

@@ -30,6 +30,9 @@ class Dialect:
     json: str  # a JSON document; the store always reads and writes it as JSON text
     ts: str  # Unix seconds as a float (the same on both backends; no time-zone surprises)
     id_pk: str  # an integer primary key the database assigns in insertion order
+    #: Appended to a SELECT to hold its rows against concurrent updates until COMMIT
+    #: ("" where the transaction already excludes every other writer, as SQLite's does).
+    for_share: str = ""
 
     def render(self, statement: str) -> str:
         """Return ``statement`` with this dialect's types in place of the placeholders."""
@@ -48,6 +51,7 @@ POSTGRES = Dialect(
     json="JSONB",
     ts="DOUBLE PRECISION",
     id_pk="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+    for_share=" FOR SHARE",
 )
 
 #: Created before anything else, outside the numbered migrations.
@@ -180,6 +184,40 @@ MIGRATIONS: tuple[Migration, ...] = (
                 journal TEXT PRIMARY KEY,
                 seq BIGINT NOT NULL,
                 updated_at {ts} NOT NULL
+            )
+            """,
+        ),
+    ),
+    Migration(
+        version=5,
+        name="leadership and control planes",
+        statements=(
+            # The one row naming who leads. epoch is the fencing token: it grows by one each
+            # time a control plane takes the lead, and every write made on behalf of
+            # leadership checks it (llmgw/control/store/election.py, llmgw/control/leader.py).
+            # renewed_at is the database's clock; backend_pid the PostgreSQL session holding
+            # the leader's advisory lock (0 on SQLite).
+            """
+            CREATE TABLE leadership (
+                id INTEGER PRIMARY KEY CHECK (id = 1),
+                epoch BIGINT NOT NULL,
+                leader TEXT NOT NULL,
+                rpc_address TEXT NOT NULL,
+                http_address TEXT NOT NULL,
+                since {ts} NOT NULL,
+                renewed_at {ts} NOT NULL,
+                backend_pid BIGINT NOT NULL
+            )
+            """,
+            # Every control plane that has run on this store, by its certificate's name: the
+            # leader accepts peer sessions only from these (and standbys find each other here).
+            """
+            CREATE TABLE control_planes (
+                name TEXT PRIMARY KEY,
+                rpc_address TEXT NOT NULL,
+                http_address TEXT NOT NULL,
+                first_seen {ts} NOT NULL,
+                last_seen {ts} NOT NULL
             )
             """,
         ),

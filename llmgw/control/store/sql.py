@@ -20,6 +20,8 @@ from llmgw.control.store.base import (
     ApiKeyRecord,
     AuditEntry,
     ConflictError,
+    ControlPlaneRecord,
+    FencedError,
     NotFoundError,
     TenantRecord,
     UsageRecord,
@@ -198,6 +200,9 @@ def apply_migrations(driver: Driver, migrations: Sequence[Migration]) -> int:
     return max(current, known)
 
 
+_CONTROL_PLANE_COLUMNS = "name, rpc_address, http_address, first_seen, last_seen"
+
+
 class SqlStore(Store):
     """A Store over one :class:`Driver`; all access to it is serialised by a trio.Lock."""
 
@@ -205,16 +210,34 @@ class SqlStore(Store):
         self._driver = driver
         self._lock = trio.Lock()
         self._closed = False
+        self._fence: int | None = None
         self.description = driver.description
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
 
-    async def _run(self, fn: Callable[[Tx], T], *, write: bool, idempotent: bool = False) -> T:
+    async def _run(
+        self, fn: Callable[[Tx], T], *, write: bool, idempotent: bool = False, fenced: bool = False
+    ) -> T:
         """Run ``fn`` in one transaction in a worker thread; return what it returns.
 
-        ``idempotent`` marks a write that is safe to repeat (see :meth:`Driver.transaction`).
+        ``idempotent`` marks a write that is safe to repeat (see :meth:`Driver.transaction`);
+        ``fenced`` one made on behalf of leadership (see :meth:`set_fence`).
         """
+        fence = self._fence
+        if fenced and fence is not None:
+            unfenced = fn
+
+            def fn(tx: Tx) -> T:  # type: ignore[no-redef]
+                rows = tx.execute(f"SELECT epoch FROM leadership WHERE id = 1{self._driver.dialect.for_share}")
+                current = int(rows[0][0]) if rows else 0
+                if current != fence:
+                    raise FencedError(
+                        f"{self.description}: refused a write of the leader of epoch {fence}: "
+                        f"another control plane leads at epoch {current}"
+                    )
+                return unfenced(tx)
+
         async with self._lock:
             if self._closed:
                 raise StoreClosedError(f"store {self.description} is closed")
@@ -243,6 +266,33 @@ class SqlStore(Store):
         def read(tx: Tx) -> int:
             (version,) = tx.execute("SELECT MAX(version) FROM schema_migrations")[0]
             return version or 0
+
+        return await self._run(read, write=False)
+
+    # -- leadership ----------------------------------------------------------------------
+
+    def set_fence(self, epoch: int | None) -> None:
+        self._fence = epoch
+
+    async def record_control_plane(self, name: str, rpc_address: str, http_address: str) -> ControlPlaneRecord:
+        now = time.time()
+
+        def write(tx: Tx) -> ControlPlaneRecord:
+            rows = tx.execute(
+                "INSERT INTO control_planes (name, rpc_address, http_address, first_seen, last_seen) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET rpc_address = excluded.rpc_address, "
+                "http_address = excluded.http_address, last_seen = excluded.last_seen "
+                f"RETURNING {_CONTROL_PLANE_COLUMNS}",
+                (name, rpc_address, http_address, now, now),
+            )
+            return ControlPlaneRecord(*rows[0])
+
+        return await self._run(write, write=True, idempotent=True)
+
+    async def list_control_planes(self) -> list[ControlPlaneRecord]:
+        def read(tx: Tx) -> list[ControlPlaneRecord]:
+            rows = tx.execute(f"SELECT {_CONTROL_PLANE_COLUMNS} FROM control_planes ORDER BY name")
+            return [ControlPlaneRecord(*row) for row in rows]
 
         return await self._run(read, write=False)
 
@@ -288,7 +338,7 @@ class SqlStore(Store):
             return _model(rows[0])
 
         # An upsert is safe to repeat; a create is not (the repeat would find its own row).
-        return await self._run(write, write=True, idempotent=not create_only)
+        return await self._run(write, write=True, fenced=True, idempotent=not create_only)
 
     async def get_model(self, name: str) -> ModelSpec | None:
         def read(tx: Tx) -> ModelSpec | None:
@@ -307,7 +357,7 @@ class SqlStore(Store):
         def write(tx: Tx) -> bool:
             return bool(tx.execute("DELETE FROM models WHERE name = ? RETURNING name", (name,)))
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, fenced=True)
 
     # -- nodes ---------------------------------------------------------------------------
 
@@ -324,7 +374,7 @@ class SqlStore(Store):
             )
             return _node(rows[0])
 
-        return await self._run(write, write=True, idempotent=True)
+        return await self._run(write, write=True, fenced=True, idempotent=True)
 
     async def list_known_nodes(self) -> list[NodeRecord]:
         def read(tx: Tx) -> list[NodeRecord]:
@@ -392,7 +442,7 @@ class SqlStore(Store):
             )
             return version
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, fenced=True)
 
     async def setting_history(self, key: str) -> list[SettingVersion]:
         def read(tx: Tx) -> list[SettingVersion]:
@@ -434,7 +484,7 @@ class SqlStore(Store):
                     raise NotFoundError(f"no tenant {tenant.name!r} (see `llmgw ctl tenants list`)")
             return _tenant(rows[0])
 
-        return await self._run(write, write=True, idempotent=not create_only)
+        return await self._run(write, write=True, fenced=True, idempotent=not create_only)
 
     async def list_tenants(self) -> list[TenantRecord]:
         def read(tx: Tx) -> list[TenantRecord]:
@@ -451,7 +501,7 @@ class SqlStore(Store):
             )
             return bool(tx.execute("DELETE FROM tenants WHERE name = ? RETURNING name", (name,)))
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, fenced=True)
 
     async def create_api_key(self, key: ApiKeyRecord) -> ApiKeyRecord:
         now = time.time()
@@ -470,7 +520,7 @@ class SqlStore(Store):
                 raise ConflictError(f"an API key with id {key.id!r} already exists")
             return _api_key(rows[0])
 
-        return await self._run(write, write=True)
+        return await self._run(write, write=True, fenced=True)
 
     async def list_api_keys(self) -> list[ApiKeyRecord]:
         def read(tx: Tx) -> list[ApiKeyRecord]:
@@ -488,7 +538,7 @@ class SqlStore(Store):
             rows = tx.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,))
             return _api_key(rows[0]) if rows else None
 
-        return await self._run(write, write=True, idempotent=True)
+        return await self._run(write, write=True, fenced=True, idempotent=True)
 
     async def add_usage(self, rows: list[UsageRecord], *, marks: Mapping[str, int] | None = None) -> None:
         marks = dict(marks or {})

@@ -1,0 +1,276 @@
+"""The leader's stream to the standbys: every control plane's gateway routes the same way.
+
+On the leader, :class:`FeedTee` stands between the leader's route feed and node sessions
+and its own gateway: it applies routes and KV-cache deltas to that gateway, remembers
+them (the last route table, and a mirror of each replica's cached blocks), and queues
+them for every standby attached to it. A standby that attaches gets a full copy first
+(the route table, then one reset per replica), then every change in order. One that falls
+:data:`PEER_QUEUE_MAX` messages behind is dropped: it reconnects and starts from a full
+copy again, so nothing is ever silently skipped.
+
+On a standby, :func:`follow_leader` holds a peer session with whoever the election says
+leads (``Cluster.peer`` over mutual TLS with the control plane's own certificate), feeds
+what arrives into the standby's gateway, and pings the leader (Cap'n Proto has no
+keepalive) so a dead one is noticed within a few intervals. Its :class:`Follower` also
+passes admin calls on (``ControlPeer.admin``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import ssl
+from typing import Any, Mapping, Sequence
+
+import capnp
+import trio
+
+from llmgw.control.leader import LeaderElection
+from llmgw.router.interface import GatewayInterface, ModelInfo, Replica
+from llmgw.rpc import convert, net, schema
+from llmgw.rpc.connection import open_client
+from llmgw.spec import KvDelta, split_delta
+
+log = logging.getLogger(__name__)
+
+#: Messages queued for one standby before it counts as stuck and is dropped (it then
+#: resyncs from a full copy). KV deltas are the bulk: this is seconds of a busy fleet.
+PEER_QUEUE_MAX = 50_000
+#: Deadline of one call into a standby's feed, and of the standby's ping to the leader.
+PEER_CALL_TIMEOUT = 10.0
+#: Seconds between a standby's pings of the leader; a leader silent for
+#: PEER_PING_MISSES of them is taken for dead and the session dropped.
+PEER_PING_INTERVAL = 1.0
+PEER_PING_MISSES = 3
+#: Pause before a standby dials the leader again after a session failed.
+PEER_RETRY_S = 1.0
+
+RouteTable = tuple[Mapping[str, Sequence[Replica]], Mapping[str, ModelInfo]]
+
+
+class PeerTooSlow(Exception):
+    """A standby fell PEER_QUEUE_MAX messages behind the leader's stream."""
+
+
+class _PeerQueue:
+    """What is still to be sent to one standby, in order."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.overflowed = False
+        self._wakeup = trio.Event()
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        if len(self.items) >= PEER_QUEUE_MAX:
+            self.overflowed = True
+        else:
+            self.items.append(item)
+        self._wakeup.set()
+
+    async def get(self) -> tuple[Any, ...]:
+        """Returns the next item; raises PeerTooSlow once the queue overflowed."""
+        while not self.items:
+            if self.overflowed:
+                raise PeerTooSlow(f"the standby fell {PEER_QUEUE_MAX} messages behind")
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+        if self.overflowed:
+            raise PeerTooSlow(f"the standby fell {PEER_QUEUE_MAX} messages behind")
+        return self.items.popleft()
+
+
+class FeedTee:
+    """The leader's gateway feed, copied to every attached standby (see the module docstring).
+
+    Has the feeding methods of :class:`~llmgw.router.interface.GatewayInterface` that the
+    route feed and node sessions call; each is synchronous and never raises.
+    """
+
+    def __init__(self, gateway: GatewayInterface, inherited: RouteTable | None = None) -> None:
+        self.gateway = gateway
+        self._routes: RouteTable = inherited or ({}, {})
+        self._kv: dict[str, tuple[set[int], KvDelta]] = {}  # replica -> (blocks held, last delta)
+        self._peers: dict[_PeerQueue, str] = {}  # queue -> the standby's name
+
+    @property
+    def routes(self) -> RouteTable:
+        """The last route table handed to the gateway."""
+        return self._routes
+
+    @property
+    def peer_names(self) -> set[str]:
+        """The names of the standbys attached now."""
+        return set(self._peers.values())
+
+    def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
+        self.gateway.replace_routes(replicas, models)
+        self._routes = (replicas, models)
+        self._send(("routes", replicas, models))
+
+    def kv_update(self, replica_id: str, delta: KvDelta) -> None:
+        self.gateway.kv_update(replica_id, delta)
+        held = set() if delta.reset else self._kv.get(replica_id, (set(), delta))[0]
+        held.difference_update(delta.removed)
+        held.update(delta.stored)
+        self._kv[replica_id] = (held, delta)
+        self._send(("kv", replica_id, delta))
+
+    def kv_forget(self, replica_id: str) -> None:
+        self.gateway.kv_forget(replica_id)
+        self._kv.pop(replica_id, None)
+        self._send(("forget", replica_id))
+
+    def set_readiness(self, not_ready: str | None) -> None:
+        self.gateway.set_readiness(not_ready)
+
+    def _send(self, item: tuple[Any, ...]) -> None:
+        for peer in self._peers:
+            peer.put(item)
+
+    def attach(self, name: str) -> _PeerQueue:
+        """Returns standby ``name``'s new queue, holding a full copy of the state so far."""
+        queue = _PeerQueue()
+        queue.put(("routes", *self._routes))
+        for replica_id, (held, last) in self._kv.items():
+            full = KvDelta(reset=True, stored=tuple(held), block_size=last.block_size,
+                           events_applied=last.events_applied, gaps=last.gaps, resyncs=last.resyncs)
+            for part in split_delta(full):
+                queue.put(("kv", replica_id, part))
+        self._peers[queue] = name
+        return queue
+
+    def detach(self, queue: _PeerQueue) -> None:
+        self._peers.pop(queue, None)
+
+
+def _replica_dict(r: Replica) -> dict[str, Any]:
+    return {
+        "id": r.id, "model": r.model, "endpoint": r.endpoint, "nodeId": r.node_id, "engine": r.engine,
+        "adapters": [{"key": name, "value": path} for name, path in r.adapters], "apiKey": r.api_key,
+    }
+
+
+def _replica_from(r: Any) -> Replica:
+    return Replica(
+        id=str(r.id), model=str(r.model), endpoint=str(r.endpoint), node_id=str(r.nodeId), engine=str(r.engine),
+        adapters=tuple((str(kv.key), str(kv.value)) for kv in r.adapters), api_key=str(r.apiKey),
+    )
+
+
+def _model_dict(name: str, info: ModelInfo) -> dict[str, Any]:
+    return {"name": name, "engine": info.engine, "adapters": list(info.adapters),
+            "maxLoadedAdapters": info.max_loaded_adapters}
+
+
+async def pump(tee: FeedTee, queue: _PeerQueue, feed: Any, name: str) -> None:
+    """Send ``queue`` into standby ``name``'s ``feed`` capability, in order, until the
+    session fails (logged; returns) or cancelled. Detaches the queue when it returns."""
+    try:
+        while True:
+            item = await queue.get()
+            with trio.fail_after(PEER_CALL_TIMEOUT):
+                if item[0] == "routes":
+                    _, replicas, models = item
+                    await feed.routes(
+                        [_replica_dict(r) for rs in replicas.values() for r in rs],
+                        [_model_dict(name_, info) for name_, info in models.items()],
+                    )
+                elif item[0] == "kv":
+                    await feed.kvUpdate(item[1], convert.kv_update_dict(item[2]))
+                else:
+                    await feed.kvForget(item[1])
+    except (PeerTooSlow, trio.TooSlowError, capnp.KjException) as exc:
+        log.warning("standby %s: the stream to it ended: %s", name, exc)
+    finally:
+        tee.detach(queue)
+
+
+class Follower:
+    """A standby's side of the peer session (see :func:`follow_leader`)."""
+
+    def __init__(self, gateway: GatewayInterface) -> None:
+        self.gateway = gateway
+        #: The last route table the leader sent (handed to this control plane's route feed
+        #: when it takes the lead, so its gateway keeps routing while the nodes rejoin).
+        self.routes: RouteTable | None = None
+        #: The leader's ControlPeer while a session is up, else None.
+        self.peer: Any = None
+        #: The leader this standby streams from, while a session is up.
+        self.leader_name: str | None = None
+
+    def _feed(self) -> Any:
+        follower = self
+
+        class FeedServer(schema.load().GatewayFeed.Server):  # type: ignore[misc]
+            async def routes(self, replicas: Any, models: Any, **_: Any) -> None:
+                table: dict[str, list[Replica]] = {}
+                infos: dict[str, ModelInfo] = {}
+                for m in models:
+                    infos[str(m.name)] = ModelInfo(engine=str(m.engine), adapters=tuple(str(a) for a in m.adapters),
+                                                   max_loaded_adapters=int(m.maxLoadedAdapters))
+                for r in replicas:
+                    replica = _replica_from(r)
+                    table.setdefault(replica.model, []).append(replica)
+                follower.routes = (table, infos)
+                follower.gateway.replace_routes(table, infos)
+                follower.gateway.set_readiness(None)
+
+            async def kvUpdate(self, replica: str, update: Any, **_: Any) -> None:
+                follower.gateway.kv_update(str(replica), convert.kv_update_from(update))
+
+            async def kvForget(self, replica: str, **_: Any) -> None:
+                follower.gateway.kv_forget(str(replica))
+
+        return FeedServer()
+
+    async def admin(self, actor: str) -> Any:
+        """Returns the leader's Admin capability for ``actor``; raises ConnectionError when
+        no peer session is up (the message says who leads, if known)."""
+        peer = self.peer
+        if peer is None:
+            raise ConnectionError("this control plane is a standby and has no session with the leader yet; "
+                                  "try again in a few seconds, or connect to the leader")
+        with trio.fail_after(PEER_CALL_TIMEOUT):
+            return (await peer.admin(actor)).admin
+
+    async def follow(self, election: LeaderElection, context: ssl.SSLContext) -> None:
+        """Stream from whoever leads while this control plane does not, until cancelled.
+        The gateway is ready once the first route table has arrived (the control plane
+        marked it not ready at start)."""
+        while True:
+            leader = election.leader
+            if election.leading or leader is None or leader.name == election.name:
+                await election.wait_changed()
+                continue
+            async with trio.open_nursery() as nursery:
+                async def leader_changed() -> None:
+                    while not election.leading and election.leader is not None and \
+                            election.leader.epoch == leader.epoch:
+                        await election.wait_changed()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(leader_changed)
+                await self._session(leader.name, leader.rpc_address, context)
+                await trio.sleep(PEER_RETRY_S)
+                nursery.cancel_scope.cancel()
+
+    async def _session(self, name: str, address: str, context: ssl.SSLContext) -> None:
+        """One peer session with the leader ``name`` at ``address``; returns when it ends."""
+        try:
+            stream = await net.connect(address, context)
+            async with open_client(stream) as client:
+                cluster = client.bootstrap().cast_as(schema.load().Cluster)
+                with trio.fail_after(PEER_CALL_TIMEOUT):
+                    result = await cluster.peer(self._feed())
+                self.peer = result.peer
+                self.leader_name = name
+                log.info("standby: streaming from the leader %s at %s (epoch %d)", name, address, result.epoch)
+                while True:
+                    await trio.sleep(PEER_PING_INTERVAL)
+                    with trio.fail_after(PEER_PING_INTERVAL * PEER_PING_MISSES):
+                        await self.peer.ping()
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, capnp.KjException) as exc:
+            log.warning("standby: the session with the leader %s at %s ended: %s", name, address, exc)
+        finally:
+            self.peer = None
+            self.leader_name = None
