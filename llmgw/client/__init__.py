@@ -100,6 +100,22 @@ class ClusterStatus:
     serving_stopped: bool = False
     admission: tuple[TenantAdmission, ...] = ()  # per tenant, this control plane's gateway
     kv_alarms: tuple[str, ...] = ()  # KV routing alarms in words (router/engine hash disagreement)
+    leader: str = ""  # the control plane that leads (and answered)
+    epoch: int = 0  # grows by one at every change of leader
+    leader_since: float = 0.0  # Unix seconds
+    control_planes: tuple[ControlPlaneRow, ...] = ()
+
+
+@attrs.frozen
+class ControlPlaneRow:
+    """A control plane of the cluster: ``role`` is "leader", "standby" (streaming from the
+    leader) or "down" (no session with the leader now)."""
+
+    name: str
+    rpc_address: str
+    http_address: str
+    role: str
+    last_seen: float
 
 
 # -- tenants, API keys, usage (issue 3) ----------------------------------------------------
@@ -185,6 +201,9 @@ class ClusterClient:
             tuple(r.unplaceable), r.servingStopped,
             tuple(TenantAdmission(a.tenant, a.admitted, a.queued, a.shed, a.inFlight) for a in r.admission),
             tuple(r.kvAlarms),
+            str(r.leader), int(r.epoch), float(r.leaderSince),
+            tuple(ControlPlaneRow(str(p.name), str(p.rpcAddress), str(p.httpAddress), str(p.role), float(p.lastSeen))
+                  for p in r.controlPlanes),
         )
 
     # -- tenants, API keys, usage, serving (issue 3) --------------------------------------

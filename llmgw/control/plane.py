@@ -230,6 +230,13 @@ async def run_control_plane(
                     plane.term = None
                     sessions.close_all()
 
+            async def publish_leader() -> None:
+                while True:  # no await between reading and waiting: no change is missed
+                    leader = election.leader
+                    gateway.set_leader(election.leading, leader.name if leader else "", leader.epoch if leader else 0)
+                    await election.wait_changed()
+
+            nursery.start_soon(publish_leader)
             await nursery.start(election.run, lead)
             if peer_context is not None:
                 nursery.start_soon(follower.follow, election, peer_context)

@@ -119,6 +119,8 @@ class Gateway:
         self.stopped = False
         #: Why ``/readyz`` answers 503 (the control plane sets it), or None: ready.
         self.not_ready: str | None = None
+        #: What ``/leader`` answers (:func:`leader_state`; the control plane sets it).
+        self.leader: dict[str, Any] = leader_state(False, "", 0)
         self.load = load if load is not None else LoadTracker()
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
         # KV-cache blocks per replica, fed by the control plane (kv_update/kv_forget); a
@@ -176,6 +178,7 @@ class Gateway:
 
         app.add_url_rule("/healthz", "healthz", self._healthz, methods=["GET"])
         app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
+        app.add_url_rule("/leader", "leader", self._leader, methods=["GET"])
         app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])
@@ -231,6 +234,10 @@ class Gateway:
         if not_ready is not None:
             return _json({"status": "not ready", "reason": not_ready}, 503)
         return _json({"status": "ready"})
+
+    async def _leader(self) -> Response:
+        state = self.leader
+        return _json(state, 200 if state["leading"] else 503)
 
     def upstream_client(self) -> UpstreamClient:
         """Return the upstream client; raise a 503 GatewayError if the gateway is not serving."""
@@ -619,6 +626,12 @@ async def _served_by_fast_forward() -> Response:
     before Quart sees it; reaching this view is a bug (answered 500).
     """
     raise RuntimeError("a forwarded POST reached Quart: the FastForward middleware is missing")
+
+
+def leader_state(leading: bool, leader: str, epoch: int) -> dict[str, Any]:
+    """Returns the body of ``GET /leader``: whether this control plane leads, who does
+    ("" while unknown) and at which epoch."""
+    return {"leading": leading, "leader": leader, "epoch": epoch}
 
 
 def _json(value: object, status: int = 200) -> Response:

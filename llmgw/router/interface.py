@@ -85,6 +85,12 @@ class GatewayInterface(abc.ABC):
         once it is (200). A control plane that starts marks it not ready until its replica
         table is rebuilt; ``/healthz`` (liveness) does not change."""
 
+    @abc.abstractmethod
+    def set_leader(self, leading: bool, leader: str, epoch: int) -> None:
+        """Say whether this control plane leads (``GET /leader`` answers 200 on the leader,
+        503 elsewhere, for load balancers and keepalived), who does and at which epoch
+        (``leader`` "" while unknown)."""
+
     # -- access (down) -------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -15,7 +15,7 @@ import trio
 
 from llmgw.spec import KvDelta
 
-from .app import Gateway
+from .app import Gateway, leader_state
 from .http.serve import GRACEFUL_SHUTDOWN_S, serve_gateway
 from .interface import (
     AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageBatch, UsageCounts,
@@ -40,6 +40,9 @@ class GatewayState(GatewayInterface):
 
     def set_readiness(self, not_ready: str | None) -> None:
         self.gateway.not_ready = not_ready
+
+    def set_leader(self, leading: bool, leader: str, epoch: int) -> None:
+        self.gateway.leader = leader_state(leading, leader, epoch)
 
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)

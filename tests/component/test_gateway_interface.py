@@ -47,6 +47,9 @@ class RecordingGateway(GatewayInterface):
     def kv_forget(self, replica_id: str) -> None:
         raise AssertionError("no KV deltas in these tests")
 
+    def set_leader(self, leading: bool, leader: str, epoch: int) -> None:
+        self.leader = (leading, leader, epoch)
+
     def set_readiness(self, not_ready: str | None) -> None:
         self.readiness.append(not_ready)
         self.readiness_changed.set()

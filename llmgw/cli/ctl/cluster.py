@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import click
@@ -16,9 +17,14 @@ from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG
 @json_option
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Cluster summary: nodes, replicas, models, what could not be placed."""
+    """Cluster summary: who leads, nodes, replicas, models, what could not be placed."""
     st = call(ctx, as_json, lambda c: c.status())
     click.echo(f"llmgw {st.version}  gateway {st.gateway_url}")
+    if st.leader:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.leader_since))
+        click.echo(f"leader: {st.leader} (epoch {st.epoch}, since {since})")
+    if len(st.control_planes) > 1:
+        click.echo("control planes: " + ", ".join(f"{p.name} {p.role}" for p in st.control_planes))
     click.echo(f"nodes: {st.nodes_online} online, {st.nodes_lost} lost")
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
     for reason in st.unplaceable:

@@ -46,7 +46,7 @@ from llmgw.spec import KvDelta, split_delta
 from llmgw.trioutil import unwrap_single_group
 
 from ..admission import Admission, AdmissionLimits, TenantCounters
-from ..app import Gateway
+from ..app import Gateway, leader_state
 from ..auth import AuthTable, KeyEntry
 from ..http.serve import CUT_SLACK_S, SHUTDOWN_SLACK_S
 from ..interface import AccessState, GatewayStatus, UsageCounts
@@ -240,6 +240,13 @@ class GatewayPool(GatewayState):
             super().set_readiness(not_ready)
             self.state_changed()
 
+    def set_leader(self, leading: bool, leader: str, epoch: int) -> None:
+        """Set the master's leader state; the pusher sends it to every worker (each answers ``/leader``)."""
+        state = leader_state(leading, leader, epoch)
+        if self.master.leader != state:
+            self.master.leader = state
+            self.state_changed()
+
     async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
         """Collect every worker's counts first (:meth:`collect`), then return the master's."""
         await self.collect()
@@ -263,7 +270,7 @@ class GatewayPool(GatewayState):
         return {
             "t": "state", "version": self._version, "table": encode_table(m.table),
             "keys": encode_keys(m.auth.entries if isinstance(m.auth, ObservedAuthTable) else (), self.workers),
-            "stopped": m.stopped, "not_ready": m.not_ready,
+            "stopped": m.stopped, "not_ready": m.not_ready, "leader": m.leader,
         }
 
     async def _sync(self, slot: _Slot) -> None:

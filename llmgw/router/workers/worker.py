@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from ...gctune import tune_for_serving
-from ..app import Gateway
+from ..app import Gateway, leader_state
 from ..build import assemble_gateway
 from ..http.serve import serve_gateway
 from ..metrics_access import MetricsAccess, MetricsGate
@@ -107,6 +107,7 @@ class Worker:
         self.gateway.auth.replace(decode_keys(state["keys"]))
         self.gateway.stopped = bool(state["stopped"])
         self.gateway.not_ready = state.get("not_ready")
+        self.gateway.leader = state.get("leader") or leader_state(False, "", 0)
 
     def apply_kv(self, message: Message) -> None:
         """Apply one of the :data:`KV_KINDS` messages to the gateway's KV index (and policy).
