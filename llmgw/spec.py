@@ -7,6 +7,7 @@ turns them into Cap'n Proto structs and back at the edge. Nothing here does I/O.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, Iterable, Mapping
 
 import attrs
@@ -320,3 +321,22 @@ def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
         "adapters": adapters_to_dicts(spec.adapters),
         "max_loaded_adapters": spec.max_loaded_adapters,
     }
+
+
+# -- several control planes ----------------------------------------------------------------
+
+#: How a standby names the leader when it refuses a call only the leader answers; agents
+#: and clients read the address back with :func:`leader_hint` and dial it next.
+_LEADER_HINT = re.compile(r"the leader is (\S+) at (\S+) \(epoch (\d+)\)")
+
+
+def not_leader_message(name: str, leader: str, address: str, epoch: int) -> str:
+    """Returns the refusal of control plane ``name``, a standby, naming the ``leader`` at
+    ``address`` (host:port of its RPC port) and its ``epoch``."""
+    return f"control plane {name} is a standby: the leader is {leader} at {address} (epoch {epoch})"
+
+
+def leader_hint(reason: str) -> str | None:
+    """Returns the leader's RPC address named in a standby's refusal ``reason``, or None."""
+    match = _LEADER_HINT.search(reason)
+    return match.group(2) if match else None

@@ -20,7 +20,7 @@ Nursery tree::
     ├── follower (while a standby: the peer session with the leader, into the gateway)
     └── election ── while leading: Term
                      ├── registry watchdog (marks silent nodes LOST)
-                     ├── reconciler (catalog vs fleet, one placement pass at a time)
+                     ├── reconciler (once the known nodes are back: catalog vs fleet, one pass at a time)
                      └── route feed (catalog x ready replicas -> the gateway and the standbys)
 """
 
@@ -50,6 +50,7 @@ from llmgw.control.store import Store, open_store
 from llmgw.router.interface import GatewayInterface
 from llmgw.rpc import net
 from llmgw.rpc.tls import Identity
+from llmgw.spec import not_leader_message
 from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,7 @@ async def run_control_plane(
                 leader = plane_ref[0].election.leader if plane_ref else None
                 if leader is None or current_term() is not None:
                     return f"control plane {name or '(unnamed)'} does not lead yet: try again in a few seconds"
-                return (f"control plane {name or '(unnamed)'} is a standby: the leader is {leader.name} "
-                        f"at {leader.rpc_address} (epoch {leader.epoch})")
+                return not_leader_message(name or "(unnamed)", leader.name, leader.rpc_address, leader.epoch)
 
             cluster = ClusterServices(
                 store=store, heartbeat_interval=heartbeat_interval, term=current_term, not_leader=not_leader,
@@ -208,10 +208,16 @@ async def run_control_plane(
                     async with trio.open_nursery() as term_nursery:
                         await term_nursery.start(registry.watchdog)
                         reconciler = Reconciler(registry, store.list_models, sessions)
-                        await term_nursery.start(reconciler.run)
                         routes = RouteFeed(store, registry, tee, heartbeat_interval=heartbeat_interval,
                                            inherited=inherited[0] if inherited else None)
                         await term_nursery.start(routes.run)
+
+                        async def reconcile_once_rejoined() -> None:
+                            # Placing before the nodes are back would start replicas that already run.
+                            await routes.rejoined.wait()
+                            await reconciler.run()
+
+                        term_nursery.start_soon(reconcile_once_rejoined)
 
                         def catalog_changed() -> None:
                             reconciler.catalog_changed()

@@ -68,6 +68,9 @@ class RouteFeed:
         self.registry = registry
         self.gateway = gateway  # or anything with its feeding methods (llmgw.control.peers.FeedTee)
         self.inherited = inherited
+        #: Set once the nodes the store knew are back (or the rejoin window is over): from
+        #: then on the registry is the fleet, and placing replicas on it is safe.
+        self.rejoined = trio.Event()
         self.rejoin_window = REJOIN_HEARTBEATS * heartbeat_interval
         self._catalog_version = 0
         self._catalog_event = trio.Event()
@@ -115,6 +118,7 @@ class RouteFeed:
             if not ready and self._rejoined(expected, ready_at):
                 ready = True
                 self.gateway.set_readiness(None)
+                self.rejoined.set()
                 log.info("gateway ready: the replica table is rebuilt")
                 if self.inherited:
                     continue  # once more, without the inherited replicas of nodes that did not come back

@@ -35,7 +35,7 @@ from llmgw.node.weights import disk_usage, prepare_weights_dir
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.errors import remote_reason
-from llmgw.spec import KvDelta, ShardStatus
+from llmgw.spec import KvDelta, ShardStatus, leader_hint
 
 log = logging.getLogger(__name__)
 #: A control plane that is down is dialled every second or so: one line per address, then one per interval.
@@ -162,6 +162,8 @@ class Agent:
     #: Where fetched weights go; created at start, its disk reported in every heartbeat
     #: (None: ``<supervisor state dir>/../weights``).
     weights_dir: Path | None = None
+    #: The leader's address a standby named when it refused the last join (None: none named).
+    _leader_hint: str | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.converger is None:
@@ -186,25 +188,39 @@ class Agent:
     async def _session_loop(self) -> None:
         """Keeps a session with the first control plane of the list that accepts, until cancelled.
 
-        After a session ends or every address failed, waits the backoff (jittered) and goes
-        round the list again; the backoff doubles up to ``backoff_max`` and starts again
+        A standby refuses the join naming the leader, which is dialled next; the control
+        plane whose session just ended is tried last (it may be frozen, and a frozen one
+        takes the whole TLS handshake timeout to give up on). After a session ends or every
+        address failed, waits the backoff (jittered) and goes round the list again; the backoff doubles up to ``backoff_max`` and starts again
         from :data:`RECONNECT_BACKOFF_MIN` once a join is accepted.
         """
         backoff = RECONNECT_BACKOFF_MIN
+        failed: str | None = None  # the control plane whose session ended last: tried last
         while True:
             worked = False
-            for address in self.control_planes:
+            order = [a for a in self.control_planes if a != failed] + ([failed] if failed else [])
+            index = 0
+            while index < len(order):
+                address = order[index]
+                index += 1
                 try:
                     stream = await net.connect(address, self.context)
                 except net.ConnectError as exc:
                     _unreachable.failure(address, logging.WARNING, "agent: %s", exc)
                     continue
                 _unreachable.recovered(address, "agent: %s answers again", address)
+                self._leader_hint = None
                 try:
                     worked = await self._session(address, stream)
                 finally:
                     await trio.aclose_forcefully(stream)
-                break
+                if worked:
+                    failed = address
+                    break
+                # A standby refused the join naming the leader: dial it next.
+                hint = self._leader_hint
+                if hint is not None and hint != failed and hint not in order[:index]:
+                    order.insert(index, hint)
             if worked:
                 backoff = RECONNECT_BACKOFF_MIN
             await trio.sleep(backoff * random.uniform(RECONNECT_JITTER, 1.0))
@@ -305,6 +321,8 @@ class Agent:
         except trio.TooSlowError:
             log.warning("agent: %s stopped answering; reconnecting", address)
         except capnp.KjException as exc:
+            if not joined:
+                self._leader_hint = leader_hint(remote_reason(exc))
             if joined:
                 log.warning("agent: session with %s ended: %s", address, _describe(exc, joined))
             else:

@@ -1,0 +1,187 @@
+"""Several control planes on one PostgreSQL store: real processes on loopback.
+
+Three ``llmgw server`` processes share the test's database and the cluster CA; two agents
+list all three. One leads; the standbys' gateways route by the leader's stream; killing or
+freezing the leader hands the lead to a standby without restarting an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+import trio
+import yaml
+
+from llmgw.cli.pki import issue_to
+from tests.system.harness import LLMGW, Cluster, Proc, engines_under, eventually, ready_replicas
+from tests.system.test_restarts import Load, one_request
+
+pytestmark = pytest.mark.postgres
+
+#: Short, so a frozen leader is deposed within seconds (the default is 10 s).
+LEASE = "2s"
+
+
+class ControlPlaneProc:
+    """One more control plane of ``cluster``: its own state directory and certificate."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.name = name
+        self.dir = cluster.root / name
+        config = yaml.safe_load(cluster.server_yaml.read_text())
+        config["state_dir"] = str(self.dir)
+        self.yaml = cluster.root / f"{name}.yaml"
+        self.yaml.write_text(yaml.safe_dump(config))
+        issue_to(cluster.ca(), "control", name, self.dir / "server", sans=["127.0.0.1"])
+        self.proc: Proc | None = None
+        self.rpc = ""
+        self.gateway = ""
+
+    async def start(self, root: Path) -> None:
+        self.proc = Proc([*LLMGW, "server", "-c", str(self.yaml)], root / f"{self.name}.log")
+        m = await self.proc.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
+        self.rpc, self.gateway = m.group(1), m.group(2)
+
+
+@pytest.fixture
+async def ha(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[Cluster, list[ControlPlaneProc]]]:
+    """cp-1 (the first server, so the leader) and the standbys cp-2, cp-3; no agents yet."""
+    cluster = Cluster(tmp_path, store_url=pg_dsn, extra={"leader_lease": LEASE})
+    standbys: list[ControlPlaneProc] = []
+    try:
+        await cluster.init()
+        await cluster.start_server()
+        for name in ("cp-2", "cp-3"):
+            standby = ControlPlaneProc(cluster, name)
+            await standby.start(tmp_path)
+            standbys.append(standby)
+        yield cluster, standbys
+    finally:
+        for standby in standbys:
+            if standby.proc is not None:
+                standby.proc.signal(signal.SIGCONT)
+                standby.proc.kill()
+        cluster.stop()
+
+
+async def start_agents(cluster: Cluster, standbys: list[ControlPlaneProc], *nodes: str) -> None:
+    planes = [cluster.rpc, *(s.rpc for s in standbys)]
+    for node in nodes:
+        await cluster.start_agent(node, extra={"control_planes": planes})
+
+
+def status_via(cluster: Cluster, rpc: str) -> dict[str, Any] | None:
+    """``ctl status --json`` through the control plane at ``rpc`` (None if it failed)."""
+    out = cluster.ctl("--server", rpc, "status", "--json")
+    if out.returncode != 0:
+        return None
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+async def served(http: httpx.AsyncClient, gateway: str) -> bool:
+    response = await http.post(f"{gateway}/v1/completions", json={"model": "m1", "prompt": "hi", "max_tokens": 2})
+    return response.status_code == 200
+
+
+async def test_killing_the_leader_hands_the_lead_to_a_standby_with_no_engine_restarted(
+    ha: tuple[Cluster, list[ControlPlaneProc]],
+) -> None:
+    cluster, standbys = ha
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(f"{cluster.gateway}/leader")).status_code == 200
+        for standby in standbys:
+            response = await http.get(f"{standby.gateway}/leader")
+            assert response.status_code == 503 and response.json()["leader"] != standby.name
+            assert (await http.get(f"{standby.gateway}/healthz")).status_code == 200
+
+        await start_agents(cluster, standbys, "node-a", "node-b")
+        assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
+        await ready_replicas(cluster, "m1", 2)
+        # ctl pointed at a standby answers the same (the standby passes it to the leader).
+        via_standby = status_via(cluster, standbys[0].rpc)
+        assert via_standby is not None and via_standby["replicas_ready"] == 2
+        roles = {p["name"]: p["role"] for p in via_standby["control_planes"]}
+        assert roles["cp-2"] == roles["cp-3"] == "standby", roles
+        old_leader, old_epoch = via_standby["leader"], via_standby["epoch"]
+        # Every standby's gateway routes by the leader's table.
+        for standby in standbys:
+            await eventually(lambda s=standby: served(http, s.gateway), f"{standby.name} serves m1")
+        engines = sorted(p.pid for p in engines_under(cluster.root))
+        assert len(engines) == 2
+
+        load = Load()
+        stop = trio.Event()
+        killed = trio.Event()
+
+        async def requests_through_standby() -> None:
+            index = 0
+            while not stop.is_set():
+                index += 1
+                await one_request(http, standbys[0].gateway, index, load)
+                if killed.is_set() and load.counts["ok"] >= 1000:
+                    break
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(requests_through_standby)
+            await eventually(lambda: load.counts["ok"] >= 20, "requests through cp-2 before the kill")
+            assert cluster.server is not None
+            cluster.server.kill()
+            killed.set()
+
+            async def new_leader() -> dict[str, Any] | None:
+                st = status_via(cluster, standbys[0].rpc) or status_via(cluster, standbys[1].rpc)
+                return st if st and st["leader"] in ("cp-2", "cp-3") and st["replicas_ready"] == 2 else None
+
+            st = await eventually(new_leader, "a standby leads with both replicas adopted")
+            after = load.counts["ok"]
+            await eventually(lambda: load.counts["ok"] >= after + 20, "requests through cp-2 after the failover")
+            stop.set()
+
+        assert st["epoch"] > old_epoch and st["leader"] != old_leader
+        assert load.counts["failed"] == 0, load.failures
+        assert sorted(p.pid for p in engines_under(cluster.root)) == engines  # no engine restarted
+        leader = next(s for s in standbys if s.name == st["leader"])
+        assert (await http.get(f"{leader.gateway}/leader")).status_code == 200
+        other = next(s for s in standbys if s.name != st["leader"])
+        assert (await http.get(f"{other.gateway}/leader")).status_code == 503
+        await eventually(lambda: served(http, other.gateway), "the other standby serves from the new leader")
+
+
+async def test_a_frozen_leader_is_deposed_and_steps_down_when_it_wakes(
+    ha: tuple[Cluster, list[ControlPlaneProc]],
+) -> None:
+    cluster, standbys = ha
+    await start_agents(cluster, standbys, "node-a")
+    assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "1").returncode == 0
+    await ready_replicas(cluster, "m1", 1)
+    engines = sorted(p.pid for p in engines_under(cluster.root))
+    first = status_via(cluster, cluster.rpc)
+    assert first is not None and first["epoch"] >= 1
+    assert cluster.server is not None
+    cluster.server.signal(signal.SIGSTOP)
+
+    async def deposed() -> dict[str, Any] | None:
+        st = status_via(cluster, standbys[0].rpc) or status_via(cluster, standbys[1].rpc)
+        return st if st and st["leader"] in ("cp-2", "cp-3") and st["replicas_ready"] == 1 else None
+
+    st = await eventually(deposed, "a standby leads while cp-1 is frozen")
+    assert st["epoch"] > first["epoch"]
+    cluster.server.signal(signal.SIGCONT)
+    await cluster.server.wait_for_line(r"stopped leading \(epoch %d\)" % first["epoch"])
+    async with httpx.AsyncClient(timeout=10) as http:
+        await eventually(lambda: _is(http, f"{cluster.gateway}/leader", 503), "cp-1 says it does not lead")
+        # The woken control plane is a standby now: ctl through it reaches the new leader.
+        again = await eventually(lambda: status_via(cluster, cluster.rpc), "ctl through cp-1")
+        assert again["leader"] == st["leader"] and again["epoch"] == st["epoch"]
+        await eventually(lambda: served(http, cluster.gateway), "cp-1's gateway serves from the new leader")
+    assert sorted(p.pid for p in engines_under(cluster.root)) == engines
+
+
+async def _is(http: httpx.AsyncClient, url: str, status: int) -> bool:
+    return (await http.get(url)).status_code == status
+
