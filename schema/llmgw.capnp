@@ -171,6 +171,8 @@ interface GatewayFeed {
   routes @0 (replicas :List(RouteReplica), models :List(RouteModel)) -> ();
   kvUpdate @1 (replica :Text, update :KvUpdate) -> ();
   kvForget @2 (replica :Text) -> ();
+  accessChanged @3 () -> ();
+  # Keys, tenants or serving.stopped changed in the store: reload them now.
 }
 
 interface ControlPeer {

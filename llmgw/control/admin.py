@@ -172,5 +172,5 @@ def make_admin(services: AdminServices, actor: str) -> Any:
             _context.results.output = await session.check_engine(engine_name)
 
     server = AdminServer()
-    server.bind_access(services.store, services.access, actor)
+    server.bind_access(services.store, services.access, actor, serving_changed=services.catalog_changed)
     return server

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import trio
 
@@ -86,6 +86,8 @@ class AccessSync:
         self.usage_flush_interval = usage_flush_interval
         self.usage_journal = usage_journal
         self._reload_lock = trio.Lock()
+        #: Called by :meth:`changed` (the leader tells its standbys to reload at once).
+        self.on_change: Callable[[], None] | None = None
         # Held while counts move from the gateway to the store, so a reader sees them in
         # exactly one of the two places (usage_totals).
         self._flush_lock = trio.Lock()
@@ -105,6 +107,12 @@ class AccessSync:
             access = AccessState(tuple(key_entries(tenants, keys)),
                                  bool(stopped.value) if stopped is not None else False)
             await self.gateway.apply_access(access)
+
+    def changed(self) -> None:
+        """An admin call changed keys, tenants or ``serving.stopped`` (and :meth:`reload`
+        applied it here): tell whoever listens (the standbys, on a leader). Never raises."""
+        if self.on_change is not None:
+            self.on_change()
 
     async def flush_usage(self) -> None:
         """Write the usage counted since the last flush to the store.

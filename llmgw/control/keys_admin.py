@@ -12,7 +12,7 @@ is for the operator.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from llmgw.catalog import validate_tenant
 from llmgw.control.keys import SERVING_STOPPED, AccessSync, new_api_key, tenant_record
@@ -70,14 +70,20 @@ class AccessAdminMixin:
     _access: AccessSync
     _access_actor: str
 
-    def bind_access(self, store: Store, access: AccessSync, actor: str) -> None:
-        """Act on ``store`` and the gateway behind ``access`` for ``actor`` (the admin certificate's name)."""
+    def bind_access(
+        self, store: Store, access: AccessSync, actor: str, serving_changed: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Act on ``store`` and the gateway behind ``access`` for ``actor`` (the admin
+        certificate's name); ``serving_changed`` is called after ``serving.stopped`` changed
+        (the reconciler frees or places every model's replicas)."""
         self._access_store = store
         self._access = access
         self._access_actor = actor
+        self._serving_changed = serving_changed
 
     async def _applied(self) -> None:
         await self._access.reload()
+        self._access.changed()
 
     async def listTenants(self, _context: Any, **_: Any) -> None:
         tenants = await self._access_store.list_tenants()
@@ -140,6 +146,7 @@ class AccessAdminMixin:
         await store.audit(self._access_actor, "serving.stop" if stopped else "serving.start", SERVING_STOPPED,
                           {"value": stopped})
         await self._applied()
+        self._serving_changed()
         _context.results.stopped = stopped
 
 

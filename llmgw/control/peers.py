@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import ssl
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import capnp
 import trio
@@ -123,6 +123,10 @@ class FeedTee:
     def set_readiness(self, not_ready: str | None) -> None:
         self.gateway.set_readiness(not_ready)
 
+    def access_changed(self) -> None:
+        """Keys, tenants or ``serving.stopped`` changed: every standby reloads them."""
+        self._send(("access",))
+
     def _send(self, item: tuple[Any, ...]) -> None:
         for peer in self._peers:
             peer.put(item)
@@ -177,8 +181,10 @@ async def pump(tee: FeedTee, queue: _PeerQueue, feed: Any, name: str) -> None:
                     )
                 elif item[0] == "kv":
                     await feed.kvUpdate(item[1], convert.kv_update_dict(item[2]))
-                else:
+                elif item[0] == "forget":
                     await feed.kvForget(item[1])
+                else:
+                    await feed.accessChanged()
     except (PeerTooSlow, trio.TooSlowError, capnp.KjException) as exc:
         log.warning("standby %s: the stream to it ended: %s", name, exc)
     finally:
@@ -188,8 +194,9 @@ async def pump(tee: FeedTee, queue: _PeerQueue, feed: Any, name: str) -> None:
 class Follower:
     """A standby's side of the peer session (see :func:`follow_leader`)."""
 
-    def __init__(self, gateway: GatewayInterface) -> None:
+    def __init__(self, gateway: GatewayInterface, reload_access: Callable[[], Awaitable[None]]) -> None:
         self.gateway = gateway
+        self.reload_access = reload_access
         #: The last route table the leader sent (handed to this control plane's route feed
         #: when it takes the lead, so its gateway keeps routing while the nodes rejoin).
         self.routes: RouteTable | None = None
@@ -220,6 +227,12 @@ class Follower:
 
             async def kvForget(self, replica: str, **_: Any) -> None:
                 follower.gateway.kv_forget(str(replica))
+
+            async def accessChanged(self, **_: Any) -> None:
+                try:
+                    await follower.reload_access()
+                except Exception as exc:  # noqa: BLE001 - the periodic reload retries
+                    log.warning("standby: could not reload keys and settings: %s", exc)
 
         return FeedServer()
 

@@ -26,6 +26,7 @@ Nursery tree::
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 from pathlib import Path
@@ -39,7 +40,7 @@ from llmgw.config.defaults import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_NODE_LOST_
 from llmgw.config.values import is_loopback_host
 from llmgw.control.admin import AdminServices, make_admin
 from llmgw.control.cluster import ClusterServices, handle_connection
-from llmgw.control.keys import AccessSync
+from llmgw.control.keys import SERVING_STOPPED, AccessSync
 from llmgw.control.leader import LEADER_LEASE_S, LeaderElection
 from llmgw.control.peers import FeedTee, Follower
 from llmgw.control.reconciler import Reconciler
@@ -50,7 +51,7 @@ from llmgw.control.store import Store, open_store
 from llmgw.router.interface import GatewayInterface
 from llmgw.rpc import net
 from llmgw.rpc.tls import Identity
-from llmgw.spec import not_leader_message
+from llmgw.spec import ModelSpec, not_leader_message
 from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ async def run_control_plane(
             bound_http = await nursery.start(access.serve, http_host, http_port)
             gateway_url = f"http://{_url_host(http_host)}:{bound_http}"
             plane_ref: list[ControlPlane] = []
-            follower = Follower(gateway)
+            follower = Follower(gateway, access.reload)
 
             def current_term() -> Term | None:
                 return plane_ref[0].term if plane_ref else None
@@ -204,10 +205,11 @@ async def run_control_plane(
                 tee = FeedTee(gateway, inherited)
                 sessions.on_kv_update = tee.kv_update
                 registry.on_shard_gone = tee.kv_forget
+                access.on_change = tee.access_changed
                 try:
                     async with trio.open_nursery() as term_nursery:
                         await term_nursery.start(registry.watchdog)
-                        reconciler = Reconciler(registry, store.list_models, sessions)
+                        reconciler = Reconciler(registry, functools.partial(desired_models, store), sessions)
                         routes = RouteFeed(store, registry, tee, heartbeat_interval=heartbeat_interval,
                                            inherited=inherited[0] if inherited else None)
                         await term_nursery.start(routes.run)
@@ -234,6 +236,7 @@ async def run_control_plane(
                         await trio.sleep_forever()
                 finally:
                     plane.term = None
+                    access.on_change = None
                     sessions.close_all()
 
             async def publish_leader() -> None:
@@ -249,6 +252,16 @@ async def run_control_plane(
             log.info("control plane %s: rpc on %s:%d, gateway on %s (%s)", name, rpc_host, bound_rpc, gateway_url,
                      f"leads at epoch {election.epoch}" if election.leading else "standby")
             task_status.started(plane)
+
+
+async def desired_models(store: Store) -> list[ModelSpec]:
+    """Returns the catalog as the reconciler should run it: every model at no replicas while
+    the cluster setting ``serving.stopped`` is on (``llmgw ctl stop``), as stored otherwise."""
+    models = await store.list_models()
+    stopped = await store.get_setting(SERVING_STOPPED)
+    if stopped is not None and stopped.value:
+        return [attrs.evolve(m, profile=attrs.evolve(m.profile, replicas=0)) for m in models]
+    return models
 
 
 async def _leadership_fields(

@@ -151,6 +151,11 @@ async def test_killing_the_leader_hands_the_lead_to_a_standby_with_no_engine_res
         assert (await http.get(f"{other.gateway}/leader")).status_code == 503
         await eventually(lambda: served(http, other.gateway), "the other standby serves from the new leader")
 
+        # ctl stop through a standby: the leader stores it and every gateway answers 503.
+        assert cluster.ctl("--server", other.rpc, "stop").returncode == 0
+        for gateway in (leader.gateway, other.gateway):
+            await eventually(lambda g=gateway: _stopped(http, g), f"{gateway} answers system_stopped")
+
 
 async def test_a_frozen_leader_is_deposed_and_steps_down_when_it_wakes(
     ha: tuple[Cluster, list[ControlPlaneProc]],
@@ -180,6 +185,11 @@ async def test_a_frozen_leader_is_deposed_and_steps_down_when_it_wakes(
         assert again["leader"] == st["leader"] and again["epoch"] == st["epoch"]
         await eventually(lambda: served(http, cluster.gateway), "cp-1's gateway serves from the new leader")
     assert sorted(p.pid for p in engines_under(cluster.root)) == engines
+
+
+async def _stopped(http: httpx.AsyncClient, gateway: str) -> bool:
+    response = await http.post(f"{gateway}/v1/completions", json={"model": "m1", "prompt": "hi", "max_tokens": 2})
+    return response.status_code == 503 and response.json()["error"]["code"] == "system_stopped"
 
 
 async def _is(http: httpx.AsyncClient, url: str, status: int) -> bool:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.system.harness import Cluster, ready_replicas
+from tests.system.harness import Cluster, alive, engines_under, eventually, iter_replicas, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -70,11 +70,19 @@ async def test_keys_tenants_usage_and_stop_through_ctl(cluster: Cluster) -> None
         assert updated["models"] is None and updated["rpm"] == 1000
         assert (await http.post("/v1/chat/completions", json={**BODY, "model": "m2"}, headers=headers)).status_code == 404
 
+        [before] = await ready_replicas(cluster, "m1")
         assert cluster.ctl_json("stop")["serving_stopped"] is True
         stopped = await http.post("/v1/chat/completions", json=BODY, headers=headers)
         assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "system_stopped"
         assert int(stopped.headers["retry-after"]) > 0
+        # Stopped: every replica is stopped and its engine ended (the model stays in the catalog).
+        await eventually(lambda: not list(iter_replicas(cluster, "m1")) and not engines_under(cluster.root),
+                         "every replica stopped")
+        assert [m["name"] for m in cluster.ctl_json("models", "list")] == ["m1"]
+        assert not alive(before["pid"])
         assert cluster.ctl_json("start")["serving_stopped"] is False
+        [after_start] = await ready_replicas(cluster, "m1")
+        assert after_start["id"] != before["id"]
         assert (await http.post("/v1/chat/completions", json=BODY, headers=headers)).status_code == 200
 
         revoked = cluster.ctl_json("keys", "revoke", key_id)

@@ -17,14 +17,16 @@ def _set_serving_stopped(ctx: click.Context, as_json: bool, stopped: bool, done:
 @json_option
 @click.pass_context
 def stop(ctx: click.Context, as_json: bool) -> None:
-    """Stop serving: every POST under /v1/ answers 503 system_stopped (setting serving.stopped)."""
+    """Stop serving: every POST under /v1/ answers 503 system_stopped and every replica is
+    stopped (GPUs freed); models, control planes and agents stay (setting serving.stopped)."""
     _set_serving_stopped(ctx, as_json, True,
-                         "serving stopped: the gateway answers 503 system_stopped until `llmgw ctl start`")
+                         "serving stopped: the gateway answers 503 system_stopped and every replica is being "
+                         "stopped, until `llmgw ctl start`")
 
 
 @click.command()
 @json_option
 @click.pass_context
 def start(ctx: click.Context, as_json: bool) -> None:
-    """Resume serving after `llmgw ctl stop`."""
-    _set_serving_stopped(ctx, as_json, False, "serving resumed")
+    """Resume serving after `llmgw ctl stop`: every model is placed again."""
+    _set_serving_stopped(ctx, as_json, False, "serving resumed: every model is being placed again")
