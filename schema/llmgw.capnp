@@ -202,6 +202,9 @@ interface Agent {
   # against). The agent converges on it in the background and reports progress through NodeDesk.reportEngines.
   checkEngine @4 (engine :Text) -> (output :Text);
   # Runs the engine's version and device check on the node; fails with the reason when it cannot run.
+  controlPlanes @5 (addresses :List(Text)) -> ();
+  # The RPC addresses of every control plane of the cluster, the leader first: the agent dials them
+  # (and keeps them beside its state) from now on, before the ones its agent.yaml names.
 }
 
 struct KvUpdate {

@@ -54,6 +54,8 @@ class ClusterServices:
     #: Returns the ``Admin`` capability for an admin certificate's name (on a standby, the
     #: leader's); raises ConnectionError when there is none to give.
     make_admin: Callable[[str], Awaitable[Any]]
+    #: Returns the RPC addresses of every control plane, this one (the leader) first.
+    control_planes: Callable[[], Awaitable[list[str]]]
 
 
 class NotLeaderError(RuntimeError):
@@ -134,6 +136,7 @@ def _make_cluster(
             nursery.start_soon(watch_heartbeats, session, registry.lost_after)
             nursery.start_soon(_adopt_all, session, [spec.id for spec, _ in shards])
             nursery.start_soon(_push_engines, session, dict(sessions.wanted_engines))
+            nursery.start_soon(_push_planes, services, [session])
             nursery.start_soon(_record_seen, services, node_id, address)
             log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
             _context.results.desk = session.desk()
@@ -156,6 +159,7 @@ def _make_cluster(
                 raise RuntimeError("this connection streams to a standby already")
             state["peer"] = True
             queue = term.tee.attach(identity.name)
+            nursery.start_soon(_push_planes, services, term.sessions.all())  # it may be new to them
             nursery.start_soon(_stream_then_close, term, queue, feed, identity.name, nursery.cancel_scope)
             log.info("standby %s attached: streaming routes and KV state to it (epoch %d)", identity.name, term.epoch)
             _context.results.peer = _make_control_peer(services, term)
@@ -205,6 +209,21 @@ async def _push_engines(session: NodeSession, wanted: dict[str, str]) -> None:
         await session.want_engines(wanted)
     except Exception as exc:  # noqa: BLE001 - an older agent without wantEngines still serves
         log.warning("node %s: could not send its wanted engines: %s", session.node_id, exc)
+
+
+async def _push_planes(services: ClusterServices, sessions: list[NodeSession]) -> None:
+    """Tell the agents of ``sessions`` every control plane's address (the leader first)."""
+    try:
+        with trio.fail_after(STORE_WRITE_TIMEOUT):
+            addresses = await services.control_planes()
+    except Exception as exc:  # noqa: BLE001 - the agents keep the list they have
+        log.warning("could not read the control planes to tell the nodes: %s", exc)
+        return
+    for session in sessions:
+        try:
+            await session.tell_control_planes(addresses)
+        except Exception as exc:  # noqa: BLE001 - an older agent without controlPlanes still serves
+            log.warning("node %s: could not send it the control planes: %s", session.node_id, exc)
 
 
 async def _record_seen(services: ClusterServices, node_id: str, address: str) -> None:

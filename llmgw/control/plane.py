@@ -175,9 +175,14 @@ async def run_control_plane(
                     return f"control plane {name or '(unnamed)'} does not lead yet: try again in a few seconds"
                 return not_leader_message(name or "(unnamed)", leader.name, leader.rpc_address, leader.epoch)
 
+            async def control_planes() -> list[str]:
+                me = plane_ref[0].election.rpc_address if plane_ref else ""
+                others = [r.rpc_address for r in await store.list_control_planes() if r.rpc_address != me]
+                return [me, *others] if me else others
+
             cluster = ClusterServices(
                 store=store, heartbeat_interval=heartbeat_interval, term=current_term, not_leader=not_leader,
-                make_admin=admin_for,
+                make_admin=admin_for, control_planes=control_planes,
             )
 
             async def handler(stream: trio.SSLStream, identity: Identity) -> None:

@@ -174,6 +174,11 @@ class NodeSession:
         with trio.fail_after(WANT_ENGINES_TIMEOUT):
             await self.agent.wantEngines([{"key": k, "value": v} for k, v in sorted(wanted.items())])
 
+    async def tell_control_planes(self, addresses: list[str]) -> None:
+        """Tell the agent the RPC addresses of every control plane, the leader first."""
+        with trio.fail_after(WANT_ENGINES_TIMEOUT):
+            await self.agent.controlPlanes(addresses)
+
     async def check_engine(self, engine: str) -> str:
         """Returns the output of ``engine``'s version and device check on this node."""
         with trio.fail_after(CHECK_ENGINE_TIMEOUT):
@@ -276,6 +281,10 @@ class NodeSessions:
         current = self._sessions.get(node_id)
         if current is not None and await current.answers():
             raise SessionConflict(node_id)
+
+    def all(self) -> list[NodeSession]:
+        """Returns every open node session."""
+        return list(self._sessions.values())
 
     def close_all(self) -> None:
         """Close every node session (this control plane stopped leading: the agents go and

@@ -29,6 +29,7 @@ from llmgw import __version__
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
+from llmgw.node.planes import ControlPlaneList
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
 from llmgw.node.weights import disk_usage, prepare_weights_dir
@@ -104,7 +105,9 @@ def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
     return ShardServer()
 
 
-def _make_agent_server(supervisor: Supervisor, converger: Converger | None = None) -> Any:
+def _make_agent_server(
+    supervisor: Supervisor, converger: Converger | None = None, planes: ControlPlaneList | None = None,
+) -> Any:
     s = schema.load()
 
     class AgentServer(s.Agent.Server):
@@ -127,6 +130,10 @@ def _make_agent_server(supervisor: Supervisor, converger: Converger | None = Non
             wanted = {str(kv.key): str(kv.value) for kv in engines}
             if converger is not None:
                 converger.want(wanted)
+
+        async def controlPlanes(self, addresses: Any, **_: Any) -> None:
+            if planes is not None:
+                planes.learn([str(a) for a in addresses])
 
         async def checkEngine(self, engine: str, _context: Any, **_: Any) -> None:
             name = str(engine)
@@ -164,12 +171,15 @@ class Agent:
     weights_dir: Path | None = None
     #: The leader's address a standby named when it refused the last join (None: none named).
     _leader_hint: str | None = attrs.field(default=None, init=False)
+    #: ``control_planes`` plus the list the leader sent (llmgw/node/planes.py).
+    _planes: ControlPlaneList = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.converger is None:
             self.converger = Converger({"sim": SimInstaller()})
         if self.weights_dir is None:
             self.weights_dir = self.supervisor.state_dir.parent / "weights"
+        self._planes = ControlPlaneList(self.control_planes, self.supervisor.state_dir.parent)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise engines and keep a session with a control plane until cancelled.
@@ -190,15 +200,18 @@ class Agent:
 
         A standby refuses the join naming the leader, which is dialled next; the control
         plane whose session just ended is tried last (it may be frozen, and a frozen one
-        takes the whole TLS handshake timeout to give up on). After a session ends or every
-        address failed, waits the backoff (jittered) and goes round the list again; the backoff doubles up to ``backoff_max`` and starts again
-        from :data:`RECONNECT_BACKOFF_MIN` once a join is accepted.
+        takes the whole TLS handshake timeout to give up on). The list is agent.yaml's plus
+        what the leader sent (:mod:`llmgw.node.planes`). After a session ends or every
+        address failed, waits the backoff (jittered) and goes round the list again; the
+        backoff doubles up to ``backoff_max`` and starts again from
+        :data:`RECONNECT_BACKOFF_MIN` once a join is accepted.
         """
         backoff = RECONNECT_BACKOFF_MIN
         failed: str | None = None  # the control plane whose session ended last: tried last
         while True:
             worked = False
-            order = [a for a in self.control_planes if a != failed] + ([failed] if failed else [])
+            known = self._planes.addresses()
+            order = [a for a in known if a != failed] + ([failed] if failed else [])
             index = 0
             while index < len(order):
                 address = order[index]
@@ -290,7 +303,7 @@ class Agent:
                     "shards": shards,
                     "engines": engines,
                     "features": ["adopt", "stop-grace"],
-                    "agent": _make_agent_server(self.supervisor, self.converger),
+                    "agent": _make_agent_server(self.supervisor, self.converger, self._planes),
                     "version": __version__,
                 }
                 with trio.fail_after(JOIN_TIMEOUT):

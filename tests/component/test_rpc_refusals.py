@@ -37,7 +37,7 @@ def _unused(*_: Any) -> Any:
 async def cluster_as(identity: Identity, store: Store) -> AsyncIterator[Any]:
     """Yields the ``Cluster`` bootstrap as ``identity`` sees it."""
     services = ClusterServices(store=store, heartbeat_interval=1.0, term=_unused, not_leader=_unused,
-                               make_admin=_unused)
+                               make_admin=_unused, control_planes=_unused)
     server_end, client_end = trio.testing.memory_stream_pair()
     async with capnp_runtime(), trio.open_nursery() as nursery:
         nursery.start_soon(handle_connection, services, server_end, identity)

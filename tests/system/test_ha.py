@@ -187,6 +187,35 @@ async def test_a_frozen_leader_is_deposed_and_steps_down_when_it_wakes(
     assert sorted(p.pid for p in engines_under(cluster.root)) == engines
 
 
+async def test_an_agent_that_knows_one_control_plane_learns_the_others_and_fails_over(
+    ha: tuple[Cluster, list[ControlPlaneProc]],
+) -> None:
+    cluster, standbys = ha
+    await cluster.start_agent("node-a")  # its agent.yaml names cp-1 only
+    learned = cluster.root / "node-a" / "state" / "control_planes.json"
+    expected = [cluster.rpc, *(s.rpc for s in standbys)]
+
+    def learned_all() -> bool:
+        return learned.exists() and sorted(json.loads(learned.read_text())) == sorted(expected)
+
+    await eventually(learned_all, "the agent learnt every control plane")
+    assert json.loads(learned.read_text())[0] == cluster.rpc  # the leader first
+    assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "1").returncode == 0
+    [replica] = await ready_replicas(cluster, "m1", 1)
+    assert cluster.server is not None
+    cluster.server.kill()
+    agent = cluster.agents["node-a"]
+    await agent.wait_for_line(r"agent: joined 127\.0\.0\.1:(?!%s)\d+ as node 'node-a' \(1 shards\)"
+                              % cluster.rpc.rsplit(":", 1)[1])
+
+    async def adopted() -> dict[str, Any] | None:
+        st = status_via(cluster, standbys[0].rpc) or status_via(cluster, standbys[1].rpc)
+        return st if st and st["replicas_ready"] == 1 else None
+
+    await eventually(adopted, "the new leader has the replica")
+    assert [p.pid for p in engines_under(cluster.root)] == [replica["pid"]]
+
+
 async def _stopped(http: httpx.AsyncClient, gateway: str) -> bool:
     response = await http.post(f"{gateway}/v1/completions", json={"model": "m1", "prompt": "hi", "max_tokens": 2})
     return response.status_code == 503 and response.json()["error"]["code"] == "system_stopped"
