@@ -29,6 +29,7 @@ from llmgw.control.leader import LeaderElection
 from llmgw.router.interface import GatewayInterface, ModelInfo, Replica
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
+from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, split_delta
 
 log = logging.getLogger(__name__)
@@ -197,13 +198,15 @@ class Follower:
     def __init__(self, gateway: GatewayInterface, reload_access: Callable[[], Awaitable[None]]) -> None:
         self.gateway = gateway
         self.reload_access = reload_access
-        #: The last route table the leader sent (handed to this control plane's route feed
-        #: when it takes the lead, so its gateway keeps routing while the nodes rejoin).
+        #: The last route table the leader sent, or this control plane's own when its lead
+        #: ended (handed to its route feed when it takes the lead, so its gateway keeps
+        #: routing while the nodes rejoin).
         self.routes: RouteTable | None = None
         #: The leader's ControlPeer while a session is up, else None.
         self.peer: Any = None
         #: The leader this standby streams from, while a session is up.
         self.leader_name: str | None = None
+        self._session_up = trio.Event()  # set while a session is up
 
     def _feed(self) -> Any:
         follower = self
@@ -237,8 +240,11 @@ class Follower:
         return FeedServer()
 
     async def admin(self, actor: str) -> Any:
-        """Returns the leader's Admin capability for ``actor``; raises ConnectionError when
-        no peer session is up (the message says who leads, if known)."""
+        """Returns the leader's Admin capability for ``actor``, waiting up to
+        :data:`PEER_CALL_TIMEOUT` for a peer session (a leader just changed); raises
+        ConnectionError when none came up."""
+        with trio.move_on_after(PEER_CALL_TIMEOUT):
+            await self._session_up.wait()
         peer = self.peer
         if peer is None:
             raise ConnectionError("this control plane is a standby and has no session with the leader yet; "
@@ -268,22 +274,35 @@ class Follower:
                 nursery.cancel_scope.cancel()
 
     async def _session(self, name: str, address: str, context: ssl.SSLContext) -> None:
-        """One peer session with the leader ``name`` at ``address``; returns when it ends."""
+        """One peer session with the leader ``name`` at ``address``; returns when it ends.
+
+        Its failures are caught inside the connection's block, so they leave it alone, not
+        in a group with the connection's own shutdown (a cancellation of this session, when
+        the leader changed, can meet a failing call)."""
+        failure: BaseException | None = None
         try:
             stream = await net.connect(address, context)
             async with open_client(stream) as client:
-                cluster = client.bootstrap().cast_as(schema.load().Cluster)
-                with trio.fail_after(PEER_CALL_TIMEOUT):
-                    result = await cluster.peer(self._feed())
-                self.peer = result.peer
-                self.leader_name = name
-                log.info("standby: streaming from the leader %s at %s (epoch %d)", name, address, result.epoch)
-                while True:
-                    await trio.sleep(PEER_PING_INTERVAL)
-                    with trio.fail_after(PEER_PING_INTERVAL * PEER_PING_MISSES):
-                        await self.peer.ping()
-        except (OSError, trio.BrokenResourceError, trio.TooSlowError, capnp.KjException) as exc:
-            log.warning("standby: the session with the leader %s at %s ended: %s", name, address, exc)
+                try:
+                    cluster = client.bootstrap().cast_as(schema.load().Cluster)
+                    with trio.fail_after(PEER_CALL_TIMEOUT):
+                        result = await cluster.peer(self._feed())
+                    self.peer = result.peer
+                    self.leader_name = name
+                    self._session_up.set()
+                    log.info("standby: streaming from the leader %s at %s (epoch %d)", name, address, result.epoch)
+                    while True:
+                        await trio.sleep(PEER_PING_INTERVAL)
+                        with trio.fail_after(PEER_PING_INTERVAL * PEER_PING_MISSES):
+                            await self.peer.ping()
+                except (trio.TooSlowError, capnp.KjException) as exc:
+                    failure = exc
+        except (OSError, trio.BrokenResourceError, capnp.KjException) as exc:
+            failure = failure or exc
         finally:
             self.peer = None
             self.leader_name = None
+            self._session_up = trio.Event()
+        if failure is not None:
+            log.warning("standby: the session with the leader %s at %s ended: %s", name, address, remote_reason(failure)
+                        if isinstance(failure, capnp.KjException) else failure)

@@ -171,7 +171,7 @@ async def run_control_plane(
 
             def not_leader() -> str:
                 leader = plane_ref[0].election.leader if plane_ref else None
-                if leader is None or current_term() is not None:
+                if leader is None or current_term() is not None or leader.name == name:
                     return f"control plane {name or '(unnamed)'} does not lead yet: try again in a few seconds"
                 return not_leader_message(name or "(unnamed)", leader.name, leader.rpc_address, leader.epoch)
 
@@ -242,6 +242,7 @@ async def run_control_plane(
                 finally:
                     plane.term = None
                     access.on_change = None
+                    follower.routes = tee.routes  # the gateway routes by it until a leader sends another
                     sessions.close_all()
 
             async def publish_leader() -> None:

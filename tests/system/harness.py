@@ -109,6 +109,21 @@ class Proc:
         return self.popen.returncode
 
 
+async def start_server(config: Path, log: Path) -> tuple[Proc, str, str]:
+    """Start ``llmgw server -c config`` (output into ``log``) and wait until it listens;
+    returns the process, its RPC address and its gateway's base URL."""
+    proc = Proc([*LLMGW, "server", "-c", str(config)], log)
+    m = await proc.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
+    return proc, m.group(1), m.group(2)
+
+
+def pin_ports(config: Path, rpc: str, gateway: str) -> None:
+    """Make the server of ``config`` listen on ``rpc`` and ``gateway``'s address at its next start."""
+    raw = yaml.safe_load(config.read_text())
+    raw["rpc_listen"], raw["http_listen"] = rpc, gateway.removeprefix("http://")
+    config.write_text(yaml.safe_dump(raw))
+
+
 class Cluster:
     """A control plane with its CA in ``root``/server, plus agents, all real processes."""
 
@@ -164,16 +179,12 @@ class Cluster:
 
     async def start_server(self) -> None:
         self.server_starts += 1
-        log = self.root / f"server-{self.server_starts}.log"
-        self.server = Proc([*LLMGW, "server", "-c", str(self.server_yaml)], log)
-        m = await self.server.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
-        self.rpc, self.gateway = m.group(1), m.group(2)
+        self.server, self.rpc, self.gateway = await start_server(
+            self.server_yaml, self.root / f"server-{self.server_starts}.log")
 
     def pin_ports(self) -> None:
         """Make the server's next start listen on the addresses it has now (agents dial that RPC port)."""
-        raw = yaml.safe_load(self.server_yaml.read_text())
-        raw["rpc_listen"], raw["http_listen"] = self.rpc, self.gateway.removeprefix("http://")
-        self.server_yaml.write_text(yaml.safe_dump(raw))
+        pin_ports(self.server_yaml, self.rpc, self.gateway)
 
     def ca(self) -> ClusterCA:
         return ClusterCA.load(self.server_dir / "ca")
@@ -225,6 +236,40 @@ class Cluster:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+class ControlPlaneProc:
+    """One more control plane of ``cluster`` (several control planes on one PostgreSQL
+    store): its own state directory, a control-plane certificate of the cluster CA named
+    ``name``, the cluster's server.yaml otherwise."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.name = name
+        self.root = cluster.root
+        self.dir = cluster.root / name
+        config = yaml.safe_load(cluster.server_yaml.read_text())
+        config["state_dir"] = str(self.dir)
+        self.yaml = cluster.root / f"{name}.yaml"
+        self.yaml.write_text(yaml.safe_dump(config))
+        issue_to(cluster.ca(), "control", name, self.dir / "server", sans=["127.0.0.1"])
+        self.proc: Proc | None = None
+        self.starts = 0
+        self.rpc = ""
+        self.gateway = ""
+
+    async def start(self) -> None:
+        """Start it and wait until it listens (``rpc``, ``gateway`` are its addresses)."""
+        self.starts += 1
+        self.proc, self.rpc, self.gateway = await start_server(self.yaml, self.root / f"{self.name}-{self.starts}.log")
+
+    def pin_ports(self) -> None:
+        """Make the next start listen on the addresses it has now."""
+        pin_ports(self.yaml, self.rpc, self.gateway)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.signal(signal.SIGCONT)
+            self.proc.kill()
 
 
 def engines_under(root: Path) -> list[psutil.Process]:

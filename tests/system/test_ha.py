@@ -8,44 +8,25 @@ freezing the leader hands the lead to a standby without restarting an engine.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import signal
+import subprocess
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import pytest
 import trio
-import yaml
 
-from llmgw.cli.pki import issue_to
-from tests.system.harness import LLMGW, Cluster, Proc, engines_under, eventually, ready_replicas
+from tests.system.harness import Cluster, ControlPlaneProc, engines_under, eventually, ready_replicas
 from tests.system.test_restarts import Load, one_request
 
 pytestmark = pytest.mark.postgres
 
 #: Short, so a frozen leader is deposed within seconds (the default is 10 s).
 LEASE = "2s"
-
-
-class ControlPlaneProc:
-    """One more control plane of ``cluster``: its own state directory and certificate."""
-
-    def __init__(self, cluster: Cluster, name: str) -> None:
-        self.name = name
-        self.dir = cluster.root / name
-        config = yaml.safe_load(cluster.server_yaml.read_text())
-        config["state_dir"] = str(self.dir)
-        self.yaml = cluster.root / f"{name}.yaml"
-        self.yaml.write_text(yaml.safe_dump(config))
-        issue_to(cluster.ca(), "control", name, self.dir / "server", sans=["127.0.0.1"])
-        self.proc: Proc | None = None
-        self.rpc = ""
-        self.gateway = ""
-
-    async def start(self, root: Path) -> None:
-        self.proc = Proc([*LLMGW, "server", "-c", str(self.yaml)], root / f"{self.name}.log")
-        m = await self.proc.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
-        self.rpc, self.gateway = m.group(1), m.group(2)
 
 
 @pytest.fixture
@@ -58,14 +39,12 @@ async def ha(tmp_path: Path, pg_dsn: str) -> AsyncIterator[tuple[Cluster, list[C
         await cluster.start_server()
         for name in ("cp-2", "cp-3"):
             standby = ControlPlaneProc(cluster, name)
-            await standby.start(tmp_path)
+            await standby.start()
             standbys.append(standby)
         yield cluster, standbys
     finally:
         for standby in standbys:
-            if standby.proc is not None:
-                standby.proc.signal(signal.SIGCONT)
-                standby.proc.kill()
+            standby.stop()
         cluster.stop()
 
 
@@ -214,6 +193,78 @@ async def test_an_agent_that_knows_one_control_plane_learns_the_others_and_fails
 
     await eventually(adopted, "the new leader has the replica")
     assert [p.pid for p in engines_under(cluster.root)] == [replica["pid"]]
+
+
+@pytest.fixture
+def private_pg() -> Iterator[tuple[str, list[str]]]:
+    """A throwaway PostgreSQL server of this test's own (scripts/ensure-postgres.sh):
+    yields its DSN and the pg_ctl command line (without the action) that controls it."""
+    out = subprocess.run(["scripts/ensure-postgres.sh"], env={**os.environ, "LLMGW_PG_FORCE_NEW": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    match = re.search(r"stop it with: (.*) stop$", out.stderr, re.M)
+    assert match, out.stderr
+    pg_ctl = match.group(1).split()
+    try:
+        yield out.stdout.strip(), pg_ctl
+    finally:
+        subprocess.run([*pg_ctl, "stop", "-m", "immediate"], capture_output=True, timeout=60)
+        data = Path(pg_ctl[pg_ctl.index("-D") + 1])
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+
+async def test_the_control_planes_ride_out_a_postgresql_restart_under_load(
+    tmp_path: Path, private_pg: tuple[str, list[str]],
+) -> None:
+    dsn, pg_ctl = private_pg
+    cluster = Cluster(tmp_path, store_url=dsn, extra={"leader_lease": LEASE})
+    standby: ControlPlaneProc | None = None
+    try:
+        await cluster.init()
+        await cluster.start_server()
+        standby = ControlPlaneProc(cluster, "cp-2")
+        await standby.start()
+        await start_agents(cluster, [standby], "node-a")
+        assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
+        await ready_replicas(cluster, "m1", 2)
+        engines = sorted(p.pid for p in engines_under(cluster.root))
+        gateways = [cluster.gateway, standby.gateway]
+        load = Load()
+        restarted = trio.Event()
+        async with httpx.AsyncClient(timeout=10) as http:
+            await eventually(lambda: served(http, standby.gateway), "cp-2 serves m1")
+
+            async def requests_through_both() -> None:
+                index = 0
+                while True:
+                    index += 1
+                    await one_request(http, gateways[index % 2], index, load)
+                    if restarted.is_set() and load.counts["ok"] >= 200:
+                        return
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(requests_through_both)
+                await eventually(lambda: load.counts["ok"] >= 20, "requests before the restart")
+                # -l: the restarted server must not hold pg_ctl's output open (it would never end).
+                server_log = Path(pg_ctl[pg_ctl.index("-D") + 1]).parent / "server.log"
+                restart = await trio.to_thread.run_sync(lambda: subprocess.run(
+                    [*pg_ctl, "restart", "-m", "fast", "-l", str(server_log)], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE, text=True, timeout=120))
+                assert restart.returncode == 0, restart.stderr
+                restarted.set()
+
+                async def led_again() -> dict[str, Any] | None:
+                    # The restart ended the leader's database session: the lead is taken again, at epoch 2.
+                    st = status_via(cluster, cluster.rpc) or status_via(cluster, standby.rpc)
+                    return st if st and st["epoch"] >= 2 and st["replicas_ready"] == 2 else None
+
+                await eventually(led_again, "a control plane leads again, with both replicas")
+        assert load.counts["failed"] == 0, load.failures
+        assert sorted(p.pid for p in engines_under(cluster.root)) == engines
+    finally:
+        if standby is not None:
+            standby.stop()
+        cluster.stop()
 
 
 async def _stopped(http: httpx.AsyncClient, gateway: str) -> bool:
