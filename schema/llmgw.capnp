@@ -360,4 +360,19 @@ interface Admin {
   # Sets the cluster setting serving.stopped (every POST under /v1/ answers 503 system_stopped).
   checkEngine @15 (node :Text, engine :Text) -> (output :Text);
   # Runs ENGINE's version and device check on NODE (through its agent) and returns the output.
+  getSettings @16 (key :Text) -> (settings :List(Setting));
+  # The current version of every stored setting (key ""), or of the one stored key KEY belongs to.
+  setSetting @17 (key :Text, valueJson :Text, unset :Bool) -> (setting :Setting);
+  # Sets KEY (a stored key, or a dotted key below one) to the JSON value, or removes it (unset).
+  # Fails naming the key path and the reason when the key or the value is not allowed; nothing is stored then.
+  settingHistory @18 (key :Text) -> (versions :List(Setting));
+  # Every version of the stored key KEY belongs to, oldest first.
+}
+
+struct Setting {
+  key @0 :Text;
+  valueJson @1 :Text;   # "null": unset
+  version @2 :UInt32;
+  updatedAt @3 :Float64;
+  actor @4 :Text;
 }

@@ -19,6 +19,7 @@ with the control plane's own message when it refuses or fails.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -36,7 +37,7 @@ from llmgw.spec import EngineInfo, Hardware, ModelSpec
 from llmgw.spec import Compute
 
 __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "Rollout", "connect",
-           "KeyRow", "TenantAdmission", "TenantRow", "UsageRow"]
+           "ControlPlaneRow", "KeyRow", "SettingRow", "TenantAdmission", "TenantRow", "UsageRow"]
 
 #: Admin calls read in-memory state or do one small store write.
 CALL_TIMEOUT = 30.0
@@ -116,6 +117,21 @@ class ControlPlaneRow:
     http_address: str
     role: str
     last_seen: float
+
+
+@attrs.frozen
+class SettingRow:
+    """One version of a cluster setting (``value`` None: unset at this version)."""
+
+    key: str
+    value: Any
+    version: int
+    updated_at: float
+    actor: str
+
+
+def _setting_from(r: Any) -> SettingRow:
+    return SettingRow(str(r.key), json.loads(str(r.valueJson)), int(r.version), float(r.updatedAt), str(r.actor))
 
 
 # -- tenants, API keys, usage (issue 3) ----------------------------------------------------
@@ -244,6 +260,26 @@ class ClusterClient:
     async def set_serving_stopped(self, stopped: bool) -> bool:
         """Stop (every POST under /v1/ answers 503) or resume serving; returns the new state."""
         return bool((await self._call("setServingStopped", stopped)).stopped)
+
+    # -- cluster settings (llmgw ctl config) ----------------------------------------------
+
+    async def settings(self, key: str = "") -> list[SettingRow]:
+        """Returns the current version of every setting (``key`` ""), or of the stored key
+        ``key`` belongs to ([] when it is not set). Fails naming an unknown key."""
+        return [_setting_from(s) for s in (await self._call("getSettings", key)).settings]
+
+    async def set_setting(self, key: str, value: Any) -> SettingRow:
+        """Set ``key`` (a stored key or a dotted key below one) to ``value`` (JSON-ready);
+        returns the stored key's new version. Fails naming the key path and the reason."""
+        return _setting_from((await self._call("setSetting", key, json.dumps(value), False)).setting)
+
+    async def unset_setting(self, key: str) -> SettingRow:
+        """Remove ``key``; returns the stored key's new version (value None: nothing is left)."""
+        return _setting_from((await self._call("setSetting", key, "null", True)).setting)
+
+    async def setting_history(self, key: str) -> list[SettingRow]:
+        """Returns every version of the stored key ``key`` belongs to, oldest first."""
+        return [_setting_from(s) for s in (await self._call("settingHistory", key)).versions]
 
     async def nodes(self) -> list[NodeRow]:
         result = await self._call("listNodes")

@@ -18,6 +18,7 @@ from llmgw import __version__
 from llmgw.catalog import model_to_dict, validate_model
 from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.keys import AccessSync
+from llmgw.control.settings_admin import SettingsAdminMixin
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
 from llmgw.control import rollout
 from llmgw.control.reconciler import Reconciler
@@ -59,7 +60,8 @@ def make_admin(services: AdminServices, actor: str) -> Any:
     """Return an ``Admin`` server object acting on ``services`` for ``actor`` (the certificate's name)."""
     s = schema.load()
 
-    class AdminServer(AccessAdminMixin, s.Admin.Server):  # tenants, keys, usage: keys_admin.py
+    # tenants, keys, usage: keys_admin.py; cluster settings: settings_admin.py
+    class AdminServer(AccessAdminMixin, SettingsAdminMixin, s.Admin.Server):
         async def status(self, _context: Any, **_: Any) -> None:
             fleet = services.registry.snapshot()
             shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]
@@ -173,4 +175,11 @@ def make_admin(services: AdminServices, actor: str) -> Any:
 
     server = AdminServer()
     server.bind_access(services.store, services.access, actor, serving_changed=services.catalog_changed)
+
+    async def serving_applied() -> None:
+        await services.access.reload()
+        services.access.changed()
+        services.catalog_changed()
+
+    server.bind_settings(services.store, actor, serving_applied)
     return server

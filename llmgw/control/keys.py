@@ -24,6 +24,7 @@ import trio
 from llmgw import usage_journal
 from llmgw.catalog.access import TenantSpec, check_key_name, generate_key
 from llmgw.config.defaults import DEFAULT_USAGE_FLUSH_INTERVAL
+from llmgw.control.settings import SERVING_STOPPED
 from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
 from llmgw.control.usage_replay import replay_usage_journals
@@ -31,8 +32,6 @@ from llmgw.router.interface import AccessState, GatewayInterface, KeyEntry, Tena
 
 log = logging.getLogger(__name__)
 
-#: The cluster setting that stops serving (every POST under /v1/ answers 503).
-SERVING_STOPPED = "serving.stopped"
 #: Seconds between reloads of keys, tenants and settings, for changes made through
 #: another control plane (changes through this one apply at once).
 RELOAD_INTERVAL_S = 5.0

@@ -130,6 +130,19 @@ async def test_killing_the_leader_hands_the_lead_to_a_standby_with_no_engine_res
         assert (await http.get(f"{other.gateway}/leader")).status_code == 503
         await eventually(lambda: served(http, other.gateway), "the other standby serves from the new leader")
 
+        # Cluster settings through a standby: checked and stored by the leader, versioned.
+        refused = cluster.ctl("--server", other.rpc, "config", "set", "agents.default.log_level", "loud")
+        assert refused.returncode == 1 and "agents.default.log_level: expected one of" in refused.stderr
+        assert cluster.ctl("--server", other.rpc, "config", "set", "agents.default.log_level", "debug").returncode == 0
+        assert cluster.ctl("--server", other.rpc, "config", "set", "agents.nodes.node-a.llamacpp.threads", "8"
+                           ).returncode == 0
+        settings = {s["key"]: s for s in cluster.ctl_json("--server", leader.rpc, "config", "get")}
+        assert settings["agents.default"]["value"] == {"log_level": "debug"}
+        assert settings["agents.nodes.node-a"]["value"] == {"llamacpp": {"threads": 8}}
+        assert settings["agents.default"]["actor"].endswith("(via a standby)")
+        history = cluster.ctl_json("--server", leader.rpc, "config", "history", "agents.default")
+        assert [h["version"] for h in history] == [1]
+
         # ctl stop through a standby: the leader stores it and every gateway answers 503.
         assert cluster.ctl("--server", other.rpc, "stop").returncode == 0
         for gateway in (leader.gateway, other.gateway):

@@ -14,6 +14,7 @@ import click
 from llmgw.cli.ctl.certs import certs
 from llmgw.cli.ctl.cluster import engine_check, logs, nodes, replicas, status
 from llmgw.cli.ctl.common import CTL_META_KEY
+from llmgw.cli.ctl.config import config
 from llmgw.cli.ctl.keys import keys, tenants, usage
 from llmgw.cli.ctl.models import models
 from llmgw.cli.ctl.serving import start, stop
@@ -31,5 +32,6 @@ def ctl(ctx: click.Context, server: str | None, tls_dir: str | None, as_json: bo
     ctx.meta[CTL_META_KEY] = (server, tls_dir, as_json)
 
 
-for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, certs):
+for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, config,
+                 certs):
     ctl.add_command(_command)

@@ -246,6 +246,10 @@ class Store(abc.ABC):
         """Return the current version of setting ``key``, or None if it was never set."""
 
     @abc.abstractmethod
+    async def list_settings(self) -> list[SettingVersion]:
+        """Return the current version of every stored setting, by key (an unset one has value None)."""
+
+    @abc.abstractmethod
     async def set_setting(self, key: str, value: Any, actor: str) -> int:
         """Set ``key`` to ``value`` and return the new version number.
 

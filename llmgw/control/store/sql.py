@@ -421,6 +421,13 @@ class SqlStore(Store):
 
         return await self._run(read, write=False)
 
+    async def list_settings(self) -> list[SettingVersion]:
+        def read(tx: Tx) -> list[SettingVersion]:
+            rows = tx.execute("SELECT key, value, version, updated_at, actor FROM settings ORDER BY key")
+            return [_setting(r) for r in rows]
+
+        return await self._run(read, write=False)
+
     async def set_setting(self, key: str, value: Any, actor: str) -> int:
         value_json = _dump_json(value)  # raises TypeError before touching the DB
         now = time.time()
