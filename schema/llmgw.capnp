@@ -205,6 +205,10 @@ interface Agent {
   controlPlanes @5 (addresses :List(Text)) -> ();
   # The RPC addresses of every control plane of the cluster, the leader first: the agent dials them
   # (and keeps them beside its state) from now on, before the ones its agent.yaml names.
+  settings @6 (json :Text) -> ();
+  # This node's layer of the cluster settings (agents.default with agents.nodes.<id> over it), a JSON
+  # mapping of agent.yaml keys. An agent it changes restarts on it, engines kept; fails with the reason
+  # when it does not load with the node's agent.yaml.
 }
 
 struct KvUpdate {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 
 import click
@@ -141,11 +142,26 @@ def agent(config_path: Path | None) -> None:
     next agent adopts them (restart and upgrade cost no request). Only an explicit stop
     from the control plane ends an engine.
     """
+    config_file = _config_path(config_path, "agent.yaml")
     try:
-        config = load_agent_config(_config_path(config_path, "agent.yaml"))
+        config = load_agent_config(config_file)
     except ConfigError as exc:
         fail(str(exc))
+    from llmgw.node.cluster_settings import ClusterSettings, read_layer
+
+    layer = read_layer(config.state_dir)
+    refused = ""
+    if layer:
+        try:
+            config = load_agent_config(config_file, overrides=layer)
+        except ConfigError as exc:
+            refused, layer = str(exc), {}
     setup_logging(config.log_level)
+    if refused:
+        log.error("the cluster settings kept in %s do not load with agent.yaml (%s): running on agent.yaml alone",
+                  config.state_dir, refused)
+    settings = ClusterSettings(config.state_dir, layer, config,
+                               lambda layer: load_agent_config(config_file, overrides=layer), config_file)
     try:
         creds = read_credentials(config.tls.ca, config.tls.cert, config.tls.key)
     except TLSFileError as exc:
@@ -193,6 +209,7 @@ def agent(config_path: Path | None) -> None:
                 heartbeat_interval=config.heartbeat_interval,
                 converger=Converger(installers),
                 weights_dir=config.weights_dir,
+                cluster_settings=settings,
             )
             await node.run()
 
@@ -203,3 +220,9 @@ def agent(config_path: Path | None) -> None:
         while isinstance(locked, BaseExceptionGroup):
             locked = locked.exceptions[0]
         fail(str(locked))
+    if settings.restart.is_set():
+        # The same command again, in this process (a service manager sees no exit): the new
+        # agent reads its configuration afresh and adopts the engines, which kept running.
+        log.warning("agent: restarting (%s)", settings.reason)
+        logging.shutdown()
+        os.execv(sys.executable, [sys.executable, "-m", "llmgw", *sys.argv[1:]])

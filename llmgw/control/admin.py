@@ -47,6 +47,8 @@ class AdminServices:
     catalog_changed: Callable[[], None]
     #: The gateway's base URL, as clients reach it (``http://host:port``).
     gateway_url: str
+    #: Call after an ``agents.*`` setting changed: every node gets its layer a second later.
+    agent_settings_changed: Callable[[], None]
     #: Who leads and the control planes, as ``ClusterStatus`` fields (leader, epoch, ...).
     leadership: Callable[[], Awaitable[dict[str, Any]]]
 
@@ -181,5 +183,5 @@ def make_admin(services: AdminServices, actor: str) -> Any:
         services.access.changed()
         services.catalog_changed()
 
-    server.bind_settings(services.store, actor, serving_applied)
+    server.bind_settings(services.store, actor, serving_applied, services.agent_settings_changed)
     return server

@@ -20,6 +20,7 @@ import trio
 
 from llmgw.control import refusals
 from llmgw.control.peers import pump
+from llmgw.control.settings_push import push_to, stored_settings
 from llmgw.control.reports import endpoint_hosts, screen_shards
 from llmgw.control.sessions import NodeSession, NodeSessions, SessionConflict, watch_heartbeats
 from llmgw.control.store import Store
@@ -137,6 +138,7 @@ def _make_cluster(
             nursery.start_soon(_adopt_all, session, [spec.id for spec, _ in shards])
             nursery.start_soon(_push_engines, session, dict(sessions.wanted_engines))
             nursery.start_soon(_push_planes, services, [session])
+            nursery.start_soon(_push_settings, services, session)
             nursery.start_soon(_record_seen, services, node_id, address)
             log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
             _context.results.desk = session.desk()
@@ -224,6 +226,16 @@ async def _push_planes(services: ClusterServices, sessions: list[NodeSession]) -
             await session.tell_control_planes(addresses)
         except Exception as exc:  # noqa: BLE001 - an older agent without controlPlanes still serves
             log.warning("node %s: could not send it the control planes: %s", session.node_id, exc)
+
+
+async def _push_settings(services: ClusterServices, session: NodeSession) -> None:
+    """Send a node that joined its layer of the cluster settings."""
+    try:
+        settings = await stored_settings(services.store)
+    except Exception as exc:  # noqa: BLE001 - it runs on what it has; the next change is pushed
+        log.warning("could not read the cluster settings for node %s: %s", session.node_id, exc)
+        return
+    await push_to(session, settings)
 
 
 async def _record_seen(services: ClusterServices, node_id: str, address: str) -> None:

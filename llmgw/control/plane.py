@@ -21,7 +21,8 @@ Nursery tree::
     └── election ── while leading: Term
                      ├── registry watchdog (marks silent nodes LOST)
                      ├── reconciler (once the known nodes are back: catalog vs fleet, one pass at a time)
-                     └── route feed (catalog x ready replicas -> the gateway and the standbys)
+                     ├── route feed (catalog x ready replicas -> the gateway and the standbys)
+                     └── settings push (agents.* settings -> every node, a second after a change)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import Registry
 from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.sessions import NodeSessions
+from llmgw.control.settings_push import SettingsPush
 from llmgw.control.store import Store, open_store
 from llmgw.router.interface import GatewayInterface
 from llmgw.rpc import net
@@ -230,10 +232,12 @@ async def run_control_plane(
                             reconciler.catalog_changed()
                             routes.catalog_changed()
 
+                        push = SettingsPush(store, sessions)
+                        await term_nursery.start(push.run)
                         admin = AdminServices(
                             store=store, registry=registry, sessions=sessions, reconciler=reconciler,
                             gateway=gateway, access=access, catalog_changed=catalog_changed,
-                            gateway_url=gateway_url, leadership=leadership,
+                            gateway_url=gateway_url, agent_settings_changed=push.changed, leadership=leadership,
                         )
                         plane.term = Term(epoch=epoch, registry=registry, sessions=sessions, reconciler=reconciler,
                                           tee=tee, admin=admin, catalog_changed=catalog_changed)

@@ -28,13 +28,19 @@ class SettingsAdminMixin:
     _settings_store: Store
     _settings_actor: str
     _serving_applied: Callable[[], Awaitable[None]]
+    _agents_changed: Callable[[], None]
 
-    def bind_settings(self, store: Store, actor: str, serving_applied: Callable[[], Awaitable[None]]) -> None:
+    def bind_settings(
+        self, store: Store, actor: str, serving_applied: Callable[[], Awaitable[None]],
+        agents_changed: Callable[[], None],
+    ) -> None:
         """Act on ``store`` for ``actor``; ``serving_applied`` is awaited after
-        ``serving.stopped`` changed (the gateway applies it, the reconciler frees or places)."""
+        ``serving.stopped`` changed (the gateway applies it, the reconciler frees or places),
+        ``agents_changed`` called after an ``agents.*`` setting changed (pushed to the nodes)."""
         self._settings_store = store
         self._settings_actor = actor
         self._serving_applied = serving_applied
+        self._agents_changed = agents_changed
 
     async def getSettings(self, key: str, _context: Any, **_: Any) -> None:
         store = self._settings_store
@@ -64,6 +70,8 @@ class SettingsAdminMixin:
                           {"stored_key": parsed.stored, "version": version, "value": new})
         if parsed.stored == SERVING_STOPPED:
             await self._serving_applied()
+        else:
+            self._agents_changed()
         saved = await store.get_setting(parsed.stored)
         assert saved is not None
         _context.results.setting = setting_dict(saved)

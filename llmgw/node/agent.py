@@ -15,6 +15,7 @@ the new registration lists the running shards so the control plane re-binds them
 
 from __future__ import annotations
 
+import json as _json  # a handler's parameter is named json
 import logging
 import random
 import ssl
@@ -29,6 +30,7 @@ from llmgw import __version__
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
+from llmgw.node.cluster_settings import ClusterSettings
 from llmgw.node.planes import ControlPlaneList
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
@@ -107,6 +109,7 @@ def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
 
 def _make_agent_server(
     supervisor: Supervisor, converger: Converger | None = None, planes: ControlPlaneList | None = None,
+    settings: ClusterSettings | None = None,
 ) -> Any:
     s = schema.load()
 
@@ -130,6 +133,17 @@ def _make_agent_server(
             wanted = {str(kv.key): str(kv.value) for kv in engines}
             if converger is not None:
                 converger.want(wanted)
+
+        async def settings(self, json: str, **_: Any) -> None:
+            if settings is None:
+                raise RuntimeError("this agent does not take cluster settings (llmgw up's own agent)")
+            try:
+                layer = _json.loads(str(json))
+            except ValueError as exc:
+                raise ValueError(f"the cluster settings are not JSON: {exc}") from None
+            if not isinstance(layer, dict):
+                raise ValueError("the cluster settings must be a mapping")
+            settings.apply(layer)  # ValueError: it does not load with agent.yaml
 
         async def controlPlanes(self, addresses: Any, **_: Any) -> None:
             if planes is not None:
@@ -171,6 +185,8 @@ class Agent:
     weights_dir: Path | None = None
     #: The leader's address a standby named when it refused the last join (None: none named).
     _leader_hint: str | None = attrs.field(default=None, init=False)
+    #: The cluster settings it runs with, and the restart a change asks for (None: takes none).
+    cluster_settings: ClusterSettings | None = None
     #: ``control_planes`` plus the list the leader sent (llmgw/node/planes.py).
     _planes: ControlPlaneList = attrs.field(init=False)
 
@@ -182,7 +198,8 @@ class Agent:
         self._planes = ControlPlaneList(self.control_planes, self.supervisor.state_dir.parent)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Supervise engines and keep a session with a control plane until cancelled.
+        """Supervise engines and keep a session with a control plane until cancelled, or
+        until :attr:`cluster_settings` asks for a restart (then returns, the caller restarts).
 
         Cancellation ends the session and leaves engines running (their state
         stays on disk for the next agent to adopt).
@@ -193,7 +210,13 @@ class Agent:
             await nursery.start(self.supervisor.run)
             await nursery.start(self.converger.run)
             task_status.started()
-            await self._session_loop()
+            if self.cluster_settings is None:
+                await self._session_loop()
+            else:
+                nursery.start_soon(self._session_loop)
+                nursery.start_soon(self.cluster_settings.watch_file)
+                await self.cluster_settings.restart.wait()
+                nursery.cancel_scope.cancel()
 
     async def _session_loop(self) -> None:
         """Keeps a session with the first control plane of the list that accepts, until cancelled.
@@ -303,7 +326,8 @@ class Agent:
                     "shards": shards,
                     "engines": engines,
                     "features": ["adopt", "stop-grace"],
-                    "agent": _make_agent_server(self.supervisor, self.converger, self._planes),
+                    "agent": _make_agent_server(self.supervisor, self.converger, self._planes,
+                                                self.cluster_settings),
                     "version": __version__,
                 }
                 with trio.fail_after(JOIN_TIMEOUT):
