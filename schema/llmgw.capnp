@@ -173,6 +173,8 @@ interface GatewayFeed {
   kvForget @2 (replica :Text) -> ();
   accessChanged @3 () -> ();
   # Keys, tenants or serving.stopped changed in the store: reload them now.
+  restart @4 () -> ();
+  # Restart this standby (llmgw ctl restart): it stops gracefully and runs again, once this call has answered.
 }
 
 interface ControlPeer {
@@ -209,6 +211,8 @@ interface Agent {
   # This node's layer of the cluster settings (agents.default with agents.nodes.<id> over it), a JSON
   # mapping of agent.yaml keys. An agent it changes restarts on it, engines kept; fails with the reason
   # when it does not load with the node's agent.yaml.
+  restart @7 () -> ();
+  # Restart the agent (the same command, exec'd once this call has answered); its engines keep serving.
 }
 
 struct KvUpdate {
@@ -371,6 +375,9 @@ interface Admin {
   # Fails naming the key path and the reason when the key or the value is not allowed; nothing is stored then.
   settingHistory @18 (key :Text) -> (versions :List(Setting));
   # Every version of the stored key KEY belongs to, oldest first.
+  restartCluster @19 () -> (agents :UInt32, standbys :UInt32, leader :Text);
+  # Restart every agent (each back before the next step), then every standby, then the leader; engines keep
+  # serving. Answers once the standbys are back; the leader restarts right after answering.
 }
 
 struct Setting {

@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 ETC_DIR = Path("/etc/llmgw")
 
 
+def exec_again(message: str) -> None:
+    """Log ``message`` and run this same command again in this process (exec: a service
+    manager sees no exit, the pid stays). Does not return."""
+    log.warning("%s", message)
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, "-m", "llmgw", *sys.argv[1:]])
+
+
 def _config_path(given: Path | None, name: str) -> Path | None:
     if given is not None:
         return given
@@ -69,8 +77,16 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
     from llmgw.router.settings import GatewaySettings
     from llmgw.rpc.kjtrio import capnp_runtime
 
+    restart: list[str] = []  # why this control plane restarts itself (llmgw ctl restart)
+
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
+            restarting = trio.Event()
+
+            def request_restart(reason: str) -> None:
+                restart.append(reason)
+                restarting.set()
+
             settings = GatewaySettings.of(config)
             gateway = build_gateway(settings)
             tune_for_serving()  # set up: what is alive now is never garbage (llmgw/gctune.py)
@@ -95,11 +111,14 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     advertise_host=config.advertise_hosts[0] if config.advertise_hosts else "",
                     peer_context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
                     leader_lease=config.leader_lease,
+                    request_restart=request_restart,
                     task_status=task_status,
                 )
             )
             click.echo(f"llmgw server: rpc {config.rpc_listen.host}:{plane.rpc_port}, "
                        f"gateway {plane.gateway_url}/v1", err=True)
+            await restarting.wait()
+            nursery.cancel_scope.cancel()  # as a stop signal would: drained, usage stored
 
     try:
         run_daemon(main, "llmgw server")
@@ -107,6 +126,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot start: {exc}")
+    if restart:
+        exec_again(f"llmgw server: restarting ({restart[0]})")
 
 
 @server.command("init")
@@ -221,8 +242,5 @@ def agent(config_path: Path | None) -> None:
             locked = locked.exceptions[0]
         fail(str(locked))
     if settings.restart.is_set():
-        # The same command again, in this process (a service manager sees no exit): the new
-        # agent reads its configuration afresh and adopts the engines, which kept running.
-        log.warning("agent: restarting (%s)", settings.reason)
-        logging.shutdown()
-        os.execv(sys.executable, [sys.executable, "-m", "llmgw", *sys.argv[1:]])
+        # The new agent reads its configuration afresh and adopts the engines, which kept running.
+        exec_again(f"agent: restarting ({settings.reason})")

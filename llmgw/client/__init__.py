@@ -39,6 +39,9 @@ from llmgw.spec import Compute
 __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "Rollout", "connect",
            "ControlPlaneRow", "KeyRow", "SettingRow", "TenantAdmission", "TenantRow", "UsageRow"]
 
+#: A cluster restart waits for every agent, then every standby, to be back (each step
+#: bounded at a minute on the leader): a few steps of that.
+RESTART_TIMEOUT = 300.0
 #: Admin calls read in-memory state or do one small store write.
 CALL_TIMEOUT = 30.0
 
@@ -199,12 +202,12 @@ class ClusterClient:
         self._admin = admin
         self.address = address
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT) -> Any:
         try:
-            with trio.fail_after(CALL_TIMEOUT):
+            with trio.fail_after(timeout):
                 return await getattr(self._admin, method)(*args)
         except trio.TooSlowError:
-            raise ClientError(f"{self.address} did not answer {method} within {CALL_TIMEOUT:g}s") from None
+            raise ClientError(f"{self.address} did not answer {method} within {timeout:g}s") from None
         except capnp.KjException as exc:
             if exc.type == "DISCONNECTED":
                 raise ClientError(f"lost the connection to {self.address}: {remote_reason(exc)}") from None
@@ -260,6 +263,13 @@ class ClusterClient:
     async def set_serving_stopped(self, stopped: bool) -> bool:
         """Stop (every POST under /v1/ answers 503) or resume serving; returns the new state."""
         return bool((await self._call("setServingStopped", stopped)).stopped)
+
+    async def restart_cluster(self) -> dict[str, Any]:
+        """Restart every agent, then every standby, then the leader (engines keep serving);
+        returns ``{"agents", "standbys", "leader"}`` once the standbys are back (the leader
+        restarts right after). Waits up to :data:`RESTART_TIMEOUT` for that."""
+        r = await self._call("restartCluster", timeout=RESTART_TIMEOUT)
+        return {"agents": int(r.agents), "standbys": int(r.standbys), "leader": str(r.leader)}
 
     # -- cluster settings (llmgw ctl config) ----------------------------------------------
 

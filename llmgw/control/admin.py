@@ -18,6 +18,8 @@ from llmgw import __version__
 from llmgw.catalog import model_to_dict, validate_model
 from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.keys import AccessSync
+from llmgw.control.peers import FeedTee
+from llmgw.control.restart import restart_cluster
 from llmgw.control.settings_admin import SettingsAdminMixin
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
 from llmgw.control import rollout
@@ -47,6 +49,10 @@ class AdminServices:
     catalog_changed: Callable[[], None]
     #: The gateway's base URL, as clients reach it (``http://host:port``).
     gateway_url: str
+    #: The standbys attached to this leader (and the routes streamed to them).
+    tee: FeedTee
+    #: Restart this control plane once the current call has answered (raises RuntimeError where it cannot).
+    restart_self: Callable[[str], None]
     #: Call after an ``agents.*`` setting changed: every node gets its layer a second later.
     agent_settings_changed: Callable[[], None]
     #: Who leads and the control planes, as ``ClusterStatus`` fields (leader, epoch, ...).
@@ -58,8 +64,9 @@ def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
     return [u.reason for u in reconciler.last_unplaceable] + [w.reason for w in reconciler.last_waiting]
 
 
-def make_admin(services: AdminServices, actor: str) -> Any:
-    """Return an ``Admin`` server object acting on ``services`` for ``actor`` (the certificate's name)."""
+def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
+    """Return an ``Admin`` server object acting on ``services`` for ``actor`` (the
+    certificate's name); ``via`` names the standby the caller reached it through ("": none)."""
     s = schema.load()
 
     # tenants, keys, usage: keys_admin.py; cluster settings: settings_admin.py
@@ -164,6 +171,15 @@ def make_admin(services: AdminServices, actor: str) -> Any:
                     f"no replica {shard_id!r} on a connected node (see `llmgw ctl replicas`)"
                 ) from None
             _context.results.lines = await session.logs(shard_id, count)
+
+        async def restartCluster(self, _context: Any, **_: Any) -> None:
+            await services.store.audit(actor, "cluster.restart", "cluster", {})
+            agents, standbys = await restart_cluster(services.registry, services.sessions, services.tee,
+                                                     answering=via)
+            services.restart_self("llmgw ctl restart")
+            _context.results.agents = agents
+            _context.results.standbys = standbys
+            _context.results.leader = (await services.leadership())["leader"]
 
         async def checkEngine(self, node: str, engine: str, _context: Any, **_: Any) -> None:
             node_id, engine_name = str(node), str(engine)

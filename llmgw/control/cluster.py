@@ -52,9 +52,10 @@ class ClusterServices:
     term: Callable[[], Term | None]
     #: Why this control plane takes no node sessions now, naming the leader.
     not_leader: Callable[[], str]
-    #: Returns the ``Admin`` capability for an admin certificate's name (on a standby, the
-    #: leader's); raises ConnectionError when there is none to give.
-    make_admin: Callable[[str], Awaitable[Any]]
+    #: ``make_admin(actor, via)``: the ``Admin`` capability for an admin certificate's name
+    #: (on a standby, the leader's), ``via`` the standby a call came through ("" for none);
+    #: raises ConnectionError when there is none to give.
+    make_admin: Callable[[str, str], Awaitable[Any]]
     #: Returns the RPC addresses of every control plane, this one (the leader) first.
     control_planes: Callable[[], Awaitable[list[str]]]
 
@@ -146,7 +147,7 @@ def _make_cluster(
 
         async def admin(self, _context: Any, **_: Any) -> None:
             await refusals.require(services.store, identity, Role.ADMIN, call="admin", target="cluster")
-            _context.results.admin = await services.make_admin(identity.name)
+            _context.results.admin = await services.make_admin(identity.name, "")
 
         async def peer(self, feed: Any, _context: Any, **_: Any) -> None:
             await refusals.require(services.store, identity, Role.CONTROL, call="peer", target="cluster")
@@ -160,18 +161,18 @@ def _make_cluster(
             if "peer" in state:
                 raise RuntimeError("this connection streams to a standby already")
             state["peer"] = True
-            queue = term.tee.attach(identity.name)
+            queue = term.tee.attach(identity.name, feed)
             nursery.start_soon(_push_planes, services, term.sessions.all())  # it may be new to them
             nursery.start_soon(_stream_then_close, term, queue, feed, identity.name, nursery.cancel_scope)
             log.info("standby %s attached: streaming routes and KV state to it (epoch %d)", identity.name, term.epoch)
-            _context.results.peer = _make_control_peer(services, term)
+            _context.results.peer = _make_control_peer(services, term, identity.name)
             _context.results.epoch = term.epoch
 
     return ClusterServer()
 
 
-def _make_control_peer(services: ClusterServices, term: Term) -> Any:
-    """The leader's ``ControlPeer`` for one standby: answers while ``term`` is current."""
+def _make_control_peer(services: ClusterServices, term: Term, standby: str) -> Any:
+    """The leader's ``ControlPeer`` for the standby named ``standby``: answers while ``term`` is current."""
 
     def current() -> Term:
         if services.term() is not term:
@@ -183,7 +184,7 @@ def _make_control_peer(services: ClusterServices, term: Term) -> Any:
             _context.results.epoch = current().epoch
 
         async def admin(self, actor: str, _context: Any, **_: Any) -> None:
-            _context.results.admin = await services.make_admin(f"{actor} (via a standby)")
+            _context.results.admin = await services.make_admin(f"{actor} (via {standby})", standby)
 
     return ControlPeerServer()
 

@@ -91,7 +91,8 @@ class FeedTee:
         self.gateway = gateway
         self._routes: RouteTable = inherited or ({}, {})
         self._kv: dict[str, tuple[set[int], KvDelta]] = {}  # replica -> (blocks held, last delta)
-        self._peers: dict[_PeerQueue, str] = {}  # queue -> the standby's name
+        self._peers: dict[_PeerQueue, tuple[str, Any]] = {}  # queue -> the standby's name and feed
+        self._attached = trio.Event()  # set at every attach
 
     @property
     def routes(self) -> RouteTable:
@@ -101,7 +102,15 @@ class FeedTee:
     @property
     def peer_names(self) -> set[str]:
         """The names of the standbys attached now."""
-        return set(self._peers.values())
+        return {name for name, _ in self._peers.values()}
+
+    def standbys(self) -> list[tuple[str, Any]]:
+        """The standbys attached now: each one's name and ``GatewayFeed`` capability."""
+        return list(self._peers.values())
+
+    async def wait_attached(self) -> None:
+        """Returns after the next standby attaches."""
+        await self._attached.wait()
 
     def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
         self.gateway.replace_routes(replicas, models)
@@ -132,8 +141,9 @@ class FeedTee:
         for peer in self._peers:
             peer.put(item)
 
-    def attach(self, name: str) -> _PeerQueue:
-        """Returns standby ``name``'s new queue, holding a full copy of the state so far."""
+    def attach(self, name: str, feed: Any) -> _PeerQueue:
+        """Returns standby ``name``'s new queue (its ``feed`` the capability the queue is
+        sent into), holding a full copy of the state so far."""
         queue = _PeerQueue()
         queue.put(("routes", *self._routes))
         for replica_id, (held, last) in self._kv.items():
@@ -141,7 +151,9 @@ class FeedTee:
                            events_applied=last.events_applied, gaps=last.gaps, resyncs=last.resyncs)
             for part in split_delta(full):
                 queue.put(("kv", replica_id, part))
-        self._peers[queue] = name
+        self._peers[queue] = (name, feed)
+        self._attached.set()
+        self._attached = trio.Event()
         return queue
 
     def detach(self, queue: _PeerQueue) -> None:
@@ -195,9 +207,13 @@ async def pump(tee: FeedTee, queue: _PeerQueue, feed: Any, name: str) -> None:
 class Follower:
     """A standby's side of the peer session (see :func:`follow_leader`)."""
 
-    def __init__(self, gateway: GatewayInterface, reload_access: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, gateway: GatewayInterface, reload_access: Callable[[], Awaitable[None]],
+        restart: Callable[[str], None],
+    ) -> None:
         self.gateway = gateway
         self.reload_access = reload_access
+        self.restart = restart
         #: The last route table the leader sent, or this control plane's own when its lead
         #: ended (handed to its route feed when it takes the lead, so its gateway keeps
         #: routing while the nodes rejoin).
@@ -230,6 +246,9 @@ class Follower:
 
             async def kvForget(self, replica: str, **_: Any) -> None:
                 follower.gateway.kv_forget(str(replica))
+
+            async def restart(self, **_: Any) -> None:
+                follower.restart("asked by the leader: llmgw ctl restart")
 
             async def accessChanged(self, **_: Any) -> None:
                 try:

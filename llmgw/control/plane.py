@@ -58,6 +58,9 @@ from llmgw.trioutil import unwrap_single_group
 
 log = logging.getLogger(__name__)
 
+#: A restart asked for over RPC waits this long, so the call's answer is on the wire first.
+REPLY_GRACE_S = 0.2
+
 
 @attrs.frozen
 class Term:
@@ -122,6 +125,7 @@ async def run_control_plane(
     advertise_host: str = "",
     peer_context: ssl.SSLContext | None = None,
     leader_lease: float = LEADER_LEASE_S,
+    request_restart: Callable[[str], None] | None = None,
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane, and serve ``gateway``, until cancelled.
@@ -143,6 +147,8 @@ async def run_control_plane(
     the address others reach its ports at (default: the listening host), ``peer_context``
     the client TLS context (its own certificate) a standby dials the leader with (None:
     this one never streams from a leader), ``leader_lease`` the lease in seconds.
+    ``request_restart(reason)`` asks the program to stop this control plane gracefully and
+    run it again (``llmgw ctl restart``; None: it cannot, and says so).
     """
     with unwrap_single_group():
         async with open_store(store_url) as store, trio.open_nursery() as nursery:
@@ -160,15 +166,26 @@ async def run_control_plane(
             bound_http = await nursery.start(access.serve, http_host, http_port)
             gateway_url = f"http://{_url_host(http_host)}:{bound_http}"
             plane_ref: list[ControlPlane] = []
-            follower = Follower(gateway, access.reload)
+
+            def restart_self(reason: str) -> None:
+                if request_restart is None:
+                    raise RuntimeError("this control plane cannot restart itself (llmgw up): restart it by hand")
+
+                async def later() -> None:
+                    await trio.sleep(REPLY_GRACE_S)  # the call that asked gets its answer first
+                    request_restart(reason)
+
+                nursery.start_soon(later)
+
+            follower = Follower(gateway, access.reload, restart_self)
 
             def current_term() -> Term | None:
                 return plane_ref[0].term if plane_ref else None
 
-            async def admin_for(actor: str) -> Any:
+            async def admin_for(actor: str, via: str) -> Any:
                 term = current_term()
                 if term is not None:
-                    return make_admin(term.admin, actor)
+                    return make_admin(term.admin, actor, via=via)
                 return await follower.admin(actor)
 
             def not_leader() -> str:
@@ -238,6 +255,7 @@ async def run_control_plane(
                             store=store, registry=registry, sessions=sessions, reconciler=reconciler,
                             gateway=gateway, access=access, catalog_changed=catalog_changed,
                             gateway_url=gateway_url, agent_settings_changed=push.changed, leadership=leadership,
+                            tee=tee, restart_self=restart_self,
                         )
                         plane.term = Term(epoch=epoch, registry=registry, sessions=sessions, reconciler=reconciler,
                                           tee=tee, admin=admin, catalog_changed=catalog_changed)

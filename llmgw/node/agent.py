@@ -145,6 +145,11 @@ def _make_agent_server(
                 raise ValueError("the cluster settings must be a mapping")
             settings.apply(layer)  # ValueError: it does not load with agent.yaml
 
+        async def restart(self, **_: Any) -> None:
+            if settings is None:
+                raise RuntimeError("this agent cannot restart itself (llmgw up's own agent)")
+            settings.restart_soon("asked by llmgw ctl restart")
+
         async def controlPlanes(self, addresses: Any, **_: Any) -> None:
             if planes is not None:
                 planes.learn([str(a) for a in addresses])

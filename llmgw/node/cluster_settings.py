@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 SETTINGS_FILE = "cluster_settings.json"
 #: How often agent.yaml's modification time and size are looked at.
 FILE_POLL_S = 2.0
+#: A restart asked for over RPC waits this long, so the call's answer is on the wire first.
+REPLY_GRACE_S = 0.2
 
 #: ``load(layer) -> config``: the agent's configuration from its file with ``layer`` over it;
 #: raises ``ValueError`` (ConfigError) naming the key and the reason.
@@ -98,9 +100,17 @@ class ClusterSettings:
             # Running on them anyway: the next start without them is the file's configuration.
             log.warning("agent: could not save the cluster settings to %s: %s", self.path, exc.strerror or exc)
 
+    def restart_soon(self, reason: str) -> None:
+        """Restart after :data:`REPLY_GRACE_S` (an RPC asked: its answer goes out first)."""
+        async def later() -> None:
+            await trio.sleep(REPLY_GRACE_S)
+            self._restart(reason)
+
+        trio.lowlevel.spawn_system_task(later)
+
     def _restart(self, reason: str) -> None:
         self.reason = reason
-        log.warning("agent: %s: restarting on them (the engines keep running and are adopted)", reason)
+        log.warning("agent: %s: restarting (the engines keep running and are adopted)", reason)
         self.restart.set()
 
     async def watch_file(self) -> None:

@@ -139,7 +139,7 @@ async def test_killing_the_leader_hands_the_lead_to_a_standby_with_no_engine_res
         settings = {s["key"]: s for s in cluster.ctl_json("--server", leader.rpc, "config", "get")}
         assert settings["agents.default"]["value"] == {"log_level": "debug"}
         assert settings["agents.nodes.node-a"]["value"] == {"llamacpp": {"threads": 8}}
-        assert settings["agents.default"]["actor"].endswith("(via a standby)")
+        assert settings["agents.default"]["actor"].endswith(f"(via {other.name})")
         history = cluster.ctl_json("--server", leader.rpc, "config", "history", "agents.default")
         assert [h["version"] for h in history] == [1]
 
@@ -288,3 +288,37 @@ async def _stopped(http: httpx.AsyncClient, gateway: str) -> bool:
 async def _is(http: httpx.AsyncClient, url: str, status: int) -> bool:
     return (await http.get(url)).status_code == status
 
+
+
+async def test_ctl_restart_restarts_agents_then_standbys_then_the_leader_with_engines_serving(
+    ha: tuple[Cluster, list[ControlPlaneProc]],
+) -> None:
+    cluster, standbys = ha
+    await start_agents(cluster, standbys, "node-a", "node-b")
+    assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
+    await ready_replicas(cluster, "m1", 2)
+    engines = sorted(p.pid for p in engines_under(cluster.root))
+    cluster.pin_ports()  # each process comes back on the ports it has (the agents dial those)
+    for standby in standbys:
+        standby.pin_ports()
+    # Through a standby: it passes the call on, and restarts last, after passing the answer back.
+    out = cluster.ctl("--server", standbys[0].rpc, "restart", "--json")
+    assert out.returncode == 0, out.stderr
+    done = json.loads(out.stdout)
+    assert (done["agents"], done["standbys"]) == (2, 2)
+    for node in ("node-a", "node-b"):
+        assert "agent: restarting (asked by llmgw ctl restart)" in cluster.agents[node].output()
+    assert cluster.server is not None
+    await cluster.server.wait_for_line(r"llmgw server: restarting \(llmgw ctl restart\)")
+    for standby in standbys:
+        assert standby.proc is not None
+        await standby.proc.wait_for_line(r"llmgw server: restarting \(asked by the leader: llmgw ctl restart")
+        await standby.proc.wait_for_line(r"(?s)restarting.*llmgw server: rpc")
+
+    async def settled() -> dict[str, Any] | None:
+        st = status_via(cluster, standbys[1].rpc)
+        roles = sorted(p["role"] for p in st["control_planes"]) if st else []
+        return st if st and st["replicas_ready"] == 2 and roles == ["leader", "standby", "standby"] else None
+
+    await eventually(settled, "a leader, two standbys and both replicas after the restart")
+    assert sorted(p.pid for p in engines_under(cluster.root)) == engines

@@ -17,7 +17,7 @@ from llmgw.cli.ctl.common import CTL_META_KEY
 from llmgw.cli.ctl.config import config
 from llmgw.cli.ctl.keys import keys, tenants, usage
 from llmgw.cli.ctl.models import models
-from llmgw.cli.ctl.serving import start, stop
+from llmgw.cli.ctl.serving import restart, start, stop
 
 __all__ = ["ctl"]
 
@@ -32,6 +32,6 @@ def ctl(ctx: click.Context, server: str | None, tls_dir: str | None, as_json: bo
     ctx.meta[CTL_META_KEY] = (server, tls_dir, as_json)
 
 
-for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, config,
-                 certs):
+for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, restart,
+                 config, certs):
     ctl.add_command(_command)

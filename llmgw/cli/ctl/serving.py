@@ -1,4 +1,5 @@
-"""``llmgw ctl stop|start``: stop and resume serving (the setting ``serving.stopped``)."""
+"""``llmgw ctl stop|start|restart``: stop and resume serving (the setting ``serving.stopped``),
+restart every process of the cluster."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ def stop(ctx: click.Context, as_json: bool) -> None:
 def start(ctx: click.Context, as_json: bool) -> None:
     """Resume serving after `llmgw ctl stop`: every model is placed again."""
     _set_serving_stopped(ctx, as_json, False, "serving resumed: every model is being placed again")
+
+
+@click.command()
+@json_option
+@click.pass_context
+def restart(ctx: click.Context, as_json: bool) -> None:
+    """Restart every agent, then every standby control plane, then the leader; engines keep serving."""
+    done = call(ctx, as_json, lambda c: c.restart_cluster())
+    click.echo(f"restarted {done['agents']} agent(s) and {done['standbys']} standby control plane(s); "
+               f"the leader {done['leader']} is restarting now (another may lead for a while: `llmgw ctl status`)")
