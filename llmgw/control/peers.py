@@ -70,9 +70,7 @@ class _PeerQueue:
 
     async def get(self) -> tuple[Any, ...]:
         """Returns the next item; raises PeerTooSlow once the queue overflowed."""
-        while not self.items:
-            if self.overflowed:
-                raise PeerTooSlow(f"the standby fell {PEER_QUEUE_MAX} messages behind")
+        while not self.items and not self.overflowed:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
         if self.overflowed:

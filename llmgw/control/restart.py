@@ -47,9 +47,9 @@ async def restart_cluster(
     if refused:
         raise RuntimeError("restart stopped: " + "; ".join(sorted(refused)))
     with trio.move_on_after(STEP_TIMEOUT_S):
-        while not _all_rejoined(registry, sessions, old):
+        while _not_back(registry, sessions, old):
             await registry.wait_changed(registry.version)
-    missing = sorted(n for n in old if not _rejoined(registry, sessions, old, n))
+    missing = _not_back(registry, sessions, old)
     if missing:
         raise RuntimeError(f"restart stopped: node(s) {', '.join(missing)} did not join again within "
                            f"{STEP_TIMEOUT_S:g}s (see `llmgw ctl nodes`); the control planes were not restarted")
@@ -96,14 +96,17 @@ async def _call(method: Any, what: str, refused: list[str]) -> None:
         refused.append(f"{what} did not answer the restart within {CALL_TIMEOUT_S:g}s")
 
 
-def _rejoined(registry: Registry, sessions: NodeSessions, old: dict[str, Any], node_id: str) -> bool:
-    try:
-        current = sessions.get(node_id)
-    except LookupError:
-        return False
-    node = registry.snapshot().nodes.get(node_id)
-    return current is not old[node_id] and node is not None and node.state is NodeState.ONLINE
-
-
-def _all_rejoined(registry: Registry, sessions: NodeSessions, old: dict[str, Any]) -> bool:
-    return all(_rejoined(registry, sessions, old, n) for n in old)
+def _not_back(registry: Registry, sessions: NodeSessions, old: dict[str, Any]) -> list[str]:
+    """Returns the nodes of ``old`` (node id -> its session before the restart) that have no
+    new session or are not ONLINE, sorted."""
+    nodes = registry.snapshot().nodes
+    missing = []
+    for node_id, before in old.items():
+        try:
+            current = sessions.get(node_id)
+        except LookupError:
+            current = before
+        node = nodes.get(node_id)
+        if current is before or node is None or node.state is not NodeState.ONLINE:
+            missing.append(node_id)
+    return sorted(missing)

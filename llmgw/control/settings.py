@@ -19,7 +19,7 @@ a nested one. :func:`edit` returns the whole new value of the stored key.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 
@@ -163,7 +163,3 @@ def _merge(into: dict[str, Any], layer: dict[str, Any]) -> None:
         else:
             into[name] = copy.deepcopy(value)
 
-
-def agent_keys(settings: Sequence[str]) -> list[str]:
-    """Returns the stored keys of ``settings`` that agents get."""
-    return [k for k in settings if k == AGENTS_DEFAULT or k.startswith(AGENTS_NODES)]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 
@@ -233,7 +233,3 @@ def open_election(target: str | os.PathLike[str], timeout_s: float) -> Election:
         return PostgresElection(location, timeout_s)
     return SqliteElection(SqliteDriver.open(location, timeout_s), location)
 
-
-def describe(record: LeaderRecord | None) -> dict[str, Any]:
-    """Returns ``record`` as a JSON-ready dict (``{}`` for None)."""
-    return {} if record is None else attrs.asdict(record)
