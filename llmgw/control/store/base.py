@@ -50,15 +50,49 @@ class FencedError(StoreError):
     (another took the lead at a later epoch). Nothing was written."""
 
 
+class JoinTokenRefused(StoreError):
+    """A join token was unknown, wrong, used, expired or revoked; the message says which."""
+
+
+class CertificateRevokedError(StoreError):
+    """A certificate an operator revoked (``llmgw ctl servers remove``) tried to act."""
+
+
 @attrs.frozen
 class ControlPlaneRecord:
-    """A control plane that has run on this store, by its certificate's name. Times are Unix seconds."""
+    """A control plane that has run on this store, by its certificate's name. Times are Unix
+    seconds; ``serial`` is its certificate's serial number (hex) when it last started."""
 
     name: str
     rpc_address: str
     http_address: str
     first_seen: float
     last_seen: float
+    serial: str = ""
+
+
+@attrs.frozen
+class JoinTokenRecord:
+    """A one-time join token (without its secret). Times are Unix seconds; ``used_at``,
+    ``used_by`` (the address it was redeemed from) and ``revoked_at`` are None until then."""
+
+    id: str
+    role: str
+    name: str
+    created_at: float
+    created_by: str
+    expires_at: float
+    used_at: float | None = None
+    used_by: str | None = None
+    revoked_at: float | None = None
+
+    def state(self, now: float) -> str:
+        """Returns ``used``, ``revoked``, ``expired`` or ``pending`` at Unix time ``now``."""
+        if self.used_at is not None:
+            return "used"
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if now >= self.expires_at else "pending"
 
 
 @attrs.frozen
@@ -180,12 +214,45 @@ class Store(abc.ABC):
         no election runs on). Usage and audit writes are never fenced."""
 
     @abc.abstractmethod
-    async def record_control_plane(self, name: str, rpc_address: str, http_address: str) -> ControlPlaneRecord:
-        """Record that control plane ``name`` runs (its addresses as others reach it)."""
+    async def record_control_plane(
+        self, name: str, rpc_address: str, http_address: str, serial: str = ""
+    ) -> ControlPlaneRecord:
+        """Record that control plane ``name`` runs (its addresses as others reach it, the
+        serial of its certificate). Raises :class:`CertificateRevokedError` when that
+        certificate was revoked (the control plane was removed)."""
 
     @abc.abstractmethod
     async def list_control_planes(self) -> list[ControlPlaneRecord]:
         """Return every control plane that has run on this store, by name."""
+
+    # -- joining and revocation (migration 6) ----------------------------------------------
+
+    @abc.abstractmethod
+    async def create_join_token(self, token: JoinTokenRecord, secret_sha256: str) -> JoinTokenRecord:
+        """Store a new join token (fenced); return it. Raises :class:`ConflictError` if its id exists."""
+
+    @abc.abstractmethod
+    async def list_join_tokens(self) -> list[JoinTokenRecord]:
+        """Return every join token, oldest first."""
+
+    @abc.abstractmethod
+    async def redeem_join_token(self, token_id: str, secret_sha256: str, used_by: str,
+                                now: float | None = None) -> JoinTokenRecord:
+        """Mark token ``token_id`` used by ``used_by`` if its secret hashes to
+        ``secret_sha256`` and it is pending at ``now`` (default: the clock), in one
+        transaction, so a token is redeemed at most once even by racing control planes.
+        Returns it as used. Raises :class:`JoinTokenRefused` saying why otherwise. Not fenced:
+        any control plane may answer a join."""
+
+    @abc.abstractmethod
+    async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRecord | None:
+        """Forget control plane ``name`` (fenced): delete its row, revoke the certificate it
+        last ran with and every pending join token for it. Returns the removed row, or None
+        when no control plane has that name (pending tokens are revoked all the same)."""
+
+    @abc.abstractmethod
+    async def is_certificate_revoked(self, serial: str) -> bool:
+        """Return whether the certificate with serial ``serial`` (hex) was revoked."""
 
     # -- models (the catalog) ------------------------------------------------------------
 

@@ -222,6 +222,43 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=6,
+        name="join tokens and revoked certificates",
+        statements=(
+            # One-time tokens a new control plane (role control) or node redeems once for a
+            # certificate named `name` (`llmgw ctl servers add`). Only the SHA-256 of the secret
+            # is kept; used_at/used_by say who redeemed it, revoked_at that an operator withdrew it.
+            """
+            CREATE TABLE join_tokens (
+                id TEXT PRIMARY KEY,
+                secret_sha256 TEXT NOT NULL,
+                role TEXT NOT NULL,
+                name TEXT NOT NULL,
+                created_at {ts} NOT NULL,
+                created_by TEXT NOT NULL,
+                expires_at {ts} NOT NULL,
+                used_at {ts},
+                used_by TEXT,
+                revoked_at {ts}
+            )
+            """,
+            # Certificates refused from now on, by serial (hex): those of a removed control
+            # plane (`llmgw ctl servers remove`). Every connection is checked against it.
+            """
+            CREATE TABLE revoked_certificates (
+                serial TEXT PRIMARY KEY,
+                role TEXT NOT NULL,
+                name TEXT NOT NULL,
+                revoked_at {ts} NOT NULL,
+                actor TEXT NOT NULL
+            )
+            """,
+            # The serial of the certificate each control plane last ran with, so removing it
+            # revokes exactly that certificate.
+            "ALTER TABLE control_planes ADD COLUMN serial TEXT NOT NULL DEFAULT ''",
+        ),
+    ),
 )
 
 

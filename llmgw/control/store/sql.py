@@ -20,7 +20,6 @@ from llmgw.control.store.base import (
     ApiKeyRecord,
     AuditEntry,
     ConflictError,
-    ControlPlaneRecord,
     FencedError,
     NotFoundError,
     TenantRecord,
@@ -31,6 +30,7 @@ from llmgw.control.store.base import (
     Store,
     StoreClosedError,
 )
+from llmgw.control.store.enrolment import EnrolmentStore
 from llmgw.control.store.migrations import (
     SCHEMA_MIGRATIONS_TABLE,
     Dialect,
@@ -200,10 +200,7 @@ def apply_migrations(driver: Driver, migrations: Sequence[Migration]) -> int:
     return max(current, known)
 
 
-_CONTROL_PLANE_COLUMNS = "name, rpc_address, http_address, first_seen, last_seen"
-
-
-class SqlStore(Store):
+class SqlStore(EnrolmentStore, Store):
     """A Store over one :class:`Driver`; all access to it is serialised by a trio.Lock."""
 
     def __init__(self, driver: Driver) -> None:
@@ -273,28 +270,6 @@ class SqlStore(Store):
 
     def set_fence(self, epoch: int | None) -> None:
         self._fence = epoch
-
-    async def record_control_plane(self, name: str, rpc_address: str, http_address: str) -> ControlPlaneRecord:
-        now = time.time()
-
-        def write(tx: Tx) -> ControlPlaneRecord:
-            rows = tx.execute(
-                "INSERT INTO control_planes (name, rpc_address, http_address, first_seen, last_seen) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET rpc_address = excluded.rpc_address, "
-                "http_address = excluded.http_address, last_seen = excluded.last_seen "
-                f"RETURNING {_CONTROL_PLANE_COLUMNS}",
-                (name, rpc_address, http_address, now, now),
-            )
-            return ControlPlaneRecord(*rows[0])
-
-        return await self._run(write, write=True, idempotent=True)
-
-    async def list_control_planes(self) -> list[ControlPlaneRecord]:
-        def read(tx: Tx) -> list[ControlPlaneRecord]:
-            rows = tx.execute(f"SELECT {_CONTROL_PLANE_COLUMNS} FROM control_planes ORDER BY name")
-            return [ControlPlaneRecord(*row) for row in rows]
-
-        return await self._run(read, write=False)
 
     # -- models --------------------------------------------------------------------------
 

@@ -1,0 +1,137 @@
+"""The store's join tokens and revoked certificates (migration 6), shared by both backends.
+
+:class:`EnrolmentStore` is mixed into :class:`~llmgw.control.store.sql.SqlStore`: it only
+needs the store's ``_run`` (one transaction in a worker thread). See the abstract methods
+on :class:`~llmgw.control.store.base.Store` for what each promises.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any, Callable, TypeVar
+
+from llmgw.control.store.base import (
+    CertificateRevokedError,
+    ConflictError,
+    ControlPlaneRecord,
+    JoinTokenRecord,
+    JoinTokenRefused,
+)
+
+T = TypeVar("T")
+
+_TOKEN_COLUMNS = "id, role, name, created_at, created_by, expires_at, used_at, used_by, revoked_at"
+CONTROL_PLANE_COLUMNS = "name, rpc_address, http_address, first_seen, last_seen, serial"
+
+
+def _token(row: Any) -> JoinTokenRecord:
+    return JoinTokenRecord(*row)
+
+
+class EnrolmentStore:
+    """Join tokens, certificate revocation and control plane rows, on a SQL store."""
+
+    _run: Callable[..., Any]
+
+    async def record_control_plane(
+        self, name: str, rpc_address: str, http_address: str, serial: str = ""
+    ) -> ControlPlaneRecord:
+        now = time.time()
+
+        def write(tx: Any) -> ControlPlaneRecord:
+            if serial and tx.execute("SELECT 1 FROM revoked_certificates WHERE serial = ?", (serial,)):
+                raise CertificateRevokedError(
+                    f"this control plane's certificate (serial {serial}) was revoked: it was removed "
+                    "from the cluster (`llmgw ctl servers remove`). Join it again with a new token "
+                    "(`llmgw ctl servers add` on the cluster, then `llmgw server join` here)")
+            rows = tx.execute(
+                "INSERT INTO control_planes (name, rpc_address, http_address, first_seen, last_seen, serial) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET rpc_address = excluded.rpc_address, "
+                "http_address = excluded.http_address, last_seen = excluded.last_seen, serial = excluded.serial "
+                f"RETURNING {CONTROL_PLANE_COLUMNS}",
+                (name, rpc_address, http_address, now, now, serial),
+            )
+            return ControlPlaneRecord(*rows[0])
+
+        return await self._run(write, write=True, idempotent=True)  # type: ignore[no-any-return]
+
+    async def list_control_planes(self) -> list[ControlPlaneRecord]:
+        def read(tx: Any) -> list[ControlPlaneRecord]:
+            rows = tx.execute(f"SELECT {CONTROL_PLANE_COLUMNS} FROM control_planes ORDER BY name")
+            return [ControlPlaneRecord(*row) for row in rows]
+
+        return await self._run(read, write=False)  # type: ignore[no-any-return]
+
+    async def create_join_token(self, token: JoinTokenRecord, secret_sha256: str) -> JoinTokenRecord:
+        def write(tx: Any) -> JoinTokenRecord:
+            if tx.execute("SELECT 1 FROM join_tokens WHERE id = ?", (token.id,)):
+                raise ConflictError(f"a join token with id {token.id!r} already exists")
+            tx.execute(
+                f"INSERT INTO join_tokens ({_TOKEN_COLUMNS}, secret_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (token.id, token.role, token.name, token.created_at, token.created_by, token.expires_at,
+                 token.used_at, token.used_by, token.revoked_at, secret_sha256),
+            )
+            return token
+
+        return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
+
+    async def list_join_tokens(self) -> list[JoinTokenRecord]:
+        def read(tx: Any) -> list[JoinTokenRecord]:
+            return [_token(r) for r in tx.execute(f"SELECT {_TOKEN_COLUMNS} FROM join_tokens ORDER BY created_at, id")]
+
+        return await self._run(read, write=False)  # type: ignore[no-any-return]
+
+    async def redeem_join_token(self, token_id: str, secret_sha256: str, used_by: str,
+                                now: float | None = None) -> JoinTokenRecord:
+        at = time.time() if now is None else now
+
+        def write(tx: Any) -> JoinTokenRecord:
+            rows = tx.execute(f"SELECT {_TOKEN_COLUMNS}, secret_sha256 FROM join_tokens WHERE id = ?", (token_id,))
+            if not rows or not hmac.compare_digest(str(rows[0][-1]), secret_sha256):
+                raise JoinTokenRefused("the join token is not one this cluster issued (unknown or mistyped): "
+                                       "mint a new one with `llmgw ctl servers add NAME`")
+            token = _token(rows[0][:-1])
+            state = token.state(at)
+            if state == "used":
+                raise JoinTokenRefused(f"the join token for {token.name!r} was used already (from {token.used_by}): "
+                                       "tokens work once; mint a new one")
+            if state == "revoked":
+                raise JoinTokenRefused(f"the join token for {token.name!r} was revoked by an operator")
+            if state == "expired":
+                raise JoinTokenRefused(f"the join token for {token.name!r} expired "
+                                       f"{at - token.expires_at:.0f}s ago: mint a new one")
+            # The guard in WHERE makes a racing second redemption update nothing.
+            updated = tx.execute("UPDATE join_tokens SET used_at = ?, used_by = ? WHERE id = ? AND used_at IS NULL "
+                                 "AND revoked_at IS NULL RETURNING id", (at, used_by, token_id))
+            if not updated:
+                raise JoinTokenRefused(f"the join token for {token.name!r} was used already")
+            return JoinTokenRecord(token.id, token.role, token.name, token.created_at, token.created_by,
+                                   token.expires_at, at, used_by, None)
+
+        return await self._run(write, write=True)  # type: ignore[no-any-return]
+
+    async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRecord | None:
+        now = time.time()
+
+        def write(tx: Any) -> ControlPlaneRecord | None:
+            tx.execute("UPDATE join_tokens SET revoked_at = ? WHERE role = 'control' AND name = ? "
+                       "AND used_at IS NULL AND revoked_at IS NULL", (now, name))
+            rows = tx.execute(f"SELECT {CONTROL_PLANE_COLUMNS} FROM control_planes WHERE name = ?", (name,))
+            if not rows:
+                return None
+            record = ControlPlaneRecord(*rows[0])
+            if record.serial:
+                tx.execute("INSERT INTO revoked_certificates (serial, role, name, revoked_at, actor) "
+                           "VALUES (?, 'control', ?, ?, ?) ON CONFLICT (serial) DO NOTHING",
+                           (record.serial, name, now, actor))
+            tx.execute("DELETE FROM control_planes WHERE name = ?", (name,))
+            return record
+
+        return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
+
+    async def is_certificate_revoked(self, serial: str) -> bool:
+        def read(tx: Any) -> bool:
+            return bool(tx.execute("SELECT 1 FROM revoked_certificates WHERE serial = ?", (serial,)))
+
+        return await self._run(read, write=False)  # type: ignore[no-any-return]
