@@ -1,4 +1,5 @@
-"""What pyproject.toml cannot say: the top-level schema/ directory ships as ``llmgw.schema``.
+"""What pyproject.toml cannot say: the top-level schema/ and systemd/ ship as ``llmgw.schema``
+and ``llmgw.systemd`` (the units ``llmgw server join`` installs).
 
 The Cap'n Proto schemas stay at the top of the repository (DESIGN.md, Layout) and
 travel inside the wheel as package data of ``llmgw.schema``, where
@@ -12,6 +13,7 @@ else about the distribution is in pyproject.toml.
 from setuptools import find_namespace_packages, setup
 
 setup(
-    packages=[*find_namespace_packages(include=["llmgw", "llmgw.*"], exclude=["*.__pycache__"]), "llmgw.schema"],
-    package_dir={"llmgw.schema": "schema"},
+    packages=[*find_namespace_packages(include=["llmgw", "llmgw.*"], exclude=["*.__pycache__"]), "llmgw.schema",
+              "llmgw.systemd"],
+    package_dir={"llmgw.schema": "schema", "llmgw.systemd": "systemd"},
 )

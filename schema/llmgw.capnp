@@ -175,6 +175,26 @@ interface GatewayFeed {
   # Keys, tenants or serving.stopped changed in the store: reload them now.
   restart @4 () -> ();
   # Restart this standby (llmgw ctl restart): it stops gracefully and runs again, once this call has answered.
+  admissionShares @5 (shares :List(TenantShare), default :Float64) -> ();
+  # This standby's gateway's shares of the tenants' limits (docs/ha.md): `shares` for the tenants named,
+  # `default` (1/N, N the control planes) for every other. Answers once the gateway applied them.
+}
+
+struct TenantShare {
+  # One gateway's fractions, each in (0, 1], of one tenant's limits.
+  tenant @0 :Text;
+  concurrency @1 :Float64;
+  rpm @2 :Float64;
+  tpm @3 :Float64;
+}
+
+struct TenantDemand {
+  # What one tenant asked of one gateway since its previous report.
+  tenant @0 :Text;
+  inFlight @1 :UInt32;     # admitted or queued now
+  admitted @2 :UInt64;     # since the previous report
+  shed @3 :UInt64;
+  tokens @4 :UInt64;       # tokens asked for (estimates), tenants with a token budget only
 }
 
 interface ControlPeer {
@@ -183,6 +203,8 @@ interface ControlPeer {
   # Fails once the leader no longer leads.
   admin @1 (actor :Text) -> (admin :Admin);
   # The leader's Admin for a standby's admin caller (actor: the caller's certificate name).
+  reportDemand @2 (tenants :List(TenantDemand)) -> ();
+  # The standby's gateway's demand per tenant, every second: the leader shares the tenant limits by it.
 }
 
 interface NodeDesk {
@@ -378,6 +400,14 @@ interface Admin {
   restartCluster @19 () -> (agents :UInt32, standbys :UInt32, leader :Text);
   # Restart every agent (each back before the next step), then every standby, then the leader; engines keep
   # serving. Answers once the standbys are back; the leader restarts right after answering.
+  createJoinToken @20 (role :Text, name :Text, ttlSeconds :Float64) -> (token :Text, expiresAt :Float64,
+                                                                       controlPlanes :List(Text));
+  # A one-time token a new machine redeems once (JoinDesk.redeem) for a certificate of ROLE named NAME
+  # ("control": a new control plane); it expires after ttlSeconds. The token is returned this once.
+  listJoinTokens @21 () -> (tokens :List(JoinTokenView));
+  removeControlPlane @22 (name :Text) -> (removed :Bool);
+  # Forgets control plane NAME, revokes its certificate and its pending tokens, and ends its peer session.
+  # Refused for the leader itself (stop it first: another leads, then remove it).
 }
 
 struct Setting {
@@ -386,4 +416,35 @@ struct Setting {
   version @2 :UInt32;
   updatedAt @3 :Float64;
   actor @4 :Text;
+}
+
+struct JoinTokenView {
+  id @0 :Text;
+  role @1 :Text;
+  name @2 :Text;
+  createdAt @3 :Float64;
+  createdBy @4 :Text;
+  expiresAt @5 :Float64;
+  state @6 :Text;       # pending, used, expired, revoked
+  usedBy @7 :Text;      # the address it was redeemed from ("" until used)
+}
+
+struct JoinGrant {
+  # What a machine joining with a token gets back.
+  role @0 :Text;
+  name @1 :Text;
+  certificate @2 :Data;    # PEM, over the public key of its request: its private key never left it
+  ca @3 :Data;             # the cluster CA certificate, PEM
+  caKey @4 :Data;          # control planes only: the CA's key, so any control plane can sign after a failover
+  storeUrl @5 :Text;       # control planes only: the store every control plane shares
+  leaderLease @6 :Float64; # control planes only: seconds
+  controlPlanes @7 :List(Text);  # every control plane's RPC address
+}
+
+interface JoinDesk {
+  # The bootstrap of an RPC connection that presented no certificate: joining with a token, nothing else.
+  caCertificate @0 () -> (pem :Data);
+  # The cluster CA certificate: the joiner checks it against the pin in its token before sending the token.
+  redeem @1 (token :Text, request :Data, sans :List(Text)) -> (grant :JoinGrant);
+  # request: a PEM certificate signing request (the joiner's key); sans: addresses a control plane is reached by.
 }

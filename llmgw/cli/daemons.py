@@ -14,10 +14,11 @@ import trio
 from llmgw.cli.common import setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
+from llmgw.cli.server_join import server_join
 from llmgw.cli.signals import run_daemon
 from llmgw.config import ConfigError, load_agent_config, load_server_config
 from llmgw.control.store import STORE_DIR_MODE, StoreError
-from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials, server_ssl_context
+from llmgw.rpc.tls import CA_KEY_FILE, ClusterCA, TLSFileError, client_ssl_context, read_credentials, server_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
         creds = read_credentials(config.state_dir / SERVER_DIR)
     except TLSFileError as exc:
         fail(f"{exc}\n(first run? create the cluster CA and certificates with `llmgw server init`)")
+    join_ca = _join_ca(config.state_dir)
     from llmgw.control.plane import run_control_plane
     from llmgw.gctune import tune_for_serving
     from llmgw.router.build import build_gateway
@@ -98,7 +100,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     rpc_port=config.rpc_listen.port,
                     http_host=config.http_listen.host,
                     http_port=config.http_listen.port,
-                    server_context=server_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
+                    server_context=server_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem,
+                                                      allow_anonymous=join_ca is not None),
                     heartbeat_interval=config.heartbeat_interval,
                     lost_after=config.node_lost_after,
                     replace_grace=config.replace_grace,
@@ -112,6 +115,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     peer_context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
                     leader_lease=config.leader_lease,
                     request_restart=request_restart,
+                    join_ca=join_ca,
+                    serial=creds.identity.serial,
                     task_status=task_status,
                 )
             )
@@ -128,6 +133,17 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
         fail(f"cannot start: {exc}")
     if restart:
         exec_again(f"llmgw server: restarting ({restart[0]})")
+
+
+def _join_ca(state_dir: Path) -> ClusterCA | None:
+    """Returns the cluster CA in ``state_dir`` when this control plane holds its key (it then
+    answers joins with a token), else None; an unusable CA directory is a clear exit."""
+    if not (state_dir / CA_DIR / CA_KEY_FILE).exists():
+        return None
+    try:
+        return ClusterCA.load(state_dir / CA_DIR)
+    except TLSFileError as exc:
+        fail(str(exc))
 
 
 @server.command("init")
@@ -151,6 +167,9 @@ def server_init(ctx: click.Context, name: str | None) -> None:
     click.echo(f"  admin certificate for `llmgw ctl --tls-dir`: {state / ADMIN_DIR}")
     click.echo("For each node: llmgw ctl certs issue --state-dir "
                f"{state} --role node --name NODE_ID --out DIR, then copy DIR to the node's tls directory.")
+
+
+server.add_command(server_join)
 
 
 @click.command()

@@ -37,7 +37,8 @@ from llmgw.spec import EngineInfo, Hardware, ModelSpec
 from llmgw.spec import Compute
 
 __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "Rollout", "connect",
-           "ControlPlaneRow", "KeyRow", "SettingRow", "TenantAdmission", "TenantRow", "UsageRow"]
+           "ControlPlaneRow", "JoinTokenRow", "KeyRow", "NewJoinToken", "SettingRow", "TenantAdmission", "TenantRow",
+           "UsageRow"]
 
 #: A cluster restart waits for every agent, then every standby, to be back (each step
 #: bounded at a minute on the leader): a few steps of that.
@@ -120,6 +121,31 @@ class ControlPlaneRow:
     http_address: str
     role: str
     last_seen: float
+
+
+@attrs.frozen
+class JoinTokenRow:
+    """A join token (never its secret): ``state`` is pending, used, expired or revoked."""
+
+    id: str
+    role: str
+    name: str
+    created_at: float
+    created_by: str
+    expires_at: float
+    state: str
+    used_by: str
+
+
+@attrs.frozen
+class NewJoinToken:
+    """A join token just minted: ``token`` is shown this once; ``control_planes`` are the
+    RPC addresses a joining machine may dial."""
+
+    token: str
+    name: str
+    expires_at: float
+    control_planes: tuple[str, ...]
 
 
 @attrs.frozen
@@ -290,6 +316,22 @@ class ClusterClient:
     async def setting_history(self, key: str) -> list[SettingRow]:
         """Returns every version of the stored key ``key`` belongs to, oldest first."""
         return [_setting_from(s) for s in (await self._call("settingHistory", key)).versions]
+
+    async def create_join_token(self, role: str, name: str, ttl: float) -> NewJoinToken:
+        """Mint a one-time token for a machine to join as ``role`` ``name`` within ``ttl``
+        seconds. Fails saying why (a name in use, a SQLite store, no CA key on the leader)."""
+        r = await self._call("createJoinToken", role, name, ttl)
+        return NewJoinToken(str(r.token), name, r.expiresAt, tuple(r.controlPlanes))
+
+    async def join_tokens(self) -> list[JoinTokenRow]:
+        """Returns every join token, oldest first."""
+        return [JoinTokenRow(t.id, t.role, t.name, t.createdAt, t.createdBy, t.expiresAt, t.state, t.usedBy)
+                for t in (await self._call("listJoinTokens")).tokens]
+
+    async def remove_control_plane(self, name: str) -> bool:
+        """Remove control plane ``name`` (its certificate and pending tokens revoked); returns
+        whether there was anything to remove. Fails for the leader itself."""
+        return bool((await self._call("removeControlPlane", name)).removed)
 
     async def nodes(self) -> list[NodeRow]:
         result = await self._call("listNodes")

@@ -20,6 +20,8 @@ from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.keys import AccessSync
 from llmgw.control.peers import FeedTee
 from llmgw.control.restart import restart_cluster
+from llmgw.control.joining import JoinService
+from llmgw.control.servers_admin import ServersAdminMixin
 from llmgw.control.settings_admin import SettingsAdminMixin
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
 from llmgw.control import rollout
@@ -57,6 +59,8 @@ class AdminServices:
     agent_settings_changed: Callable[[], None]
     #: Who leads and the control planes, as ``ClusterStatus`` fields (leader, epoch, ...).
     leadership: Callable[[], Awaitable[dict[str, Any]]]
+    #: This leader's join desk (None: it holds no CA key and mints no join tokens).
+    joins: JoinService | None = None
 
 
 def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
@@ -70,7 +74,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
     s = schema.load()
 
     # tenants, keys, usage: keys_admin.py; cluster settings: settings_admin.py
-    class AdminServer(AccessAdminMixin, SettingsAdminMixin, s.Admin.Server):
+    class AdminServer(AccessAdminMixin, SettingsAdminMixin, ServersAdminMixin, s.Admin.Server):
         async def status(self, _context: Any, **_: Any) -> None:
             fleet = services.registry.snapshot()
             shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]
@@ -200,4 +204,9 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
         services.catalog_changed()
 
     server.bind_settings(services.store, actor, serving_applied, services.agent_settings_changed)
+
+    async def leader() -> str:
+        return str((await services.leadership())["leader"])
+
+    server.bind_servers(services.store, actor, services.joins, services.tee, leader)
     return server

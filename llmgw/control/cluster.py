@@ -19,6 +19,8 @@ import attrs
 import trio
 
 from llmgw.control import refusals
+from llmgw.control.admission_shares import demand_from
+from llmgw.control.joining import JoinService, make_join_desk
 from llmgw.control.peers import pump
 from llmgw.control.settings_push import push_to, stored_settings
 from llmgw.control.reports import endpoint_hosts, screen_shards
@@ -58,18 +60,33 @@ class ClusterServices:
     make_admin: Callable[[str, str], Awaitable[Any]]
     #: Returns the RPC addresses of every control plane, this one (the leader) first.
     control_planes: Callable[[], Awaitable[list[str]]]
+    #: Answers connections without a certificate (joining with a token); None: refuse them.
+    joins: JoinService | None = None
 
 
 class NotLeaderError(RuntimeError):
     """A call only the leader answers reached a standby; the message names the leader."""
 
 
-async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, identity: Identity) -> None:
+async def handle_connection(services: ClusterServices, stream: trio.abc.Stream, identity: Identity | None) -> None:
     """Serve the RPC port's bootstrap on one connection until it closes.
 
-    A node session started on this connection ends with it: the registry is told
-    (the node becomes LOST) and the session's tasks are cancelled.
+    A connection without a certificate (``identity`` None) gets only the ``JoinDesk``; one
+    whose certificate was revoked is refused (logged, audited) and closed. A node session
+    started on this connection ends with it: the registry is told (the node becomes LOST)
+    and the session's tasks are cancelled.
     """
+    if identity is None:
+        if services.joins is None:
+            return  # the listener admits no anonymous connection then; nothing to serve
+        await serve_stream(stream, make_join_desk(services.joins, _peer_host(stream)))
+        return
+    if identity.serial and await services.store.is_certificate_revoked(identity.serial):
+        try:
+            await refusals.refuse(services.store, identity, call="connect", target=identity.name,
+                                  reason="its certificate was revoked (the control plane or node was removed)")
+        except PermissionError:
+            return
     state: dict[str, Any] = {}
     try:
         async with trio.open_nursery() as nursery:
@@ -185,6 +202,11 @@ def _make_control_peer(services: ClusterServices, term: Term, standby: str) -> A
 
         async def admin(self, actor: str, _context: Any, **_: Any) -> None:
             _context.results.admin = await services.make_admin(f"{actor} (via {standby})", standby)
+
+        async def reportDemand(self, tenants: Any, **_: Any) -> None:
+            book = current().shares
+            if book is not None:  # this session (self) tells the book when the standby reconnected
+                book.report(standby, demand_from(tenants), trio.current_time(), session=self)
 
     return ControlPeerServer()
 

@@ -53,13 +53,23 @@ class PeerTooSlow(Exception):
     """A standby fell PEER_QUEUE_MAX messages behind the leader's stream."""
 
 
+class PeerEnded(Exception):
+    """The leader ended its stream to a standby on purpose (the standby was removed)."""
+
+
 class _PeerQueue:
     """What is still to be sent to one standby, in order."""
 
     def __init__(self) -> None:
         self.items: collections.deque[tuple[Any, ...]] = collections.deque()
         self.overflowed = False
+        self.ended: str | None = None
         self._wakeup = trio.Event()
+
+    def end(self, reason: str) -> None:
+        """Make :meth:`get` raise :class:`PeerEnded` with ``reason`` from now on."""
+        self.ended = reason
+        self._wakeup.set()
 
     def put(self, item: tuple[Any, ...]) -> None:
         if len(self.items) >= PEER_QUEUE_MAX:
@@ -69,10 +79,12 @@ class _PeerQueue:
         self._wakeup.set()
 
     async def get(self) -> tuple[Any, ...]:
-        """Returns the next item; raises PeerTooSlow once the queue overflowed."""
-        while not self.items and not self.overflowed:
+        """Returns the next item; raises PeerTooSlow once the queue overflowed, PeerEnded once ended."""
+        while not self.items and not self.overflowed and self.ended is None:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
+        if self.ended is not None:
+            raise PeerEnded(self.ended)
         if self.overflowed:
             raise PeerTooSlow(f"the standby fell {PEER_QUEUE_MAX} messages behind")
         return self.items.popleft()
@@ -157,6 +169,13 @@ class FeedTee:
     def detach(self, queue: _PeerQueue) -> None:
         self._peers.pop(queue, None)
 
+    def drop(self, name: str, reason: str) -> int:
+        """End the stream to standby ``name`` (its session is then closed); returns how many were ended."""
+        ended = [queue for queue, (peer, _) in self._peers.items() if peer == name]
+        for queue in ended:
+            queue.end(reason)
+        return len(ended)
+
 
 def _replica_dict(r: Replica) -> dict[str, Any]:
     return {
@@ -196,7 +215,7 @@ async def pump(tee: FeedTee, queue: _PeerQueue, feed: Any, name: str) -> None:
                     await feed.kvForget(item[1])
                 else:
                     await feed.accessChanged()
-    except (PeerTooSlow, trio.TooSlowError, capnp.KjException) as exc:
+    except (PeerTooSlow, PeerEnded, trio.TooSlowError, capnp.KjException) as exc:
         log.warning("standby %s: the stream to it ended: %s", name, exc)
     finally:
         tee.detach(queue)

@@ -41,6 +41,7 @@ from llmgw.config.defaults import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_NODE_LOST_
 from llmgw.config.values import is_loopback_host
 from llmgw.control.admin import AdminServices, make_admin
 from llmgw.control.cluster import ClusterServices, handle_connection
+from llmgw.control.joining import JoinService
 from llmgw.control.keys import SERVING_STOPPED, AccessSync
 from llmgw.control.leader import LEADER_LEASE_S, LeaderElection
 from llmgw.control.peers import FeedTee, Follower
@@ -52,7 +53,7 @@ from llmgw.control.settings_push import SettingsPush
 from llmgw.control.store import Store, open_store
 from llmgw.router.interface import GatewayInterface
 from llmgw.rpc import net
-from llmgw.rpc.tls import Identity
+from llmgw.rpc.tls import ClusterCA, Identity
 from llmgw.spec import ModelSpec, not_leader_message
 from llmgw.trioutil import unwrap_single_group
 
@@ -126,6 +127,8 @@ async def run_control_plane(
     peer_context: ssl.SSLContext | None = None,
     leader_lease: float = LEADER_LEASE_S,
     request_restart: Callable[[str], None] | None = None,
+    join_ca: ClusterCA | None = None,
+    serial: str = "",
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a control plane, and serve ``gateway``, until cancelled.
@@ -147,6 +150,10 @@ async def run_control_plane(
     the address others reach its ports at (default: the listening host), ``peer_context``
     the client TLS context (its own certificate) a standby dials the leader with (None:
     this one never streams from a leader), ``leader_lease`` the lease in seconds.
+    ``join_ca`` (the cluster CA with its key) lets this control plane answer joins with a
+    token on connections without a certificate (``server_context`` must allow them);
+    ``serial`` is its own certificate's serial, recorded in the store (a revoked one
+    raises :class:`~llmgw.control.store.base.CertificateRevokedError`).
     ``request_restart(reason)`` asks the program to stop this control plane gracefully and
     run it again (``llmgw ctl restart``; None: it cannot, and says so).
     """
@@ -199,12 +206,13 @@ async def run_control_plane(
                 others = [r.rpc_address for r in await store.list_control_planes() if r.rpc_address != me]
                 return [me, *others] if me else others
 
+            joins = None if join_ca is None else JoinService(store, join_ca, store_url, leader_lease, control_planes)
             cluster = ClusterServices(
                 store=store, heartbeat_interval=heartbeat_interval, term=current_term, not_leader=not_leader,
-                make_admin=admin_for, control_planes=control_planes,
+                make_admin=admin_for, control_planes=control_planes, joins=joins,
             )
 
-            async def handler(stream: trio.SSLStream, identity: Identity) -> None:
+            async def handler(stream: trio.SSLStream, identity: Identity | None) -> None:
                 await handle_connection(cluster, stream, identity)
 
             bound_rpc = await nursery.start(net.listen, handler, rpc_host, rpc_port, server_context)
@@ -214,7 +222,7 @@ async def run_control_plane(
             name = name or rpc_address
             election = LeaderElection(store_url, store, name=name, rpc_address=rpc_address,
                                       http_address=http_address, lease=leader_lease)
-            await store.record_control_plane(name, rpc_address, http_address)
+            await store.record_control_plane(name, rpc_address, http_address, serial)
             plane = ControlPlane(store=store, election=election, access=access, rpc_port=bound_rpc,
                                  http_port=bound_http, gateway_url=gateway_url)
             plane_ref.append(plane)
@@ -255,7 +263,7 @@ async def run_control_plane(
                             store=store, registry=registry, sessions=sessions, reconciler=reconciler,
                             gateway=gateway, access=access, catalog_changed=catalog_changed,
                             gateway_url=gateway_url, agent_settings_changed=push.changed, leadership=leadership,
-                            tee=tee, restart_self=restart_self,
+                            tee=tee, restart_self=restart_self, joins=joins,
                         )
                         plane.term = Term(epoch=epoch, registry=registry, sessions=sessions, reconciler=reconciler,
                                           tee=tee, admin=admin, catalog_changed=catalog_changed)

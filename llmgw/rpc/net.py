@@ -73,7 +73,9 @@ async def connect(address: str, context: ssl.SSLContext, *, timeout: float = CON
     return stream
 
 
-Handler = Callable[[trio.SSLStream, Identity], Awaitable[None]]
+#: Called per accepted connection with its stream and the client's identity (None: the
+#: client presented no certificate, which only a context made with ``allow_anonymous`` lets through).
+Handler = Callable[[trio.SSLStream, Identity | None], Awaitable[None]]
 
 
 async def _accept(handler: Handler, context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
@@ -86,7 +88,8 @@ async def _accept(handler: Handler, context: ssl.SSLContext, tcp: trio.SocketStr
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
             await stream.do_handshake()
-        identity = peer_identity(stream)
+        anonymous = context.verify_mode == ssl.CERT_OPTIONAL and not stream.getpeercert(binary_form=True)
+        identity = None if anonymous else peer_identity(stream)
     except trio.TooSlowError:
         _refusals.failure(("idle", host), logging.WARNING,
                           "rpc: %s did not finish the TLS handshake within %gs", peer, HANDSHAKE_TIMEOUT)

@@ -124,6 +124,9 @@ class Identity:
 
     role: Role
     name: str
+    #: The certificate's serial number as lower-case hex ("" where unknown); not part of
+    #: equality: two certificates for one holder are the same identity.
+    serial: str = attrs.field(default="", eq=False)
 
     def __str__(self) -> str:
         return f"{self.role.value} {self.name!r}"
@@ -197,7 +200,7 @@ def identity_of(cert: x509.Certificate | bytes) -> Identity:
             f"certificate subject says {role.value} {name!r} but its SAN says {ids[0]!r}: "
             "refusing an inconsistent certificate"
         )
-    return Identity(role, name)
+    return Identity(role, name, format(cert.serial_number, "x"))
 
 
 def peer_identity(stream: Any) -> Identity:
@@ -348,6 +351,36 @@ class ClusterCA:
             raise TLSFileError(f"{cert_path} is not a CA certificate")
         return cls(cert, key)
 
+    def save(self, directory: Path | str) -> None:
+        """Write this CA (``ca.pem`` 0644, ``ca-key.pem`` 0600) into ``directory`` (made,
+        mode 0700, if missing): a control plane that joined keeps the cluster's CA, so any
+        control plane can sign after a failover. Raises :class:`TLSFileError` if a different
+        CA is there already, :class:`OSError` if the directory cannot be written."""
+        directory = Path(directory)
+        cert_path, key_path = directory / CA_CERT_FILE, directory / CA_KEY_FILE
+        if cert_path.exists() and cert_path.read_bytes() != self.cert_pem:
+            raise TLSFileError(f"{cert_path} holds another cluster's CA: refusing to overwrite it")
+        _ensure_dir(directory)
+        _write_file(key_path, self._key_pem(), _KEY_MODE)
+        _write_file(cert_path, self.cert_pem, _CERT_MODE)
+
+    @classmethod
+    def from_pem(cls, cert_pem: bytes, key_pem: bytes) -> ClusterCA:
+        """Return the CA made of ``cert_pem`` and ``key_pem``. Raises :class:`TLSFileError`
+        when they are not PEM, do not belong together, or the certificate is not a CA's."""
+        try:
+            cert = _load_cert_bytes(cert_pem)
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except (ValueError, TypeError) as exc:
+            raise TLSFileError(f"the cluster CA handed over is not PEM ({exc})") from None
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or not _key_matches(cert, key) or not _is_ca(cert):
+            raise TLSFileError("the cluster CA handed over is not a CA certificate with its key")
+        return cls(cert, key)
+
+    def key_pem(self) -> bytes:
+        """The CA's private key, PEM: only ever handed to a control plane joining with a token."""
+        return self._key_pem()
+
     # -- properties --
 
     @property
@@ -361,11 +394,7 @@ class ClusterCA:
         return ":".join(f"{b:02X}" for b in self.certificate.fingerprint(hashes.SHA256()))
 
     def _key_pem(self) -> bytes:
-        return self._key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        return _private_pem(self._key)
 
     # -- issuing --
 
@@ -386,6 +415,41 @@ class ClusterCA:
         :data:`CLOCK_SKEW_ALLOWANCE`); validity ends ``days`` after it. Raises
         :class:`ValueError` for an unknown role, invalid name or SAN, or ``days < 1``.
         """
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert_pem = self.sign(role, name, key.public_key(), sans=sans, days=days, not_before=not_before)
+        return IssuedCert(cert_pem=cert_pem, key_pem=_private_pem(key))
+
+    def sign_request(self, role: Role | str, name: str, csr_pem: bytes, *, sans: Iterable[str] = ()) -> bytes:
+        """Return a PEM certificate for ``role`` holder ``name`` over the public key of the
+        certificate signing request ``csr_pem`` (the key stays with whoever made it).
+
+        Only the request's key is used (its subject is not trusted: the caller decides the
+        name). Raises :class:`ValueError` when the request is not PEM, its signature does not
+        verify (its maker does not hold the key), or as :meth:`issue` does.
+        """
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem)
+        except ValueError as exc:
+            raise ValueError(f"the certificate request is not valid PEM ({exc})") from None
+        if not csr.is_signature_valid:
+            raise ValueError("the certificate request's signature does not verify: it was not made with its key")
+        public_key = csr.public_key()
+        if not isinstance(public_key, ec.EllipticCurvePublicKey):
+            raise ValueError("the certificate request must carry an elliptic-curve (P-256) key")
+        return self.sign(role, name, public_key, sans=sans)
+
+    def sign(
+        self,
+        role: Role | str,
+        name: str,
+        public_key: ec.EllipticCurvePublicKey,
+        *,
+        sans: Iterable[str] = (),
+        days: int = CERT_VALIDITY_DAYS,
+        not_before: datetime.datetime | None = None,
+    ) -> bytes:
+        """Return a PEM certificate for ``role`` holder ``name`` over ``public_key``; the
+        arguments and errors are :meth:`issue`'s."""
         role = _role(role)
         check_name(name)
         if days < 1:
@@ -404,7 +468,6 @@ class ClusterCA:
         usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
         if role is Role.CONTROL:
             usages.insert(0, ExtendedKeyUsageOID.SERVER_AUTH)
-        key = ec.generate_private_key(ec.SECP256R1())
         start = not_before if not_before is not None else _now() - CLOCK_SKEW_ALLOWANCE
         ca_ski = self.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier)
         cert = (
@@ -415,7 +478,7 @@ class ClusterCA:
                 x509.NameAttribute(NameOID.COMMON_NAME, name),
             ]))
             .issuer_name(self.certificate.subject)
-            .public_key(key.public_key())
+            .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(start)
             .not_valid_after(start + datetime.timedelta(days=days))
@@ -430,7 +493,7 @@ class ClusterCA:
             )
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.SubjectAlternativeName(san_names), critical=False)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key),
                            critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski.value),
@@ -438,14 +501,7 @@ class ClusterCA:
             )
             .sign(self._key, hashes.SHA256())
         )
-        return IssuedCert(
-            cert_pem=cert.public_bytes(serialization.Encoding.PEM),
-            key_pem=key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            ),
-        )
+        return cert.public_bytes(serialization.Encoding.PEM)
 
 
 # --- credentials directories ------------------------------------------------------------
@@ -615,15 +671,85 @@ def _base_context(protocol: int, ca_pem: bytes, cert_pem: bytes, key_pem: bytes)
     return context
 
 
-def server_ssl_context(ca_pem: bytes, cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+def server_ssl_context(
+    ca_pem: bytes, cert_pem: bytes, key_pem: bytes, *, allow_anonymous: bool = False
+) -> ssl.SSLContext:
     """Return a server-side context for the RPC port: presents ``cert_pem``/``key_pem`` and
     requires every client to present a certificate issued by the CA ``ca_pem`` (mutual TLS).
 
-    Use it with ``trio.SSLStream(stream, context, server_side=True)``. Who the client is,
-    and what it may do, is then :func:`peer_identity` plus :func:`require_role`. Raises
-    :class:`TLSFileError` for unusable PEM input.
+    With ``allow_anonymous`` a client may also present no certificate at all (one it does
+    present must still verify): the caller must then give such a connection nothing but
+    the way to join with a token. Use it with ``trio.SSLStream(stream, context,
+    server_side=True)``. Who the client is, and what it may do, is then
+    :func:`peer_identity` plus :func:`require_role`. Raises :class:`TLSFileError` for
+    unusable PEM input.
     """
-    return _base_context(ssl.PROTOCOL_TLS_SERVER, ca_pem, cert_pem, key_pem)
+    context = _base_context(ssl.PROTOCOL_TLS_SERVER, ca_pem, cert_pem, key_pem)
+    if allow_anonymous:
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
+def anonymous_client_context() -> ssl.SSLContext:
+    """Return a client context with no certificate of its own that accepts any server
+    certificate: only for joining with a token, where the caller checks the server with
+    :func:`check_pinned_server` before sending anything secret."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = MINIMUM_TLS_VERSION
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def ca_sha256(ca_pem: bytes) -> str:
+    """Return the SHA-256 of the CA certificate ``ca_pem`` (DER) as lower-case hex, the pin
+    a join token carries. Raises :class:`ValueError` for input that is not a PEM certificate."""
+    return _load_cert_bytes(ca_pem).fingerprint(hashes.SHA256()).hex()
+
+
+def check_pinned_server(server_der: bytes | None, ca_pem: bytes, pinned_sha256: str) -> None:
+    """Check that ``ca_pem`` is the CA pinned by ``pinned_sha256`` and that the server's
+    certificate ``server_der`` (what the TLS handshake presented) is a control plane's,
+    issued by it. The handshake already proved the server holds that certificate's key.
+
+    Returns None. Raises :class:`PermissionError` saying what did not match: the caller is
+    talking to something other than the cluster the token came from.
+    """
+    if ca_sha256(ca_pem) != pinned_sha256.lower():
+        raise PermissionError("the server's cluster CA is not the one the join token names: this is another "
+                              "cluster, or something between you and it answered; check the address")
+    if not server_der:
+        raise PermissionError("the server presented no certificate")
+    server = x509.load_der_x509_certificate(server_der)
+    if not _issued_by(server, _load_cert_bytes(ca_pem)):
+        raise PermissionError("the server's certificate was not issued by the cluster CA the join token names")
+    if identity_of(server).role is not Role.CONTROL:
+        raise PermissionError("the server's certificate is not a control plane's")
+
+
+def certificate_request(key_pem: bytes, name: str) -> bytes:
+    """Return a PEM certificate signing request for ``name`` signed with the private key
+    ``key_pem`` (it proves the key's holder asks; only its public key leaves the machine)."""
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError("the key must be an elliptic-curve (P-256) key")
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .sign(key, hashes.SHA256())
+    )
+    return request.public_bytes(serialization.Encoding.PEM)
+
+
+def new_private_key() -> bytes:
+    """Return a new P-256 private key, PEM (PKCS#8, unencrypted): what :meth:`ClusterCA.issue` makes."""
+    return _private_pem(ec.generate_private_key(ec.SECP256R1()))
+
+
+def _private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def client_ssl_context(

@@ -40,6 +40,7 @@ PACKAGING_FAILURES = ("File not found", "FileNotFoundError", "ModuleNotFoundErro
 def _runtime_data() -> dict[str, str]:
     """Returns every non-Python file llmgw reads at run time: repository path -> path in the wheel."""
     files = {f"schema/{f.name}": f"llmgw/schema/{f.name}" for f in sorted((REPO / "schema").glob("*.capnp"))}
+    files.update({f"systemd/{f.name}": f"llmgw/systemd/{f.name}" for f in sorted((REPO / "systemd").glob("*.service"))})
     for lock in sorted((REPO / "llmgw/node/install/locks").glob("*.txt")):
         path = lock.relative_to(REPO).as_posix()
         files[path] = path

@@ -17,6 +17,7 @@ from llmgw.cli.ctl.common import CTL_META_KEY
 from llmgw.cli.ctl.config import config
 from llmgw.cli.ctl.keys import keys, tenants, usage
 from llmgw.cli.ctl.models import models
+from llmgw.cli.ctl.servers import servers
 from llmgw.cli.ctl.serving import restart, start, stop
 
 __all__ = ["ctl"]
@@ -33,5 +34,5 @@ def ctl(ctx: click.Context, server: str | None, tls_dir: str | None, as_json: bo
 
 
 for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, restart,
-                 config, certs):
+                 config, certs, servers):
     ctl.add_command(_command)

@@ -1,0 +1,238 @@
+"""``llmgw server join --server ADDR --token T``: make this machine another control plane.
+
+What it does, in order, saying each step:
+
+1. checks the token's form and that this machine is not a control plane already (a second
+   run on a machine that joined is a no-op that says so);
+2. generates this machine's private key (it never leaves the machine), finds the address
+   others reach it at (``--advertise``, else the one on its route to the cluster: a UDP
+   connect, nothing sent), and redeems the token at the first control plane that answers,
+   after checking that control plane against the CA the token pins
+   (:func:`llmgw.client.join.redeem`);
+3. writes the CA (with its key, so this control plane can sign joins too), its
+   certificate and key, a local admin certificate for ``llmgw ctl``, and server.yaml with
+   the shared store's URL, its listen addresses and the lease;
+4. with ``--vip``, writes a keepalived configuration whose check follows ``/leader``;
+5. installs and starts ``llmgw-server.service`` where systemd runs (``--no-start``: not).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from llmgw.cli.output import fail
+from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR
+from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR, render_unit
+from llmgw.config.defaults import DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
+from llmgw.jointoken import parse_token
+from llmgw.rpc import net
+from llmgw.rpc.tls import (
+    CERT_FILE,
+    ClusterCA,
+    IssuedCert,
+    TLSFileError,
+    ca_sha256,
+    identity_of,
+    new_private_key,
+    write_credentials,
+)
+
+#: Bound on each systemctl call of the install (a start waits for the unit to be running).
+SYSTEMCTL_TIMEOUT_S = 60.0
+SERVER_UNIT = "llmgw-server.service"
+DEFAULT_CONFIG = Path("/etc/llmgw/server.yaml")
+DEFAULT_KEEPALIVED = Path("/etc/keepalived/keepalived.conf")
+
+
+def route_address(server: str) -> str:
+    """Returns this machine's address on its route to ``server`` (host:port): a UDP
+    "connect" picks it; nothing is sent. Raises OSError when there is no route."""
+    host, port = net.split_address(server)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+
+
+def _unit_user(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        pwd.getpwnam("llmgw")
+        return "llmgw"
+    except KeyError:
+        return pwd.getpwuid(os.getuid()).pw_name
+
+
+def _already_joined(state_dir: Path, pin: str) -> str | None:
+    """Returns this machine's control plane name when it joined this cluster already;
+    fails when it belongs to another; None when it is not a control plane yet."""
+    cert = state_dir / SERVER_DIR / CERT_FILE
+    if not cert.exists():
+        return None
+    ca = state_dir / SERVER_DIR / "ca.pem"
+    try:
+        same = ca.exists() and ca_sha256(ca.read_bytes()) == pin
+        name = identity_of(cert.read_bytes()).name
+    except (ValueError, PermissionError, OSError) as exc:
+        fail(f"{cert} exists but cannot be read ({exc}): move {state_dir / SERVER_DIR} away to join afresh")
+    if not same:
+        fail(f"this machine is a control plane of another cluster already ({state_dir / SERVER_DIR}): "
+             "move that directory away first if it should join this one")
+    return name
+
+
+@click.command("join")
+@click.option("--server", "servers", required=True, metavar="ADDR[,ADDR...]",
+              help="RPC address(es) of the cluster's control planes, as `ctl servers add` printed them.")
+@click.option("--token", envvar="LLMGW_JOIN_TOKEN", required=True, help="The join token (or $LLMGW_JOIN_TOKEN).")
+@click.option("--advertise", default=None, help="The address others reach this machine at [its route to --server].")
+@click.option("--rpc-port", type=click.IntRange(0, 65535), default=DEFAULT_RPC_PORT, show_default=True,
+              help="The RPC port to listen on (0: any free one).")
+@click.option("--http-port", type=click.IntRange(0, 65535), default=DEFAULT_HTTP_PORT, show_default=True,
+              help="The gateway port to listen on (0: any free one).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_STATE_DIR, show_default=True)
+@click.option("--vip", default=None, metavar="ADDRESS[/PREFIX]",
+              help="A floating address for keepalived that always lands on the leader.")
+@click.option("--vip-interface", default=None, help="Interface for --vip [the one holding --advertise].")
+@click.option("--keepalived-config", type=click.Path(path_type=Path), default=DEFAULT_KEEPALIVED, show_default=True)
+@click.option("--user", default=None, help="The unit's user [llmgw where it exists, else the caller].")
+@click.option("--no-start", is_flag=True, help="Write everything, but do not install or start the unit.")
+@click.pass_context
+def server_join(ctx: click.Context, servers: str, token: str, advertise: str | None, rpc_port: int,
+                http_port: int, state_dir: Path, vip: str | None, vip_interface: str | None,
+                keepalived_config: Path, user: str | None, no_start: bool) -> None:
+    """Join this machine to a cluster as another control plane, with a token from `llmgw ctl servers add`."""
+    from llmgw.cli.common import run_trio
+    from llmgw.client.join import JoinError, redeem
+
+    config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_CONFIG
+    try:
+        parsed = parse_token(token)
+    except ValueError as exc:
+        fail(f"--token: {exc}")
+    addresses = [a.strip() for a in servers.split(",") if a.strip()]
+    if not addresses:
+        fail("--server: give at least one control plane address (host:port)")
+    joined = _already_joined(state_dir, parsed.ca_sha256)
+    if joined is not None:
+        click.echo(f"this machine joined this cluster already, as control plane {joined} "
+                   f"({state_dir / SERVER_DIR}): nothing to do")
+        return
+    try:
+        host = advertise or route_address(addresses[0])
+    except (OSError, ValueError) as exc:
+        fail(f"cannot tell which address others reach this machine at ({exc}): give --advertise")
+    key_pem = new_private_key()
+    click.echo(f"joining through {', '.join(addresses)} as a control plane reached at {host} ...")
+    try:
+        grant = run_trio(lambda: redeem(addresses, parsed, key_pem, [host]))
+    except JoinError as exc:
+        fail(f"join failed: {exc}")
+    click.echo(f"  the cluster signed this machine's certificate: control plane {grant.name}")
+
+    try:
+        ClusterCA.from_pem(grant.ca, grant.ca_key).save(state_dir / CA_DIR)
+        write_credentials(state_dir / SERVER_DIR, grant.ca, IssuedCert(grant.certificate, key_pem))
+        ca = ClusterCA.load(state_dir / CA_DIR)
+        if not (state_dir / ADMIN_DIR / CERT_FILE).exists():
+            write_credentials(state_dir / ADMIN_DIR, ca.cert_pem, ca.issue("admin", "admin"))
+    except (TLSFileError, OSError, ValueError) as exc:
+        fail(f"cannot write the certificates to {state_dir}: {exc}")
+    click.echo(f"  wrote the cluster CA, this control plane's certificate and an admin certificate under {state_dir}")
+
+    rpc_listen, http_listen = f"{_bracket(host)}:{rpc_port}", f"{_bracket(host)}:{http_port}"
+    config = {
+        "state_dir": str(state_dir),
+        "rpc_listen": rpc_listen,
+        "http_listen": http_listen,
+        "advertise_hosts": [host],
+        "store": {"url": grant.store_url},
+        "leader_lease": f"{grant.leader_lease:g}s",
+    }
+    _write_private(config_path, "# Written by `llmgw server join`; see docs/ha.md and docs/config.md.\n"
+                   + yaml.safe_dump(config, sort_keys=False))
+    click.echo(f"  wrote {config_path} (store and lease as the cluster's; listening on {rpc_listen} and {http_listen})")
+
+    if vip:
+        _write_keepalived(vip, vip_interface, host, http_listen, keepalived_config)
+
+    unit_user = _unit_user(user)
+    if os.geteuid() == 0:
+        _chown_tree(state_dir, unit_user)
+    if no_start:
+        click.echo(f"not started (--no-start): run `llmgw server --config {config_path}`")
+        return
+    _install_and_start(config_path, unit_user, state_dir)
+    click.echo(f"done: `llmgw ctl servers list` on any control plane shows {grant.name} as a standby shortly")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (0600: it holds the store's URL), keeping any file there as ``.bak``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
+            shutil.copy2(path, backup)
+            click.echo(f"  kept the previous {path.name} as {backup}")
+        temporary = path.with_name(f".{path.name}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc} (run as root, or pass `llmgw server --config PATH join`)")
+
+
+def _write_keepalived(vip: str, interface: str | None, host: str, http_listen: str, path: Path) -> None:
+    from llmgw.cli.keepalived import interface_of, render
+
+    interface = interface or interface_of(host)
+    if interface is None:
+        fail(f"--vip: no interface here holds {host}: give --vip-interface")
+    try:
+        text = render(vip, interface, http_listen)
+    except ValueError as exc:
+        fail(f"--vip: {exc}")
+    _write_private(path, text)
+    click.echo(f"  wrote {path}: {vip} on {interface} follows the leader (`systemctl reload keepalived` to apply)")
+
+
+def _chown_tree(root: Path, user: str) -> None:
+    entry = pwd.getpwnam(user)
+    for directory, _, files in os.walk(root):
+        os.chown(directory, entry.pw_uid, entry.pw_gid)
+        for name in files:
+            os.chown(os.path.join(directory, name), entry.pw_uid, entry.pw_gid)
+
+
+def _install_and_start(config_path: Path, user: str, state_dir: Path) -> None:
+    systemctl = shutil.which("systemctl")
+    running = None if systemctl is None else subprocess.run(
+        [systemctl, "is-system-running"], capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S)
+    if running is None or running.stdout.strip() in ("offline", "") :
+        fail(f"systemd is not running here, so no unit was installed: start the control plane with "
+             f"`llmgw server --config {config_path}` under the service manager this machine has")
+    unit = UNIT_DIR / SERVER_UNIT
+    try:
+        unit.write_text(render_unit(SERVER_UNIT, daemon="server", config=config_path, user=user, state_dir=state_dir))
+    except OSError as exc:
+        fail(f"cannot write {unit}: {exc} (run as root)")
+    for args in (["daemon-reload"], ["enable", "--now", SERVER_UNIT]):
+        done = subprocess.run([systemctl, *args], capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S)
+        if done.returncode != 0:
+            fail(f"systemctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    click.echo(f"  installed {unit} and started it (as {user})")

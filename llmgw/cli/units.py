@@ -1,0 +1,39 @@
+"""The systemd units llmgw ships (``systemd/``, package data ``llmgw.systemd``), fitted to
+this machine: the llmgw that runs them, the config file, the user and the state directory."""
+
+from __future__ import annotations
+
+import importlib.resources
+import sys
+from pathlib import Path
+
+#: Where the shipped units expect the state directory (their ``StateDirectory=llmgw``).
+DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
+#: Where units are installed on a systemd machine.
+UNIT_DIR = Path("/etc/systemd/system")
+
+
+def llmgw_command() -> str:
+    """Returns how to run this llmgw: its console script beside the interpreter, else ``python -m llmgw``."""
+    script = Path(sys.executable).parent / "llmgw"
+    return str(script) if script.exists() else f"{sys.executable} -m llmgw"
+
+
+def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: Path) -> str:
+    """Returns the shipped ``unit`` (e.g. ``llmgw-server.service``) running ``llmgw DAEMON
+    --config CONFIG`` as ``user`` with ``state_dir`` writable. Raises FileNotFoundError when
+    the package lacks the unit (an llmgw installed without its package data)."""
+    text = (importlib.resources.files("llmgw.systemd") / unit).read_text()
+    out = []
+    for line in text.splitlines():
+        key = line.split("=", 1)[0]
+        if key == "ExecStart":
+            line = f"ExecStart={llmgw_command()} {daemon} --config {config}"
+        elif key in ("User", "Group"):
+            line = f"{key}={user}"
+        elif key == "ReadWritePaths":
+            line = f"ReadWritePaths={state_dir}"
+        elif key.startswith("StateDirectory") and state_dir != DEFAULT_STATE_DIR:
+            continue  # systemd makes only /var/lib/NAME; another directory is made by the join
+        out.append(line)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,1 @@
+"""The systemd units llmgw ships, as package data (``llmgw.systemd``): see llmgw/cli/units.py."""
