@@ -11,13 +11,24 @@ Workload: a multi-turn, multi-tenant chat. Each tenant has a long system prompt;
 conversation grows turn by turn (user question, assistant answer, next question), and
 ``--concurrency`` conversations run at once, interleaved, each turn sent when the previous
 one finished. Every policy sees the same conversations in the same order; engine caches are
-cleared between runs. The hot-tenant variant gives one tenant most of the conversations. The two-gateway variant sends each request of the uniform
-stream through one of two router instances at random (each with its own load count, as
-separate gateway processes have): the KV events reach both, the prefix trees see half each.
+cleared between runs. The hot-tenant variant gives one tenant most of the conversations.
+
+Several gateways (``--gateways N ...``, default 1 2 3): with several control planes every
+one runs a gateway, each with its own router (its own ``KvAwarePolicy``: prefix tree,
+routed-but-unconfirmed blocks, TTFT fit) and its own in-flight counts (``LoadTracker``),
+while all of them get every replica's KV deltas (the leader's ``FeedTee`` streams them to
+the standbys, llmgw/control/peers.py). The gateways section runs the uniform stream through
+N such routers, request i to gateway i mod N (a round-robin load balancer in front of
+them), every delta applied to every router's own ``KvIndex`` (after the same full copy a
+standby attaches with), and compares each N's hit rate with N = 1's
+(``ratios.gateways_<N>_vs_1_hit_rate``). Per N it also reports what the routers could not
+see of each other: decisions where another gateway had routed more of the request's prefix
+to some replica (its unconfirmed blocks) than this one knew anywhere, and the share of the
+queued prefill work on the candidates that the deciding gateway counted.
 
 Policies, all driven in this process on the same request stream (requests go over HTTP,
-streamed, straight to the chosen engine, counted in a shared ``LoadTracker`` while in flight,
-its first chunk reported to the lease as the gateway does):
+streamed, straight to the chosen engine, counted in the deciding gateway's ``LoadTracker``
+while in flight, its first chunk reported to the lease as the gateway does):
 
 * ``round-robin``, ``least-load``: the baselines;
 * ``approximate``: :class:`~llmgw.router.kvrouting.KvAwarePolicy` fed no events (prefix tree only);
@@ -32,7 +43,8 @@ Figures per policy: prefix-cache hit rate (cached prompt tokens / prompt tokens,
 engines' usage), mean and p99 TTFT (request start to first content chunk, routing included),
 load spread (max/mean requests per replica), decisions by kind, routing time. Also the
 router's cost in-process: a decision at an 8k-token prompt with a KV index of a million
-blocks, hashing 8k tokens, ``/tokenize`` round trips. Last stdout line: one JSON object.
+blocks, hashing 8k tokens, ``/tokenize`` round trips. ``--only SECTION ...`` runs some of
+the sections (uniform, hot_tenant, gateways, router_cost). Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import itertools
 import json
 import os
 import random
@@ -239,6 +252,76 @@ class Kinds(RoutingObserver):
         self.total += total
 
 
+class Blindness:
+    """What the gateways of one run could not see of each other (summed over decisions)."""
+
+    def __init__(self) -> None:
+        self.decisions = 0
+        self.peer_unseen = 0  # decisions where a peer had routed more of the prefix somewhere
+        self.peer_unseen_blocks = 0  # blocks of those decisions' prompts the peer knew and this one did not
+        self.prompt_blocks = 0
+        self.diverted = 0  # chose a replica holding less of the prefix than its best (by its own view)
+        self.own_work = 0.0  # queued prefill work on the candidates, counted by the deciding gateway
+        self.all_work = 0.0  # ... and counted by all gateways together (what the engines really queue)
+
+    def figures(self) -> dict[str, Any]:
+        n = self.decisions
+        return {
+            "peer_unseen_decisions": self.peer_unseen,
+            "peer_unseen_decision_share": round(self.peer_unseen / n, 4) if n else 0.0,
+            "peer_unseen_block_share": round(self.peer_unseen_blocks / self.prompt_blocks, 4) if self.prompt_blocks else 0.0,
+            "diverted_decisions": self.diverted,
+            "queued_work_visible_share": round(self.own_work / self.all_work, 3) if self.all_work else 1.0,
+        }
+
+
+class GatewayRouter(KvAwarePolicy):
+    """One gateway's :class:`KvAwarePolicy`, unchanged, with a look at its peers before each
+    decision: how much of the request's prefix each peer's view (KV index plus its routed but
+    unconfirmed blocks) puts on each candidate against this router's own view, and how much of
+    the candidates' queued prefill work this router's own load tracker counts. Only reads."""
+
+    def __init__(self, load: LoadTracker, peers: list[GatewayRouter], blind: Blindness) -> None:
+        super().__init__(load)
+        self.peers = peers  # every gateway's router, this one included
+        self.blind = blind
+        self._views: dict[str, tuple[int, int]] | None = None  # replica -> (own match, best peer's match)
+
+    async def precise_hashes(self, candidates: Sequence[Replica], request: RequestInfo,
+                             adapter: str | None) -> dict[str, tuple[int, ...]]:
+        out = await super().precise_hashes(candidates, request, adapter)
+        # decide() prices and records right after this returns, with no await in between: the
+        # views below are the ones it decides on.
+        blind = self.blind
+        blind.decisions += 1
+        for r in candidates:
+            blind.own_work += self.load.prefill.work_ahead(r.id)
+            blind.all_work += sum(p.load.prefill.work_ahead(r.id) for p in self.peers)
+        self._views = None
+        hashes = next(iter(out.values()), None)
+        if hashes:
+            self._views = {r.id: (self.precise_match(r, hashes),
+                                  max((p.precise_match(r, hashes) for p in self.peers if p is not self), default=0))
+                           for r in candidates}
+            blind.prompt_blocks += len(hashes)
+        return out
+
+    async def decide(self, candidates: Sequence[Replica], request: RequestInfo) -> Any:
+        self._views = None
+        decision = await super().decide(candidates, request)
+        views = self._views
+        if views and decision.replica.id in views:
+            own_best = max(own for own, _ in views.values())
+            peer_best = max(peer for _, peer in views.values())
+            chosen_own = views[decision.replica.id][0]
+            if own_best > chosen_own:
+                self.blind.diverted += 1
+            if peer_best > own_best and views[decision.replica.id][1] < peer_best:
+                self.blind.peer_unseen += 1
+                self.blind.peer_unseen_blocks += peer_best - chosen_own
+        return decision
+
+
 # -- one run -----------------------------------------------------------------------------
 
 
@@ -258,26 +341,31 @@ async def settle(http: httpx.AsyncClient, replicas: list[Replica], subs: list[Kv
 
 async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w: Workload, shape: EngineShape,
                      replicas: list[Replica], subs: list[KvSubscriber], sink: EventSink,
-                     http: httpx.AsyncClient, gateways: int = 1) -> dict[str, Any]:
-    """Run the request stream under one policy (one instance per gateway, each with its own
-    load tracker; requests spread over gateways at random); return its figures."""
+                     http: httpx.AsyncClient, gateways: int = 1, label: str = "") -> dict[str, Any]:
+    """Run the request stream under one policy, as ``gateways`` gateways: one policy instance
+    per gateway (``make(load)``, each on its own load tracker; with the precise policy each is
+    fed every KV delta into its own index), request i through gateway i mod ``gateways``;
+    return its figures."""
     await settle(http, replicas, subs)
     routers = [(make(load), load) for load in (LoadTracker() for _ in range(gateways))]
-    kinds = Kinds()
+    kinds = [Kinds() for _ in routers]
     upstream = UpstreamClient()
-    for policy, _ in routers:
+    for (policy, _), observer in zip(routers, kinds):
         if isinstance(policy, KvAwarePolicy):
-            policy.attach_observer(kinds)
+            policy.attach_observer(observer)
             policy.bind_upstream(upstream)
             if name == "precise":
+                # A standby attaching to the leader's feed gets a full copy, then every delta.
                 for replica, sub in zip(replicas, subs):
                     policy.index.apply(replica.id, sub.full_copy())
                 sink.policies.append(policy)
-    pick = random.Random(5)
+    sent = itertools.count()
     ttfts: list[float] = []
     route_s: list[float] = []
     cached = prompt = 0
     per_replica: collections.Counter[str] = collections.Counter()
+    per_gateway: collections.Counter[int] = collections.Counter()
+    by_seq: list[tuple[int, int, int]] = []  # (request number, cached tokens, prompt tokens)
     queue = iter(convs)
     failures = 0
 
@@ -285,13 +373,16 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
         nonlocal cached, prompt, failures
         body = {**body, "max_tokens": shape.max_tokens}
         info = RequestInfo("/v1/chat/completions", MODEL, stream=True, body=body)
-        policy, load = routers[pick.randrange(gateways)]
+        seq = next(sent)
+        gateway = seq % gateways  # a round-robin load balancer in front of the gateways
+        policy, load = routers[gateway]
         t0 = time.perf_counter()
         route = policy.route(replicas, info)
         route = route if isinstance(route, Route) else await route
         replica = route.replica
         route_s.append(time.perf_counter() - t0)
         per_replica[replica.id] += 1
+        per_gateway[gateway] += 1
         lease = load.acquire(replica.id, route.prefill_tokens, route.on_first_token)
         try:
             first: float | None = None
@@ -308,8 +399,10 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
                         lease.first_token()
                     usage = chunk.get("usage")
                     if usage:
+                        hit = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                         prompt += usage["prompt_tokens"]
-                        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                        cached += hit
+                        by_seq.append((seq, hit, usage["prompt_tokens"]))
             ttfts.append((first or time.perf_counter()) - t0)
         finally:
             lease.release()
@@ -345,15 +438,18 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
     elapsed = time.perf_counter() - started
     counts = [per_replica.get(r.id, 0) for r in replicas]
     mean = sum(counts) / len(counts)
+    decisions: collections.Counter[str] = sum((k.kinds for k in kinds), collections.Counter())
+    matched, total = sum(k.matched for k in kinds), sum(k.total for k in kinds)
     result = {
         "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "ttft_mean_ms": round(statistics.fmean(ttfts) * 1000, 2) if ttfts else 0.0,
         "ttft_p99_ms": round(p99(ttfts) * 1000, 2),
         "load_spread": round(max(counts) / mean, 3) if mean else 0.0,
+        "hit_rate_by_quarter": quarters(by_seq),
         "requests_per_replica": counts,
         "route_mean_ms": round(statistics.fmean(route_s) * 1000, 3) if route_s else 0.0,
         "route_p99_ms": round(p99(route_s) * 1000, 3),
-        "decisions": dict(kinds.kinds),
+        "decisions": dict(decisions),
         "requests": len(ttfts),
         "failures": failures,
         "seconds": round(elapsed, 2),
@@ -363,10 +459,31 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
         result["tokenize_failures"] = sum(p.hasher.failures for p, _ in routers)
         result["hash_alarms"] = [a for p, _ in routers for a in p.alarms()]
         # What the gateway's metrics would claim, beside the engines' own hit rate above.
-        result["router_estimated_hit_rate"] = round(kinds.matched / kinds.total, 4) if kinds.total else None
-    log(f"  {name}: hit {result['hit_rate']:.3f}, ttft mean {result['ttft_mean_ms']} ms "
-        f"p99 {result['ttft_p99_ms']} ms, spread {result['load_spread']}, {counts}, {result['seconds']} s")
+        result["router_estimated_hit_rate"] = round(matched / total, 4) if total else None
+    if gateways > 1:
+        result["gateways"] = gateways
+        result["per_gateway"] = [{"requests": per_gateway[g], "decisions": dict(k.kinds)} for g, k in enumerate(kinds)]
+    blind = getattr(routers[0][0], "blind", None)
+    extra = ""
+    if isinstance(blind, Blindness):
+        result.update(blind.figures())
+        extra = (f", peer-unseen {result['peer_unseen_decisions']}, diverted {result['diverted_decisions']}, "
+                 f"queue visible {result['queued_work_visible_share']}")
+    log(f"  {label or name}: hit {result['hit_rate']:.3f}, ttft mean {result['ttft_mean_ms']} ms "
+        f"p99 {result['ttft_p99_ms']} ms, spread {result['load_spread']}, {counts}, {result['seconds']} s{extra}")
     return result
+
+
+def quarters(by_seq: list[tuple[int, int, int]]) -> list[float]:
+    """Return the hit rate of each quarter of the run's requests, in the order they were sent
+    (the first quarter includes every router's warm-up: TTFT fits still near their prior)."""
+    n = max((seq for seq, _, _ in by_seq), default=-1) + 1
+    cached, prompt = [0] * 4, [0] * 4
+    for seq, hit, tokens in by_seq:
+        q = min(3, seq * 4 // n)
+        cached[q] += hit
+        prompt[q] += tokens
+    return [round(c / p, 4) if p else 0.0 for c, p in zip(cached, prompt)]
 
 
 POLICY_NAMES = ("round-robin", "least-load", "approximate", "precise", "oracle", "pinned")
@@ -384,6 +501,43 @@ def policy_factory(name: str, http: httpx.AsyncClient) -> Any:
     if name == "pinned":
         return lambda load: PinnedTenants()
     raise ValueError(name)
+
+
+def gateway_factory(name: str, http: httpx.AsyncClient) -> Any:
+    """Return a factory of one run's gateways under policy ``name``: for the KV-aware
+    policies each made router is a :class:`GatewayRouter` that knows its peers (one list
+    and one :class:`Blindness` per run, so the factory is made afresh for every run)."""
+    if name not in ("approximate", "precise"):
+        return policy_factory(name, http)
+    peers: list[GatewayRouter] = []
+    blind = Blindness()
+
+    def make(load: LoadTracker) -> GatewayRouter:
+        router = GatewayRouter(load, peers, blind)
+        peers.append(router)
+        return router
+
+    return make
+
+
+#: Figures of a gateways run whose median over rounds is reported (the rest are per round).
+ROUND_MEDIANS = ("hit_rate", "ttft_mean_ms", "ttft_p99_ms", "load_spread", "route_mean_ms", "router_estimated_hit_rate",
+                 "peer_unseen_decisions", "peer_unseen_decision_share", "peer_unseen_block_share",
+                 "diverted_decisions", "queued_work_visible_share", "seconds")
+
+
+def over_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return one run's figures as they are, several runs' medians (with each run under ``by_round``)."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {key: round(statistics.median(run[key] for run in runs), 4)
+                           for key in ROUND_MEDIANS if all(isinstance(run.get(key), (int, float)) for run in runs)}
+    out["by_round"] = runs
+    return out
+
+
+def ratio(a: float | None, b: float | None, digits: int = 4) -> float:
+    return round(a / b, digits) if a is not None and b else 0.0
 
 
 # -- router cost -------------------------------------------------------------------------
@@ -483,60 +637,104 @@ async def router_cost(quick: bool, replicas: list[Replica], http: httpx.AsyncCli
 # -- main --------------------------------------------------------------------------------
 
 
+SECTIONS = ("uniform", "hot_tenant", "gateways", "router_cost")
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
+    sections = set(args.only or SECTIONS)
     shape = EngineShape(num_blocks=args.num_blocks, prefill_us_per_token=args.prefill_us,
                         decode_us_per_token=args.decode_us, max_tokens=8)
-    normal = Workload(tenants=args.tenants, conversations=40 if quick else 120, turns=5 if quick else 6,
-                      system_words=args.system_words, user_words=args.user_words, answer_words=args.answer_words,
-                      concurrency=args.concurrency)
+    normal = Workload(tenants=args.tenants, conversations=args.conversations or (40 if quick else 120),
+                      turns=5 if quick else 6, system_words=args.system_words, user_words=args.user_words,
+                      answer_words=args.answer_words, concurrency=args.concurrency)
     hot = attrs.evolve(normal, hot_share=0.7)
+    counts = sorted({1, *args.gateways})  # 1 is the baseline, always run
     log(f"starting {REPLICAS} engines ({shape})")
     sims, endpoints = await trio.to_thread.run_sync(lambda: start_engines(shape, REPLICAS))
     replicas = [Replica(f"r{i}", MODEL, sim.url, "bench", engine="sim") for i, sim in enumerate(sims)]
     subs = [KvSubscriber(ep, replay, block_size=BLOCK_SIZE) for ep, replay in endpoints]
     sink = EventSink()
     result: dict[str, Any] = {"quick": quick, "replicas": REPLICAS, "engine": attrs.asdict(shape),
-                              "workload": attrs.asdict(normal), "hot_workload": attrs.asdict(hot)}
+                              "workload": attrs.asdict(normal), "hot_workload": attrs.asdict(hot),
+                              "sections": [name for name in SECTIONS if name in sections]}
     try:
         async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
             for replica, sub in zip(replicas, subs):
                 await nursery.start(sub.run, sink.sender(replica.id))
-            uniform = conversations(normal, seed=11)  # also the two-gateway pass's stream
+            uniform = conversations(normal, seed=args.seed)  # also the gateways section's stream
             for label, workload, convs in (("uniform", normal, uniform),
-                                           ("hot_tenant", hot, conversations(hot, seed=11))):
+                                           ("hot_tenant", hot, conversations(hot, seed=args.seed))):
+                if label not in sections:
+                    continue
                 log(f"{label}: {len(convs)} conversations x {workload.turns} turns, concurrency {workload.concurrency}")
                 result[label] = {}
                 for name in POLICY_NAMES:
                     result[label][name] = await run_policy(name, policy_factory(name, http), convs, workload, shape,
                                                            replicas, subs, sink, http)
-            convs = uniform
-            log("two_gateways: the uniform stream, each request through one of two routers at random")
-            result["two_gateways"] = {}
-            for name in ("least-load", "approximate", "precise"):
-                result["two_gateways"][name] = await run_policy(name, policy_factory(name, http), convs, normal, shape,
-                                                                replicas, subs, sink, http, gateways=2)
-            log("router cost")
-            result["router_cost"] = await router_cost(quick, replicas, http)
+            if "gateways" in sections:
+                log(f"gateways: the uniform stream through N = {counts} gateways (request i to gateway i mod N), "
+                    f"{args.gateway_rounds} round(s), policies {args.gateway_policies}")
+                runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+                    name: {n: [] for n in counts} for name in args.gateway_policies}
+                for round_no in range(args.gateway_rounds):
+                    for n in counts:  # interleaved, so every N sees the same machine state
+                        for name in args.gateway_policies:
+                            runs[name][n].append(await run_policy(
+                                name, gateway_factory(name, http), uniform, normal, shape, replicas, subs, sink, http,
+                                gateways=n, label=f"{name}, {n} gateway(s), round {round_no + 1}"))
+                result["gateways"] = {"counts": counts, "rounds": args.gateway_rounds, "dispatch": "round-robin",
+                                      **{name: {str(n): over_rounds(runs[name][n]) for n in counts}
+                                         for name in args.gateway_policies}}
+                result["gateways"]["summary"] = {
+                    name: {str(n): {key: result["gateways"][name][str(n)].get(key)
+                                    for key in ("hit_rate", "ttft_mean_ms", "ttft_p99_ms", "load_spread",
+                                                "peer_unseen_decision_share", "queued_work_visible_share")}
+                           for n in counts}
+                    for name in args.gateway_policies}
+            if "router_cost" in sections:
+                log("router cost")
+                result["router_cost"] = await router_cost(quick, replicas, http)
             nursery.cancel_scope.cancel()
     finally:
         for sim in sims:
             sim.stop()
-    uni, hot_run = result["uniform"], result["hot_tenant"]
-    oracle = uni["oracle"]["hit_rate"]
-    result["precise_vs_oracle_hit_rate"] = round(uni["precise"]["hit_rate"] / oracle, 4) if oracle else 0.0
-    result["hot_precise_vs_oracle_hit_rate"] = (round(hot_run["precise"]["hit_rate"] / hot_run["oracle"]["hit_rate"], 4)
-                                                if hot_run["oracle"]["hit_rate"] else 0.0)
-    result["hot_precise_load_spread"] = hot_run["precise"]["load_spread"]
-    result["precise_vs_round_robin_ttft_mean"] = (round(uni["precise"]["ttft_mean_ms"] / uni["round-robin"]["ttft_mean_ms"], 3)
-                                                  if uni["round-robin"]["ttft_mean_ms"] else 0.0)
-    two = result["two_gateways"]
-    result["two_gateways_precise_vs_approximate_hit_rate"] = (
-        round(two["precise"]["hit_rate"] / two["approximate"]["hit_rate"], 4) if two["approximate"]["hit_rate"] else 0.0)
-    result["targets_met"] = {
-        "precise_vs_oracle_hit_rate>=0.95": result["precise_vs_oracle_hit_rate"] >= 0.95,
-        "hot_tenant_max_load<=1.5x_mean": result["hot_precise_load_spread"] <= 1.5,
-    }
+    targets: dict[str, bool] = {}
+    if "uniform" in result:
+        uni = result["uniform"]
+        result["precise_vs_oracle_hit_rate"] = ratio(uni["precise"]["hit_rate"], uni["oracle"]["hit_rate"])
+        result["precise_vs_round_robin_ttft_mean"] = ratio(uni["precise"]["ttft_mean_ms"],
+                                                           uni["round-robin"]["ttft_mean_ms"], 3)
+        targets["precise_vs_oracle_hit_rate>=0.95"] = result["precise_vs_oracle_hit_rate"] >= 0.95
+    if "hot_tenant" in result:
+        hot_run = result["hot_tenant"]
+        result["hot_precise_vs_oracle_hit_rate"] = ratio(hot_run["precise"]["hit_rate"], hot_run["oracle"]["hit_rate"])
+        result["hot_precise_load_spread"] = hot_run["precise"]["load_spread"]
+        targets["hot_tenant_max_load<=1.5x_mean"] = result["hot_precise_load_spread"] <= 1.5
+    if "gateways" in result:
+        gw = result["gateways"]
+        ratios: dict[str, float] = {}
+        by_round: dict[str, float] = {}
+        for name in args.gateway_policies:
+            prefix = "gateways" if name == "precise" else f"gateways_{name}"
+            base = gw[name]["1"]
+            for n in counts[1:]:
+                this = gw[name][str(n)]
+                ratios[f"{prefix}_{n}_vs_1_hit_rate"] = ratio(this["hit_rate"], base["hit_rate"])
+                ratios[f"{prefix}_{n}_vs_1_ttft_mean"] = ratio(this["ttft_mean_ms"], base["ttft_mean_ms"], 3)
+                if args.gateway_rounds > 1:  # the median of each round's own ratio (N and 1 ran minutes apart)
+                    by_round[f"{prefix}_{n}_vs_1_hit_rate"] = round(statistics.median(
+                        ratio(a["hit_rate"], b["hit_rate"]) for a, b in zip(runs[name][n], runs[name][1])), 4)
+        if "approximate" in args.gateway_policies and "precise" in args.gateway_policies:
+            for n in counts:
+                ratios[f"gateways_{n}_precise_vs_approximate_hit_rate"] = ratio(gw["precise"][str(n)]["hit_rate"],
+                                                                                gw["approximate"][str(n)]["hit_rate"])
+        result["ratios"] = ratios
+        if by_round:
+            result["ratios_by_round"] = by_round
+        if "gateways_3_vs_1_hit_rate" in ratios:
+            targets["gateways_3_vs_1_hit_rate>=0.95"] = ratios["gateways_3_vs_1_hit_rate"] >= 0.95
+    result["targets_met"] = targets
     return result
 
 
@@ -551,7 +749,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--answer-words", type=int, default=80, help="words in each earlier answer")
     parser.add_argument("--prefill-us", type=float, default=400.0, help="engine prefill time per uncached token (us)")
     parser.add_argument("--decode-us", type=float, default=2000.0, help="engine time per generated token (us)")
+    parser.add_argument("--conversations", type=int, default=0, help="conversations per run (default 40 quick, 120 full)")
+    parser.add_argument("--seed", type=int, default=11, help="seed of the conversations")
+    parser.add_argument("--gateways", type=int, nargs="*", default=[2, 3], metavar="N",
+                        help="gateway counts of the gateways section (1, the baseline, is always added; "
+                             "default and given without values: 1 2 3)")
+    parser.add_argument("--gateway-policies", nargs="+", default=["precise"], choices=("precise", "approximate", "least-load"),
+                        help="policies the gateways section runs at every N (default: precise)")
+    parser.add_argument("--gateway-rounds", type=int, default=0,
+                        help="rounds of the gateways section, N interleaved, medians over them (default 3; quick 2)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
+                        help=f"run only these sections ({', '.join(SECTIONS)}; default: all)")
     args = parser.parse_args(argv)
+    if not args.gateways:
+        args.gateways = [2, 3]
+    args.gateway_rounds = args.gateway_rounds or (2 if args.quick else 3)
+    if any(n < 1 for n in args.gateways) or args.gateway_rounds < 1:
+        parser.error("--gateways and --gateway-rounds take positive counts")
     started = time.perf_counter()
     result = trio.run(main_async, args)
     result["total_seconds"] = round(time.perf_counter() - started, 1)

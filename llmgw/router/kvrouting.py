@@ -43,6 +43,7 @@ import collections
 import itertools
 import logging
 import math
+import random
 import time
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
@@ -348,6 +349,7 @@ class KvAwarePolicy(RoutingPolicy):
         self._clock = clock
         self._last_chosen: dict[str, float] = {}
         self._picks = itertools.count()
+        self._rng = random.Random()
 
     # -- gateway hooks ------------------------------------------------------------------
 
@@ -459,12 +461,27 @@ class KvAwarePolicy(RoutingPolicy):
                 matched, total, kind = self.tree.match(r.id, path), len(path), APPROXIMATE
             uncached = prompt_tokens - (prompt_tokens * matched // total if total else 0)
             cost = ledger.predict(r.id, uncached) + AFFINITY * ledger.rate(r.id) * uncached
-            key = (-round(cost / COST_TIE_S), matched, -self._last_chosen.get(r.id, -1.0))
+            key = (-round(cost / COST_TIE_S), matched, -self._recency(r.id))
             if best is None or key > best:
                 best = key
                 chosen = Decision(r, kind if matched else MISS, matched, total, uncached, cost)
         assert chosen is not None
         return self._record(chosen, request, path, precise.get(chosen.replica.id))
+
+    def _recency(self, replica_id: str) -> float:
+        """Return when ``replica_id`` was last chosen (a pick number: lower is longer ago).
+
+        A replica never chosen comes before every chosen one, in an order drawn at random
+        once per router: with a fixed order (the candidates'), the routers of several
+        gateways behind a round-robin balancer started their rotations at the same replica
+        in lockstep, and sent a cold start's first requests there together
+        (bench/routing.py, gateways section: 3 gateways sent the 30 requests of 6 conversations
+        15/15/0/0 to four replicas).
+        """
+        last = self._last_chosen.get(replica_id)
+        if last is None:
+            last = self._last_chosen[replica_id] = -1.0 - self._rng.random()
+        return last
 
     def route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route | Awaitable[Route]:
         """Return the only candidate's route at once, else an awaitable of the cheapest's
