@@ -6,8 +6,10 @@ store lists. Only the leader takes node sessions and peer streams; a standby ref
 join saying who leads (the agent tries its next control plane), and answers ``admin``
 with the leader's Admin, reached over its own peer session. A refused call raises
 ``PermissionError`` with a message naming both sides, and is logged and audited with
-the certificate's name (:mod:`llmgw.control.refusals`). The handlers act on the
-:class:`ClusterServices` the control plane's wiring gives them.
+the certificate's name (:mod:`llmgw.control.refusals`). A connection without a
+certificate gets only the ``JoinDesk`` (:mod:`llmgw.control.joining`), and one whose
+certificate was revoked nothing. The handlers act on the :class:`ClusterServices` the
+control plane's wiring gives them.
 """
 
 from __future__ import annotations
