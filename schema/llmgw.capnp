@@ -212,6 +212,8 @@ interface NodeDesk {
   heartbeat @0 (hardware :Hardware) -> ();
   reportEngines @1 (engines :List(EngineInfo)) -> ();
   # The node's engines changed (install progress, installed, failed): the full list, replacing the last.
+  reportConfigProblem @2 (problem :Text) -> ();
+  # Why the agent runs on an older configuration (an edited agent.yaml that does not load); "": none now.
 }
 
 interface Agent {
@@ -274,6 +276,7 @@ struct NodeView {
   secondsSinceHeartbeat @5 :Float64;
   shards @6 :UInt32;
   version @7 :Text;
+  configProblem @8 :Text;  # why the node runs on an older configuration (refused settings, bad agent.yaml); "": none
 }
 
 struct ReplicaView {

@@ -61,6 +61,8 @@ class NodeRow:
     seconds_since_heartbeat: float
     shards: int
     version: str
+    #: Why the node runs on an older configuration (refused settings, an agent.yaml that does not load); "": none.
+    config_problem: str = ""
 
 
 @attrs.frozen
@@ -339,6 +341,7 @@ class ClusterClient:
             NodeRow(
                 n.id, n.address, n.state, convert.hardware_from(n.hardware),
                 tuple(convert.engine_from(e) for e in n.engines), n.secondsSinceHeartbeat, n.shards, n.version,
+                n.configProblem,
             )
             for n in result.nodes
         ]

@@ -68,6 +68,15 @@ def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
     return [u.reason for u in reconciler.last_unplaceable] + [w.reason for w in reconciler.last_waiting]
 
 
+def _config_problem(sessions: NodeSessions, node_id: str) -> str:
+    """Returns why node ``node_id`` runs on an older configuration, as its session knows ("": none)."""
+    try:
+        session = sessions.get(node_id)
+    except LookupError:
+        return ""
+    return "; ".join(p for p in (session.settings_problem, session.file_problem) if p)
+
+
 def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
     """Return an ``Admin`` server object acting on ``services`` for ``actor`` (the
     certificate's name); ``via`` names the standby the caller reached it through ("": none)."""
@@ -108,6 +117,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
                     "secondsSinceHeartbeat": max(0.0, now - node.last_heartbeat),
                     "shards": len(node.shards),
                     "version": services.sessions.agent_versions.get(node.id, ""),
+                    "configProblem": _config_problem(services.sessions, node.id),
                 }
                 for node in sorted(fleet.nodes.values(), key=lambda n: n.id)
             ]

@@ -246,11 +246,16 @@ async def _push_planes(services: ClusterServices, sessions: list[NodeSession]) -
     except Exception as exc:  # noqa: BLE001 - the agents keep the list they have
         log.warning("could not read the control planes to tell the nodes: %s", exc)
         return
-    for session in sessions:
+
+    async def tell(session: NodeSession) -> None:
         try:
             await session.tell_control_planes(addresses)
         except Exception as exc:  # noqa: BLE001 - an older agent without controlPlanes still serves
             log.warning("node %s: could not send it the control planes: %s", session.node_id, exc)
+
+    async with trio.open_nursery() as nursery:  # at once: one hung agent must not hold up the rest
+        for session in sessions:
+            nursery.start_soon(tell, session)
 
 
 async def _push_settings(services: ClusterServices, session: NodeSession) -> None:

@@ -29,6 +29,8 @@ from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardSpec, UnknownShard
 
+#: A node's account of its configuration problem is kept to this many characters (it is shown, not parsed).
+MAX_PROBLEM_CHARS = 2000
 log = logging.getLogger(__name__)
 
 #: Starting a shard on the agent is local bookkeeping plus a process spawn; the engine
@@ -100,6 +102,10 @@ class NodeSession:
         self.endpoint_hosts = frozenset(endpoint_hosts)
         self.last_heartbeat = trio.current_time()
         self.closed = False
+        #: Why the node refused the cluster settings last pushed ("": it took them).
+        self.settings_problem = ""
+        #: What the agent reported about its own configuration (an agent.yaml that does not load).
+        self.file_problem = ""
         #: Gets the KV deltas of this session's shards (set by :meth:`NodeSessions.attach`; None: dropped).
         self.on_kv_update: KvUpdateHandler | None = None
 
@@ -161,6 +167,9 @@ class NodeSession:
                 hw = convert.hardware_from(hardware)
                 session.last_heartbeat = trio.current_time()
                 session.registry.heartbeat(session.node_id, hw, epoch=session.epoch)
+
+            async def reportConfigProblem(self, problem: str, **_: Any) -> None:
+                session.file_problem = str(problem)[:MAX_PROBLEM_CHARS]
 
             async def reportEngines(self, engines: Any, **_: Any) -> None:
                 infos = [convert.engine_from(e) for e in engines]

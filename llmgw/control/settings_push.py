@@ -42,8 +42,11 @@ async def push_to(session: NodeSession, settings: dict[str, Any]) -> None:
     try:
         with trio.fail_after(PUSH_TIMEOUT_S):
             await session.agent.settings(json.dumps(layer, sort_keys=True))
+        session.settings_problem = ""
     except capnp.KjException as exc:
-        log.warning("node %s did not take its cluster settings: %s", session.node_id, remote_reason(exc))
+        reason = remote_reason(exc)
+        session.settings_problem = f"refused the cluster settings: {reason}"
+        log.warning("node %s did not take its cluster settings: %s", session.node_id, reason)
     except trio.TooSlowError:
         log.warning("node %s did not answer its cluster settings within %gs", session.node_id, PUSH_TIMEOUT_S)
 

@@ -306,6 +306,23 @@ class Agent:
                 return
             await trio.sleep(ENGINE_REPORT_INTERVAL)
 
+    async def _report_config_problem(self, desk: Any, settings: ClusterSettings) -> None:
+        """Tell the control plane why this agent runs on an older configuration, at once if
+        it does when the session starts and again at every change, until the session ends."""
+        sent = ""
+        while True:
+            problem, changed = settings.problem, settings.problem_changed
+            if problem != sent:
+                try:
+                    with trio.fail_after(REPORT_TIMEOUT):
+                        await desk.reportConfigProblem(problem)
+                except (trio.TooSlowError, capnp.KjException) as exc:
+                    # An older control plane has no such call; a dead session is the heartbeat's to notice.
+                    log.warning("agent: could not report its configuration problem: %s", exc)
+                    return
+                sent = problem
+            await changed.wait()
+
     async def _session(self, address: str, stream: trio.SSLStream) -> bool:
         """Run one session on a connected stream until it breaks. Returns True if the join succeeded."""
         host, _ = net.split_address(address)
@@ -349,6 +366,8 @@ class Agent:
                 failure: BaseException | None = None
                 async with trio.open_nursery() as session_nursery:
                     session_nursery.start_soon(self._report_engines, desk, engines_seen)
+                    if self.cluster_settings is not None:
+                        session_nursery.start_soon(self._report_config_problem, desk, self.cluster_settings)
                     try:
                         while True:
                             await trio.sleep(interval)

@@ -70,6 +70,10 @@ class ClusterSettings:
         self.config_file = config_file
         self.restart = trio.Event()
         self.reason = ""
+        #: Why the agent runs on an older configuration ("": it does not); reported to the
+        #: control plane (``ctl nodes``) whenever it changes (:attr:`problem_changed`).
+        self.problem = ""
+        self.problem_changed = trio.Event()
 
     def apply(self, layer: dict[str, Any]) -> bool:
         """Take ``layer`` from the leader; returns whether the agent restarts on it.
@@ -129,10 +133,19 @@ class ClusterSettings:
                 config = self.load(self.layer)
             except ValueError as exc:
                 log.error("agent: %s changed but does not load: %s; running on the old one", self.config_file, exc)
+                self._set_problem(f"{self.config_file} changed but does not load: {exc}")
                 continue
+            self._set_problem("")
             if config != self.config:
                 self._restart(f"{self.config_file} changed")
                 return
+
+
+    def _set_problem(self, problem: str) -> None:
+        if problem != self.problem:
+            self.problem = problem
+            self.problem_changed.set()
+            self.problem_changed = trio.Event()
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

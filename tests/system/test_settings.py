@@ -50,6 +50,9 @@ async def test_an_agent_restarts_on_its_new_settings_and_keeps_its_engines(tmp_p
         good = config.read_text()
         config.write_text(good + "\nreconnect_backoff_max: soon\n")
         await agent.wait_for_line(r"agent\.yaml changed but does not load: .*reconnect_backoff_max")
+        await eventually(lambda: "reconnect_backoff_max" in config_problem(cluster, "node-a"),
+                         "ctl nodes says why node-a runs on its old configuration")
+        assert "node-a runs on its previous configuration" in cluster.ctl("nodes").stdout
         restarts = agent.output().count("agent: restarting")
         raw = yaml.safe_load(good)
         raw["reconnect_backoff_max"] = "3s"
@@ -57,6 +60,13 @@ async def test_an_agent_restarts_on_its_new_settings_and_keeps_its_engines(tmp_p
         await eventually(lambda: agent.output().count("agent: restarting") == restarts + 1, "a restart on the file")
         assert "agent.yaml changed" in agent.output()
         assert [p.pid for p in engines_under(cluster.root)] == [replica["pid"]]
+        await eventually(lambda: joins(agent) == restarts + 2, "the agent back on the new file")
+        assert config_problem(cluster, "node-a") == ""
+
+
+def config_problem(cluster: Cluster, node: str) -> str:
+    """Returns ``ctl nodes``' account of why ``node`` runs on an older configuration."""
+    return str({n["id"]: n for n in cluster.ctl_json("nodes")}[node]["config_problem"])
 
 
 async def test_an_engine_named_in_the_clusters_node_settings_wins_over_the_installed_one(tmp_path: Path) -> None:

@@ -61,6 +61,9 @@ def nodes(ctx: click.Context, as_json: bool) -> None:
     print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT"],
                 table, empty="no nodes have joined")
     for n in rows:
+        if n.config_problem:
+            click.echo(f"\n{n.id} runs on its previous configuration: {n.config_problem}")
+    for n in rows:
         lines = [_engine_line(e) for e in n.engines if _shown(e) and e.origin != ENGINE_BUILT_IN]
         if lines:
             click.echo(f"\n{n.id} engines:")
