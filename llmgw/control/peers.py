@@ -12,7 +12,9 @@ On a standby, :func:`follow_leader` holds a peer session with whoever the electi
 leads (``Cluster.peer`` over mutual TLS with the control plane's own certificate), feeds
 what arrives into the standby's gateway, and pings the leader (Cap'n Proto has no
 keepalive) so a dead one is noticed within a few intervals. Its :class:`Follower` also
-passes admin calls on (``ControlPeer.admin``).
+passes admin calls on (``ControlPeer.admin``), and reports its gateway's demand with every
+ping and applies the shares of the tenant limits the leader sends
+(:mod:`llmgw.control.admission_shares`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import capnp
 import trio
 
+from llmgw.control.admission_shares import LocalShares, Publication, share_rows, shares_from
 from llmgw.control.leader import LeaderElection
 from llmgw.router.interface import GatewayInterface, ModelInfo, Replica
 from llmgw.rpc import convert, net, schema
@@ -147,6 +150,13 @@ class FeedTee:
         """Keys, tenants or ``serving.stopped`` changed: every standby reloads them."""
         self._send(("access",))
 
+    def send_shares(self, publication: Publication, applied: Callable[[], None]) -> None:
+        """Queue ``publication``'s admission shares for its standby (if attached), in order
+        with the rest of its stream; ``applied()`` is called once the standby applied them."""
+        for queue, (name, _) in self._peers.items():
+            if name == publication.gateway:
+                queue.put(("shares", publication.shares, applied))
+
     def _send(self, item: tuple[Any, ...]) -> None:
         for peer in self._peers:
             peer.put(item)
@@ -213,12 +223,27 @@ async def pump(tee: FeedTee, queue: _PeerQueue, feed: Any, name: str) -> None:
                     await feed.kvUpdate(item[1], convert.kv_update_dict(item[2]))
                 elif item[0] == "forget":
                     await feed.kvForget(item[1])
+                elif item[0] == "shares":
+                    await _send_shares(feed, item[1], name)
+                    item[2]()
                 else:
                     await feed.accessChanged()
     except (PeerTooSlow, PeerEnded, trio.TooSlowError, capnp.KjException) as exc:
         log.warning("standby %s: the stream to it ended: %s", name, exc)
     finally:
         tee.detach(queue)
+
+
+async def _send_shares(feed: Any, shares: Any, name: str) -> None:
+    """Send ``shares`` into standby ``name``'s ``feed``; a standby too old to take them is
+    logged, not dropped (it enforces every tenant limit whole, as it always did)."""
+    try:
+        await feed.admissionShares(share_rows(shares), shares.default)
+    except capnp.KjException as exc:
+        if getattr(exc, "type", None) != "UNIMPLEMENTED":
+            raise
+        log.warning("standby %s does not take admission shares (an older llmgw): its gateway enforces every "
+                    "tenant limit whole", name)
 
 
 class Follower:
@@ -239,6 +264,9 @@ class Follower:
         self.peer: Any = None
         #: The leader this standby streams from, while a session is up.
         self.leader_name: str | None = None
+        #: This control plane's gateway's admission shares (None: not shared): led by the
+        #: leader while a session is up, its demand reported at every ping.
+        self.shares: LocalShares | None = None
         self._session_up = trio.Event()  # set while a session is up
 
     def _feed(self) -> Any:
@@ -266,6 +294,10 @@ class Follower:
 
             async def restart(self, **_: Any) -> None:
                 follower.restart("asked by the leader: llmgw ctl restart")
+
+            async def admissionShares(self, shares: Any, default: float, **_: Any) -> None:
+                if follower.shares is not None:
+                    await follower.shares.apply_from_leader(shares_from(shares, default))
 
             async def accessChanged(self, **_: Any) -> None:
                 try:
@@ -326,11 +358,15 @@ class Follower:
                     self.peer = result.peer
                     self.leader_name = name
                     self._session_up.set()
+                    if self.shares is not None:
+                        self.shares.led()
                     log.info("standby: streaming from the leader %s at %s (epoch %d)", name, address, result.epoch)
                     while True:
                         await trio.sleep(PEER_PING_INTERVAL)
                         with trio.fail_after(PEER_PING_INTERVAL * PEER_PING_MISSES):
                             await self.peer.ping()
+                        if self.shares is not None:  # the ping interval is the admission sync interval
+                            await self.shares.report(self.peer, PEER_PING_INTERVAL * PEER_PING_MISSES)
                 except (trio.TooSlowError, capnp.KjException) as exc:
                     failure = exc
         except (OSError, trio.BrokenResourceError, capnp.KjException) as exc:
@@ -339,6 +375,8 @@ class Follower:
             self.peer = None
             self.leader_name = None
             self._session_up = trio.Event()
+            if self.shares is not None:
+                self.shares.unled()
         if failure is not None:
             log.warning("standby: the session with the leader %s at %s ended: %s", name, address, remote_reason(failure)
                         if isinstance(failure, capnp.KjException) else failure)

@@ -15,6 +15,7 @@ Nursery tree::
 
     run_control_plane
     ├── access sync (keys, tenants, serving.stopped -> the gateway; usage -> the store)
+    ├── admission shares (the gateway's share of the tenant limits: 1/N without a leader)
     ├── gateway (GatewayInterface.serve; its last usage is stored when it stops)
     ├── rpc listener ── per connection: Cluster bootstrap ── node session / admin / peer stream
     ├── follower (while a standby: the peer session with the leader, into the gateway)
@@ -22,6 +23,7 @@ Nursery tree::
                      ├── registry watchdog (marks silent nodes LOST)
                      ├── reconciler (once the known nodes are back: catalog vs fleet, one pass at a time)
                      ├── route feed (catalog x ready replicas -> the gateway and the standbys)
+                     ├── admission shares (every second: demand -> each gateway's share of the tenant limits)
                      └── settings push (agents.* settings -> every node, a second after a change)
 """
 
@@ -40,6 +42,7 @@ from llmgw.config import AuthConfig, ServingConfig
 from llmgw.config.defaults import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_NODE_LOST_AFTER, DEFAULT_REPLACE_GRACE
 from llmgw.config.values import is_loopback_host
 from llmgw.control.admin import AdminServices, make_admin
+from llmgw.control.admission_shares import LocalShares, ShareBook, lead_shares
 from llmgw.control.cluster import ClusterServices, handle_connection
 from llmgw.control.joining import JoinService
 from llmgw.control.keys import SERVING_STOPPED, AccessSync
@@ -75,6 +78,8 @@ class Term:
     admin: AdminServices
     #: Tells the reconciler and the route feed that the catalog changed.
     catalog_changed: Callable[[], None]
+    #: The gateways' shares of the tenant limits (llmgw/control/admission_shares.py).
+    shares: ShareBook | None = None
 
 
 @attrs.define
@@ -164,6 +169,10 @@ async def run_control_plane(
             access = AccessSync(store, gateway, usage_flush_interval=serving.usage_flush_interval,
                                 usage_journal=usage_journal)
             await nursery.start(access.run)
+            # Each gateway's share of every tenant limit: 1/N until a leader says otherwise.
+            listed = {record.name for record in await store.list_control_planes()}
+            shares = LocalShares(gateway, len(listed | {name}) if name else len(listed))
+            await nursery.start(shares.run)
             if not auth.enabled and not is_loopback_host(http_host):
                 log.warning(
                     "API KEYS ARE OFF (auth.enabled: false) AND THE GATEWAY LISTENS ON %s, NOT LOOPBACK: "
@@ -185,6 +194,7 @@ async def run_control_plane(
                 nursery.start_soon(later)
 
             follower = Follower(gateway, access.reload, restart_self)
+            follower.shares = shares
 
             def current_term() -> Term | None:
                 return plane_ref[0].term if plane_ref else None
@@ -265,8 +275,14 @@ async def run_control_plane(
                             gateway_url=gateway_url, agent_settings_changed=push.changed, leadership=leadership,
                             tee=tee, restart_self=restart_self, joins=joins,
                         )
+                        async def planes() -> list[str]:
+                            return [record.name for record in await store.list_control_planes()]
+
+                        book = ShareBook(name)
+                        await term_nursery.start(lead_shares, book, shares, lambda: tee.peer_names, tee.send_shares,
+                                                 planes)
                         plane.term = Term(epoch=epoch, registry=registry, sessions=sessions, reconciler=reconciler,
-                                          tee=tee, admin=admin, catalog_changed=catalog_changed)
+                                          tee=tee, admin=admin, catalog_changed=catalog_changed, shares=book)
                         task_status.started()
                         await trio.sleep_forever()
                 finally:

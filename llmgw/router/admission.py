@@ -12,8 +12,15 @@ Runs after authentication and before routing. Two layers:
   beyond that up to ``queue_size`` wait in FIFO order for a slot, each for at most
   ``queue_timeout`` seconds (then 503 with Retry-After); a full queue sheds (429).
 
-Per-tenant counts of admitted, queued and shed requests are kept for ``llmgw ctl
-status`` (:meth:`Admission.snapshot`). Time is ``trio.current_time()``, so tests drive it
+Several gateways (one per control plane, :mod:`llmgw.control.admission_shares`) share
+each tenant's limits: this gateway enforces its *share* of each, ``ceil(limit x
+fraction)`` (:class:`AdmissionShares`, set live by :meth:`Admission.set_shares`; 1 with a
+single control plane), divided among its worker processes (``tenant_parts``): see
+:func:`tenant_limit`.
+
+Per-tenant counts of admitted, queued and shed requests (and of the tokens asked for) are
+kept for ``llmgw ctl status`` and the control plane's share computation
+(:meth:`Admission.snapshot`, :func:`demand_since`). Time is ``trio.current_time()``, so tests drive it
 with ``trio.testing.MockClock``. Everything runs on the trio thread; only
 :meth:`Admission.admit` waits (while queued).
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import attrs
 import trio
@@ -48,6 +55,9 @@ QUEUE_RETRY_AFTER_S = 2
 #: Retry-After, in seconds, while an operator has stopped serving: stops are usually
 #: maintenance of minutes, and clients should not hammer a stopped cluster.
 STOPPED_RETRY_AFTER_S = 30
+#: Slack when a share of a limit is rounded up: shares are sums of floats, and 4 x 0.5
+#: computed as 2.0000000001 must still allow 2 requests, not 3.
+SHARE_ROUNDING_SLACK = 1e-9
 
 
 @attrs.frozen
@@ -57,16 +67,95 @@ class AdmissionLimits:
     max_inflight_per_replica: int = DEFAULT_MAX_INFLIGHT_PER_REPLICA
     queue_size: int = DEFAULT_QUEUE_SIZE
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    #: The gateway's worker processes: each enforces this part of the gateway's share of
+    #: every tenant limit (``gateway.workers``; 1 for a gateway in one process).
+    tenant_parts: int = 1
 
 
 @attrs.define
 class TenantCounters:
-    """Counts for one tenant since the gateway started; ``in_flight`` includes queued requests."""
+    """Counts for one tenant since the gateway started; ``in_flight`` includes queued requests.
+
+    ``tokens`` is the tokens asked for by tenants with a token budget: the estimate charged
+    to each admitted request, and that of each request shed over the budget.
+    """
 
     admitted: int = 0
     queued: int = 0
     shed: int = 0
     in_flight: int = 0
+    tokens: int = 0
+
+
+@attrs.frozen
+class TenantDemand:
+    """What one tenant asked of one gateway over a window (a share computation's input).
+
+    ``in_flight``: requests admitted or queued at the window's end; ``admitted``,
+    ``shed`` and ``tokens`` (see :class:`TenantCounters`): during the window.
+    """
+
+    in_flight: int = 0
+    admitted: int = 0
+    shed: int = 0
+    tokens: int = 0
+
+
+def demand_since(
+    before: Mapping[str, TenantCounters], now: Mapping[str, TenantCounters]
+) -> dict[str, TenantDemand]:
+    """Return each tenant's demand between two :meth:`Admission.snapshot` values, leaving out
+    tenants with none (nothing in flight, nothing counted)."""
+    out = {}
+    zero = TenantCounters()
+    for name, c in now.items():
+        b = before.get(name, zero)
+        demand = TenantDemand(max(0, c.in_flight), max(0, c.admitted - b.admitted), max(0, c.shed - b.shed),
+                              max(0, c.tokens - b.tokens))
+        if demand != _NO_DEMAND:
+            out[name] = demand
+    return out
+
+
+_NO_DEMAND = TenantDemand()
+
+
+@attrs.frozen
+class TenantShare:
+    """One gateway's fractions of one tenant's limits, each in (0, 1]."""
+
+    concurrency: float = 1.0
+    rpm: float = 1.0
+    tpm: float = 1.0
+
+
+@attrs.frozen
+class AdmissionShares:
+    """One gateway's shares of every tenant's limits: ``tenants`` by name, and ``default``
+    (the same fraction of each limit) for every tenant not named there."""
+
+    default: float = 1.0
+    tenants: Mapping[str, TenantShare] = attrs.field(factory=dict)
+
+    def of(self, tenant: str) -> TenantShare:
+        """Return ``tenant``'s share."""
+        share = self.tenants.get(tenant)
+        if share is None:
+            return TenantShare(self.default, self.default, self.default)
+        return share
+
+
+def tenant_limit(limit: int, fraction: float, parts: int = 1) -> int:
+    """Return one worker's part of a tenant ``limit``: ``ceil(ceil(limit x fraction) / parts)``.
+
+    0 (unlimited) stays 0; any other limit gives at least 1, so every gateway can admit a
+    request however small its share. Summed over G gateways of W workers whose fractions
+    add up to at most 1, the parts are at most ``limit + G x W - 1`` (docs/ha.md).
+    """
+    if not limit:
+        return 0
+    share = max(1, math.ceil(limit * fraction - SHARE_ROUNDING_SLACK))
+    return max(1, -(-share // parts))
 
 
 def too_many(message: str, code: str, retry_after: float) -> GatewayError:
@@ -75,6 +164,18 @@ def too_many(message: str, code: str, retry_after: float) -> GatewayError:
         429, message, "rate_limit_error", code=code,
         headers={"Retry-After": str(_whole_seconds(retry_after))},
     )
+
+
+def _limit_words(what: str, enforced: int, configured: int) -> str:
+    """Return ``what``, saying when ``enforced`` is only this gateway's part of ``configured``."""
+    if enforced == configured:
+        return what
+    return f"this gateway's share of {what} of {configured}"
+
+
+def _share_words(enforced: int, configured: int) -> str:
+    """Return "" or, when ``enforced`` is only this gateway's part, the configured limit in words."""
+    return "" if enforced == configured else f" (this gateway's share of {configured})"
 
 
 def _whole_seconds(seconds: float) -> int:
@@ -184,6 +285,11 @@ class _TenantState:
         self.counters = TenantCounters()
         self.requests = _Budget()
         self.tokens = _Budget()
+        # The limits this gateway enforces (max_concurrency, rpm, tpm), worked out for
+        # ``limits_of`` at shares version ``limits_version`` (recomputed when either changes).
+        self.limits_of: Tenant | None = None
+        self.limits_version = -1
+        self.limits = (0, 0, 0)
 
 
 class _ModelGate:
@@ -237,6 +343,36 @@ class Admission:
         self.metrics = metrics
         self._tenants: dict[str, _TenantState] = {}
         self._models: dict[str, _ModelGate] = {}
+        #: This gateway's shares of the tenants' limits (:meth:`set_shares`).
+        self.shares = AdmissionShares()
+        self._shares_version = 0
+
+    def set_shares(self, shares: AdmissionShares) -> None:
+        """Enforce ``shares`` of every tenant's limits from the next request on.
+
+        Requests already admitted keep running; a token bucket larger than its new size is
+        cut down to it when next used.
+        """
+        self.shares = shares
+        self._shares_version += 1
+
+    def tenant_limits(self, tenant: Tenant) -> tuple[int, int, int]:
+        """Return the ``(max_concurrency, rpm, tpm)`` this gateway (this worker) enforces
+        for ``tenant`` now (0: unlimited)."""
+        state = self._tenants.get(tenant.name)
+        if state is None:
+            state = self._tenants[tenant.name] = _TenantState()
+        return self._limits(tenant, state)
+
+    def _limits(self, tenant: Tenant, state: _TenantState) -> tuple[int, int, int]:
+        if state.limits_of is not tenant or state.limits_version != self._shares_version:
+            share = self.shares.of(tenant.name)
+            parts = self.limits.tenant_parts
+            state.limits = (tenant_limit(tenant.max_concurrency, share.concurrency, parts),
+                            tenant_limit(tenant.rpm, share.rpm, parts), tenant_limit(tenant.tpm, share.tpm, parts))
+            state.limits_of = tenant
+            state.limits_version = self._shares_version
+        return state.limits
 
     async def admit(
         self, tenant: Tenant, model: str, ready_replicas: int, estimate: Callable[[], int]
@@ -300,41 +436,47 @@ class Admission:
 
     def _check_tenant(self, tenant: Tenant, state: _TenantState, estimate: Callable[[], int]) -> float:
         """Raise 429 if a tenant limit is reached; return the token charge (0 without a budget)."""
-        if tenant.max_concurrency and state.counters.in_flight >= tenant.max_concurrency:
+        concurrency, rpm, tpm = self._limits(tenant, state)
+        if concurrency and state.counters.in_flight >= concurrency:
             raise too_many(
-                f"Tenant '{tenant.name}' already has {tenant.max_concurrency} requests in flight "
-                "(its concurrency limit); retry when one finishes.",
+                f"Tenant '{tenant.name}' already has {concurrency} requests in flight "
+                f"({_limit_words('its concurrency limit', concurrency, tenant.max_concurrency)}); "
+                "retry when one finishes.",
                 "concurrency_limit_exceeded", CONCURRENCY_RETRY_AFTER_S,
             )
         now = trio.current_time()
-        if tenant.rpm:
-            wait = state.requests.wait_for(1, tenant.rpm, now)
+        if rpm:
+            wait = state.requests.wait_for(1, rpm, now)
             if wait:
                 raise too_many(
-                    f"Tenant '{tenant.name}' is over its limit of {tenant.rpm} requests per minute; "
-                    f"retry in {_whole_seconds(wait)} seconds.",
+                    f"Tenant '{tenant.name}' is over its limit of {rpm} requests per minute"
+                    f"{_share_words(rpm, tenant.rpm)}; retry in {_whole_seconds(wait)} seconds.",
                     "rate_limit_exceeded", wait,
                 )
         charge = 0.0
-        if tenant.tpm:
-            charge = float(min(estimate(), tenant.tpm))
-            wait = state.tokens.wait_for(charge, tenant.tpm, now)
+        if tpm:
+            charge = float(min(estimate(), tpm))
+            wait = state.tokens.wait_for(charge, tpm, now)
             if wait:
+                state.counters.tokens += int(charge)  # asked for: the demand the shares follow
                 raise too_many(
-                    f"Tenant '{tenant.name}' is over its limit of {tenant.tpm} tokens per minute "
-                    f"(this request needs about {charge:g}); retry in {_whole_seconds(wait)} seconds.",
+                    f"Tenant '{tenant.name}' is over its limit of {tpm} tokens per minute"
+                    f"{_share_words(tpm, tenant.tpm)} (this request needs about {charge:g}); "
+                    f"retry in {_whole_seconds(wait)} seconds.",
                     "tokens_limit_exceeded", wait,
                 )
         return charge
 
     def _charge(self, tenant: Tenant, state: _TenantState, tpm_charge: float) -> None:
         now = trio.current_time()
-        if tenant.rpm:
-            state.requests.wait_for(1, tenant.rpm, now)  # refill up to now first
+        _, rpm, tpm = self._limits(tenant, state)
+        if rpm:
+            state.requests.wait_for(1, rpm, now)  # refill up to now first
             state.requests.take(1)
-        if tpm_charge:
-            state.tokens.wait_for(tpm_charge, tenant.tpm, now)
+        if tpm_charge and tpm:  # (the tenant may have lost its budget while queued)
+            state.tokens.wait_for(tpm_charge, tpm, now)
             state.tokens.take(tpm_charge)
+            state.counters.tokens += int(tpm_charge)
 
     async def _wait(self, gate: _ModelGate, model: str) -> None:
         """Wait in ``gate``'s FIFO until handed a slot; 503 after the queue timeout."""

@@ -26,9 +26,11 @@ from .workers.pool import GatewayPool, ObservedAuthTable, ObservedTable, PooledA
 
 
 def admission_limits(settings: GatewaySettings) -> AdmissionLimits:
-    """Return the admission limits of ``settings.serving``."""
+    """Return the admission limits of ``settings.serving``; each tenant limit is divided
+    among ``settings.gateway.workers`` (every worker enforces its part)."""
     serving = settings.serving
-    return AdmissionLimits(serving.max_inflight_per_replica, serving.queue_size, serving.queue_timeout)
+    return AdmissionLimits(serving.max_inflight_per_replica, serving.queue_size, serving.queue_timeout,
+                           tenant_parts=settings.gateway.workers)
 
 
 def upstream_timeouts(settings: GatewaySettings) -> UpstreamTimeouts:

@@ -26,14 +26,14 @@ import trio
 
 from llmgw.spec import KvDelta
 
-from .admission import TenantCounters
+from .admission import AdmissionShares, TenantCounters, TenantDemand, TenantShare
 from .auth import KeyEntry, Tenant
 from .replicas import ModelInfo, Replica
 from .usage import UsageBatch, UsageCounts
 
 __all__ = [
-    "AccessState", "GatewayInterface", "GatewayStatus", "KeyEntry", "ModelInfo", "Replica", "Tenant",
-    "TenantCounters", "UsageBatch", "UsageCounts", "UsageCountsByKey",
+    "AccessState", "AdmissionShares", "GatewayInterface", "GatewayStatus", "KeyEntry", "ModelInfo", "Replica",
+    "Tenant", "TenantCounters", "TenantDemand", "TenantShare", "UsageBatch", "UsageCounts", "UsageCountsByKey",
 ]
 
 #: Usage counts keyed by ``(tenant, model)``.
@@ -100,6 +100,22 @@ class GatewayInterface(abc.ABC):
         Returns once it is applied; a pool waits (bounded) for its workers, so a revoked
         key is refused when the admin call that revoked it returns. Never raises.
         """
+
+    # -- admission shares (several control planes: llmgw/control/admission_shares.py) ---
+
+    @abc.abstractmethod
+    async def apply_admission_shares(self, shares: AdmissionShares) -> None:
+        """Enforce ``shares`` of every tenant's limits from the next request on.
+
+        Returns once they are applied; a pool waits (bounded) for its workers, and a
+        worker that starts later gets them before it listens. Never raises.
+        """
+
+    @abc.abstractmethod
+    def admission_demand(self) -> dict[str, TenantDemand]:
+        """Return each tenant's demand since the previous call (in flight now; admitted,
+        shed and tokens asked for since then), leaving out tenants with none. A pool's is
+        as of its workers' last reports. Synchronous; never raises."""
 
     # -- usage and status (up) -----------------------------------------------------------
 

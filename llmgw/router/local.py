@@ -15,6 +15,7 @@ import trio
 
 from llmgw.spec import KvDelta
 
+from .admission import AdmissionShares, TenantCounters, TenantDemand, demand_since
 from .app import Gateway, leader_state
 from .http.serve import GRACEFUL_SHUTDOWN_S, serve_gateway
 from .interface import (
@@ -28,6 +29,7 @@ class GatewayState(GatewayInterface):
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self._demand_mark: dict[str, TenantCounters] = gateway.admission.snapshot()
 
     def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
         self.gateway.table.replace_all({model: replicas.get(model, ()) for model in models}, models)
@@ -47,6 +49,15 @@ class GatewayState(GatewayInterface):
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)
         self.gateway.stopped = access.stopped
+
+    async def apply_admission_shares(self, shares: AdmissionShares) -> None:
+        self.gateway.admission.set_shares(shares)
+
+    def admission_demand(self) -> dict[str, TenantDemand]:
+        now = self.gateway.admission.snapshot()
+        demand = demand_since(self._demand_mark, now)
+        self._demand_mark = now
+        return demand
 
     def drain_usage(self) -> UsageBatch:
         return self.gateway.usage.drain()

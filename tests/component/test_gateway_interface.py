@@ -18,7 +18,8 @@ from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.store import open_store
 from llmgw.control.store.base import TenantRecord
 from llmgw.router.interface import (
-    AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageBatch, UsageCounts,
+    AccessState, AdmissionShares, GatewayInterface, GatewayStatus, ModelInfo, Replica, TenantDemand, UsageBatch,
+    UsageCounts,
 )
 from llmgw.spec import Hardware, KvDelta
 
@@ -57,6 +58,12 @@ class RecordingGateway(GatewayInterface):
 
     async def apply_access(self, access: AccessState) -> None:
         self.access.append(access)
+
+    async def apply_admission_shares(self, shares: AdmissionShares) -> None:
+        self.shares = shares
+
+    def admission_demand(self) -> dict[str, TenantDemand]:
+        return {}
 
     def drain_usage(self) -> UsageBatch:
         drained, self.counted = self.counted, {}

@@ -25,7 +25,7 @@ from llmgw.config import AuthConfig, GatewayConfig, RoutingConfig
 from llmgw.router.app import Gateway
 from llmgw.router.auth import KeyEntry, Tenant
 from llmgw.router.build import build_gateway
-from llmgw.router.interface import AccessState
+from llmgw.router.interface import AccessState, AdmissionShares
 from llmgw.router.kvindex import KvIndex
 from llmgw.router.kvrouting import ALARM_TEXT
 from llmgw.router.replicas import ModelInfo, Replica
@@ -99,6 +99,24 @@ async def running_pool(replicas: list[Replica], routing: RoutingConfig = Routing
 async def pooled(engine: str) -> AsyncIterator[Pooled]:
     async with running_pool([Replica("r1", "m", engine)]) as handle:
         yield handle
+
+
+async def test_each_worker_enforces_its_part_of_the_gateways_share_and_demand_comes_back(pooled: Pooled) -> None:
+    pool = pooled.pool
+    made = generate_key()
+    pooled.master.auth.replace([KeyEntry(made.key_id, bytes.fromhex(made.secret_hash), Tenant("acme", rpm=40))])
+    assert await pool.synced()
+    # This gateway's share of acme's limits is half: each worker allows ceil(ceil(40 x 0.5) / 2) = 10 a minute.
+    await pool.apply_admission_shares(AdmissionShares(0.5))
+    assert all(slot.shares_applied >= 1 for slot in pool.slots.values())
+    headers = {"authorization": f"Bearer {made.key}"}
+    responses = [await pooled.post(headers) for _ in range(CONNECTIONS)]  # >= 15 on one worker: it sheds
+    refused = [r.json()["error"]["message"] for r in responses if r.status_code == 429]
+    assert refused and all("limit of 10 requests per minute (this gateway's share of 40)" in m for m in refused)
+    await pool.collect()
+    demand = pool.admission_demand()["acme"]
+    assert demand.admitted + demand.shed == CONNECTIONS and demand.shed == len(refused)
+    assert pool.admission_demand() == {}  # since the last call: nothing new
 
 
 async def test_both_workers_serve_and_metrics_and_usage_add_up(pooled: Pooled) -> None:

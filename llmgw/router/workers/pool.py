@@ -45,7 +45,7 @@ import trio
 from llmgw.spec import KvDelta, split_delta
 from llmgw.trioutil import unwrap_single_group
 
-from ..admission import Admission, AdmissionLimits, TenantCounters
+from ..admission import Admission, AdmissionLimits, AdmissionShares, TenantCounters
 from ..app import Gateway, leader_state
 from ..auth import AuthTable, KeyEntry
 from ..http.serve import CUT_SLACK_S, SHUTDOWN_SLACK_S
@@ -55,7 +55,8 @@ from ..replicas import ModelInfo, Replica, ReplicaTable
 from ..settings import GatewaySettings
 from .channel import Channel, ChannelClosed, Message
 from .protocol import (
-    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_table, merge_metrics, worker_config,
+    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_shares, encode_table, merge_metrics,
+    worker_config,
 )
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class PooledAdmission(Admission):
             kept.admitted += c.admitted
             kept.queued += c.queued
             kept.shed += c.shed
+            kept.tokens += c.tokens
 
     def snapshot(self) -> dict[str, TenantCounters]:
         """Return every tenant's counters summed over the workers (and retired ones)."""
@@ -163,6 +165,7 @@ class PooledAdmission(Admission):
                 row.queued += c.queued
                 row.shed += c.shed
                 row.in_flight += c.in_flight
+                row.tokens += c.tokens
         return total
 
 
@@ -176,6 +179,8 @@ class _Slot:
         self.channel = channel
         self.sent = -1  # state version last sent
         self.applied = -1  # state version the worker says it applied
+        self.shares_sent = -1  # admission shares version last sent
+        self.shares_applied = -1  # and the one the worker says it applied
         self.ready = False
         self.state_lock = trio.Lock()
         self.copied = False  # its first full KV copy is sent (until then it gets no state)
@@ -213,6 +218,7 @@ class GatewayPool(GatewayState):
         self.load: dict[int, dict[str, int]] = {}
         self.alarms: dict[int, list[str]] = {}  # KV hash-agreement alarms per worker, as last reported
         self._version = 0
+        self._shares_version = 0
         self._changed = trio.Event()
         self._progress = trio.Event()  # set (and replaced) on every ack, report and slot change
         self._ids = itertools.count()
@@ -247,6 +253,21 @@ class GatewayPool(GatewayState):
             self.master.leader = state
             self.state_changed()
 
+    async def apply_admission_shares(self, shares: AdmissionShares) -> None:
+        """Apply ``shares`` to the master (its status), then send them to every worker and
+        wait (bounded by :data:`SYNC_TIMEOUT_S`) until each has applied them; a worker that
+        starts later gets them before it listens."""
+        await super().apply_admission_shares(shares)
+        self._shares_version += 1
+        self._changed.set()
+        target = self._shares_version
+        with trio.move_on_after(SYNC_TIMEOUT_S):
+            while any(s.shares_applied < target for s in self.slots.values()):
+                await self._progress.wait()
+            return
+        log.warning("gateway workers did not all apply new admission shares within %gs; they will when they "
+                    "catch up", SYNC_TIMEOUT_S)
+
     async def pending_usage(self) -> dict[tuple[str, str], UsageCounts]:
         """Collect every worker's counts first (:meth:`collect`), then return the master's."""
         await self.collect()
@@ -269,26 +290,39 @@ class GatewayPool(GatewayState):
         m = self.master
         return {
             "t": "state", "version": self._version, "table": encode_table(m.table),
-            "keys": encode_keys(m.auth.entries if isinstance(m.auth, ObservedAuthTable) else (), self.workers),
+            "keys": encode_keys(m.auth.entries if isinstance(m.auth, ObservedAuthTable) else ()),
             "stopped": m.stopped, "not_ready": m.not_ready, "leader": m.leader,
         }
 
     async def _sync(self, slot: _Slot) -> None:
-        """Send ``slot`` the current state if it has an older one; kill it if it does not take it."""
+        """Send ``slot`` the current admission shares and state where it has older ones (the
+        shares first: a starting worker enforces them from its first request); kill it if
+        it does not take them."""
         async with slot.state_lock:
-            if slot.sent >= self._version:
-                return
-            message = self._state()
-            try:
-                with trio.fail_after(PUSH_TIMEOUT_S):
-                    await slot.channel.send(message)
-            except trio.TooSlowError:
-                log.error("gateway worker %d does not read its channel; killing it", slot.index)
-                slot.process.kill()
-                return
-            except ChannelClosed:
-                return
-            slot.sent = message["version"]
+            if slot.shares_sent < self._shares_version:
+                message = encode_shares(self._shares_version, self.master.admission.shares)
+                if not await self._push(slot, message):
+                    return
+                slot.shares_sent = message["version"]
+            if slot.sent < self._version:
+                message = self._state()
+                if not await self._push(slot, message):
+                    return
+                slot.sent = message["version"]
+
+    async def _push(self, slot: _Slot, message: Message) -> bool:
+        """Send ``message`` to ``slot``; return False if its worker is gone, or did not read it
+        within :data:`PUSH_TIMEOUT_S` (it is killed then)."""
+        try:
+            with trio.fail_after(PUSH_TIMEOUT_S):
+                await slot.channel.send(message)
+        except trio.TooSlowError:
+            log.error("gateway worker %d does not read its channel; killing it", slot.index)
+            slot.process.kill()
+            return False
+        except ChannelClosed:
+            return False
+        return True
 
     async def _pusher(self) -> None:
         while True:
@@ -543,6 +577,8 @@ class GatewayPool(GatewayState):
         kind = message.get("t")
         if kind == "applied":
             slot.applied = max(slot.applied, int(message["version"]))
+        elif kind == "shares_applied":
+            slot.shares_applied = max(slot.shares_applied, int(message["version"]))
         elif kind == "ready":
             if not self.port:
                 self.port = int(message["port"])

@@ -9,8 +9,12 @@ Each message is a dict whose ``"t"`` names its kind, sent over a
                                                             order; a full copy (header + reset deltas) comes
                                                             before the first state, again after an overflow
     control -> worker   {"t": "kvforget", "replica"}        the replica's KV state is gone
+    control -> worker   {"t": "shares", "version", ...}     the gateway's shares of the tenant limits
+                                                            (encode_shares); before the first state, then
+                                                            whenever they change
     control -> worker   {"t": "state", "version", ...}      routing state (whole); first one before listening
     worker  -> control  {"t": "applied", "version"}         after every state
+    worker  -> control  {"t": "shares_applied", "version"}  after every shares message
     worker  -> control  {"t": "ready", "port", "pid"}       listening (or {"t": "failed", "error"})
     worker  -> control  {"t": "report", "id", ...}          usage drained (with its journal mark), in-flight, admission counters,
                                                             KV hash alarms ("kv_alarms", a list of strings);
@@ -23,7 +27,9 @@ Each message is a dict whose ``"t"`` names its kind, sent over a
 Down (control plane -> worker): the worker's settings (:func:`worker_config`), the
 routing state as one snapshot (catalog models with their ready replicas and ``created``
 times, the active API keys with their tenants' limits, ``serving.stopped``), and the
-engines' KV-cache deltas one by one (:func:`encode_kv_delta`). Up (worker -> control
+engines' KV-cache deltas one by one (:func:`encode_kv_delta`), and the gateway's shares of
+the tenants' limits (:func:`encode_shares`; each worker enforces ``1/workers`` of them,
+:func:`~llmgw.router.admission.tenant_limit`). Up (worker -> control
 plane): usage counts, in-flight per replica, admission counters, and on request the
 worker's Prometheus samples. Functions here are pure conversions; nothing does I/O.
 """
@@ -43,7 +49,7 @@ from prometheus_client.metrics_core import Metric
 from llmgw.config import Address, AuthConfig, GatewayConfig, MetricsConfig, RoutingConfig, ServingConfig, TracingConfig
 from llmgw.spec import KvDelta
 
-from ..admission import TenantCounters
+from ..admission import AdmissionShares, TenantCounters, TenantShare
 from ..auth import KeyEntry, Tenant
 from ..metrics import SHARED_FAMILIES
 from ..replicas import ModelInfo, Replica, ReplicaTable
@@ -57,8 +63,9 @@ from .channel import Message
 
 def worker_config(index: int, host: str, port: int, settings: GatewaySettings) -> Message:
     """Return worker ``index``'s "config" message: where to listen, and ``settings`` with
-    the admission limits divided among ``settings.gateway.workers`` (each worker admits its
-    share: docs/gateway.md)."""
+    the per-model admission limits divided among ``settings.gateway.workers`` (each worker
+    admits its share: docs/gateway.md; the tenant limits are divided by the worker's
+    admission, which knows the worker count from ``settings.gateway``)."""
     workers = settings.gateway.workers
     serving = attrs.evolve(
         settings.serving,
@@ -101,18 +108,6 @@ def _decode_metrics(raw: Mapping[str, Any]) -> MetricsConfig:
 # -- routing state (down) ----------------------------------------------------------------
 
 
-def scaled_tenant(tenant: Tenant, workers: int) -> Tenant:
-    """Return ``tenant`` with each non-zero limit divided by ``workers``, rounded up.
-
-    Every worker enforces its share alone, so the cluster-wide limit is between the
-    configured one and ``workers`` x the rounded-up share (docs/gateway.md).
-    """
-    if workers <= 1:
-        return tenant
-    share = lambda limit: math.ceil(limit / workers) if limit else 0  # noqa: E731
-    return Tenant(tenant.name, tenant.models, share(tenant.max_concurrency), share(tenant.rpm), share(tenant.tpm))
-
-
 def encode_table(table: ReplicaTable) -> dict[str, Any]:
     """Return the table's models, their replicas (with engine, adapters and secret), ``created``
     times and model info (engine, adapters, max_loaded_adapters) as msgpack values."""
@@ -149,11 +144,12 @@ def decode_table(
     return replicas, dict(data["created"]), info
 
 
-def encode_keys(entries: Iterable[KeyEntry], workers: int) -> list[list[Any]]:
-    """Return the active keys, each tenant's limits divided among ``workers``."""
+def encode_keys(entries: Iterable[KeyEntry]) -> list[list[Any]]:
+    """Return the active keys with their tenants' limits as configured (each worker's
+    admission enforces its part of them)."""
     out = []
     for entry in entries:
-        t = scaled_tenant(entry.tenant, workers)
+        t = entry.tenant
         models = sorted(t.models) if t.models is not None else None
         out.append([entry.key_id, entry.secret_hash, t.name, models, t.max_concurrency, t.rpm, t.tpm])
     return out
@@ -171,6 +167,21 @@ def decode_keys(rows: Sequence[Sequence[Any]]) -> list[KeyEntry]:
                 name, frozenset(models) if models is not None else None, concurrency, rpm, tpm)
         entries.append(KeyEntry(key_id, bytes(secret_hash), tenant))
     return entries
+
+
+def encode_shares(version: int, shares: AdmissionShares) -> Message:
+    """Return the "shares" message of ``shares`` (the gateway's, not yet divided among workers)."""
+    return {"t": "shares", "version": version, "default": shares.default,
+            "tenants": {name: [s.concurrency, s.rpm, s.tpm] for name, s in shares.tenants.items()}}
+
+
+def decode_shares(message: Mapping[str, Any]) -> AdmissionShares:
+    """Return the :class:`AdmissionShares` of an :func:`encode_shares` message.
+
+    Raises KeyError, TypeError or ValueError for a malformed one.
+    """
+    return AdmissionShares(float(message["default"]), {
+        str(name): TenantShare(float(c), float(r), float(t)) for name, (c, r, t) in message["tenants"].items()})
 
 
 class MirrorTable(ReplicaTable):
@@ -223,7 +234,7 @@ def decode_usage(value: Mapping[str, Any]) -> UsageBatch:
 
 
 def encode_admission(snapshot: Mapping[str, TenantCounters]) -> dict[str, list[int]]:
-    return {name: [c.admitted, c.queued, c.shed, c.in_flight] for name, c in snapshot.items()}
+    return {name: [c.admitted, c.queued, c.shed, c.in_flight, c.tokens] for name, c in snapshot.items()}
 
 
 def decode_admission(data: Mapping[str, Sequence[int]]) -> dict[str, TenantCounters]:

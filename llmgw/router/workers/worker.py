@@ -32,7 +32,8 @@ from ..http.serve import serve_gateway
 from ..metrics_access import MetricsAccess, MetricsGate
 from .channel import Channel, ChannelClosed, Message
 from .protocol import (
-    MirrorTable, decode_keys, decode_kv_delta, decode_settings, encode_admission, encode_metrics, encode_usage,
+    MirrorTable, decode_keys, decode_kv_delta, decode_settings, decode_shares, encode_admission, encode_metrics,
+    encode_usage,
 )
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,12 @@ class Worker:
         self.gateway.not_ready = state.get("not_ready")
         self.gateway.leader = state.get("leader") or leader_state(False, "", 0)
 
+    async def apply_shares(self, message: Message) -> None:
+        """Enforce the gateway's admission shares of a "shares" message (this worker's part
+        of them: its admission divides by the worker count), then say so."""
+        self.gateway.admission.set_shares(decode_shares(message))
+        await self.channel.send({"t": "shares_applied", "version": message["version"]})
+
     def apply_kv(self, message: Message) -> None:
         """Apply one of the :data:`KV_KINDS` messages to the gateway's KV index (and policy).
 
@@ -167,6 +174,8 @@ class Worker:
                     await self.channel.send({"t": "applied", "version": message["version"]})
                 elif kind in KV_KINDS:
                     self.apply_kv(message)
+                elif kind == "shares":
+                    await self.apply_shares(message)
                 elif kind == "collect":
                     await self.channel.send(self.report(message.get("id"), bool(message.get("metrics"))))
                 elif kind == "scraped":
@@ -207,6 +216,8 @@ async def _main(fd: int) -> None:
                 return
             if message.get("t") in KV_KINDS:  # the full KV copy comes first
                 worker.apply_kv(message)
+            elif message.get("t") == "shares":  # and the admission shares
+                await worker.apply_shares(message)
         tune_for_serving()  # set up: what is alive now is never garbage (llmgw/gctune.py)
         async with trio.open_nursery() as nursery:
             serving = trio.CancelScope()
