@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any, Sequence
 
 import attrs
@@ -21,6 +22,11 @@ def to_jsonable(value: Any) -> Any:
     if hasattr(value, "value") and value.__class__.__module__ != "builtins":
         return value.value
     return value
+
+
+def local_time(ts: float | None) -> str:
+    """Returns Unix time ``ts`` as local ``YYYY-MM-DD HH:MM:SS``, or ``-`` for none (None or 0)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
 def print_json(value: Any) -> None:

@@ -22,7 +22,6 @@ import os
 import pwd
 import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from llmgw.config.defaults import DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
 from llmgw.jointoken import parse_token
 from llmgw.rpc import net
 from llmgw.rpc.tls import (
+    CA_CERT_FILE,
     CERT_FILE,
     ClusterCA,
     IssuedCert,
@@ -46,8 +46,6 @@ from llmgw.rpc.tls import (
     write_credentials,
 )
 
-#: Bound on each systemctl call of the install (a start waits for the unit to be running).
-SYSTEMCTL_TIMEOUT_S = 60.0
 SERVER_UNIT = "llmgw-server.service"
 DEFAULT_CONFIG = Path("/etc/llmgw/server.yaml")
 DEFAULT_KEEPALIVED = Path("/etc/keepalived/keepalived.conf")
@@ -79,7 +77,7 @@ def _already_joined(state_dir: Path, pin: str) -> str | None:
     cert = state_dir / SERVER_DIR / CERT_FILE
     if not cert.exists():
         return None
-    ca = state_dir / SERVER_DIR / "ca.pem"
+    ca = state_dir / SERVER_DIR / CA_CERT_FILE
     try:
         same = ca.exists() and ca_sha256(ca.read_bytes()) == pin
         name = identity_of(cert.read_bytes()).name
@@ -220,19 +218,16 @@ def _chown_tree(root: Path, user: str) -> None:
 
 
 def _install_and_start(config_path: Path, user: str, state_dir: Path) -> None:
-    systemctl = shutil.which("systemctl")
-    running = None if systemctl is None else subprocess.run(
-        [systemctl, "is-system-running"], capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S)
-    if running is None or running.stdout.strip() in ("offline", "") :
-        fail(f"systemd is not running here, so no unit was installed: start the control plane with "
-             f"`llmgw server --config {config_path}` under the service manager this machine has")
+    from llmgw.cli.service import require_systemd, systemctl
+
+    require_systemd()  # everything else is written: without systemd, it says how to start by hand
     unit = UNIT_DIR / SERVER_UNIT
     try:
         unit.write_text(render_unit(SERVER_UNIT, daemon="server", config=config_path, user=user, state_dir=state_dir))
     except OSError as exc:
         fail(f"cannot write {unit}: {exc} (run as root)")
     for args in (["daemon-reload"], ["enable", "--now", SERVER_UNIT]):
-        done = subprocess.run([systemctl, *args], capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S)
+        done = systemctl(*args)
         if done.returncode != 0:
             fail(f"systemctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
     click.echo(f"  installed {unit} and started it (as {user})")

@@ -24,7 +24,9 @@ _NO_SYSTEMD = ("systemd is not running on this machine ({why}): run `llmgw serve
                "under the service manager it has, or by hand")
 
 
-def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
+def systemctl(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``systemctl ARGS`` (bounded by :data:`SYSTEMCTL_TIMEOUT_S`) and return what it did;
+    exits with a clear error where there is no systemctl or it does not finish."""
     path = shutil.which("systemctl")
     if path is None:
         fail(_NO_SYSTEMD.format(why="no systemctl command"))
@@ -34,13 +36,18 @@ def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
         fail(f"systemctl {' '.join(args)} did not finish within {SYSTEMCTL_TIMEOUT_S:g}s")
 
 
-def _installed_units(only: str | None) -> list[str]:
-    """Returns the llmgw units systemd knows here (``only``: just that one, checked)."""
-    running = _systemctl("is-system-running")
+def require_systemd() -> None:
+    """Return when systemd runs this machine; exit with a clear error saying what to do otherwise."""
+    running = systemctl("is-system-running")
     state = running.stdout.strip() or running.stderr.strip()
     if state in ("offline", "") or "not been booted with systemd" in running.stderr:
         fail(_NO_SYSTEMD.format(why=state or "systemctl answered nothing"))
-    listed = _systemctl("list-unit-files", "--no-legend", "--plain", *UNITS)
+
+
+def _installed_units(only: str | None) -> list[str]:
+    """Returns the llmgw units systemd knows here (``only``: just that one, checked)."""
+    require_systemd()
+    listed = systemctl("list-unit-files", "--no-legend", "--plain", *UNITS)
     known = [u for u in UNITS if any(line.split()[:1] == [u] for line in listed.stdout.splitlines())]
     if only is not None:
         unit = only if only.endswith(".service") else f"llmgw-{only}.service"
@@ -67,7 +74,7 @@ def service() -> None:
 def service_status(only: str | None) -> None:
     """Whether each llmgw unit here is active, and since when."""
     for unit in _installed_units(only):
-        shown = _systemctl("show", unit, "--property=ActiveState,SubState,MainPID,ActiveEnterTimestamp")
+        shown = systemctl("show", unit, "--property=ActiveState,SubState,MainPID,ActiveEnterTimestamp")
         props = dict(line.split("=", 1) for line in shown.stdout.splitlines() if "=" in line)
         click.echo(f"{unit}: {props.get('ActiveState', '?')} ({props.get('SubState', '?')}), "
                    f"pid {props.get('MainPID', '?')}, since {props.get('ActiveEnterTimestamp') or '-'}")
@@ -77,7 +84,7 @@ def _act(action: str, only: str | None) -> None:
     units = _installed_units(only)
     ordered = list(reversed(units)) if action == "stop" else units
     for unit in ordered:
-        done = _systemctl(action, unit)
+        done = systemctl(action, unit)
         if done.returncode != 0:
             fail(f"systemctl {action} {unit} failed: {(done.stderr or done.stdout).strip()} "
                  f"(see `journalctl -u {unit}`)")

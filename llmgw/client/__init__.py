@@ -410,30 +410,25 @@ async def connect(
     async with contextlib.AsyncExitStack() as stack:
         if not runtime_active():
             await stack.enter_async_context(capnp_runtime())
-        errors = []
-        for address in addresses:
-            try:
-                stream = await net.connect(address, context)
-            except net.ConnectError as exc:
-                errors.append(str(exc))
-                continue
-            client = await stack.enter_async_context(open_client(stream))
-            cluster = client.bootstrap().cast_as(schema.load().Cluster)
-            try:
-                with trio.fail_after(CALL_TIMEOUT):
-                    admin = (await cluster.admin()).admin
-            except trio.TooSlowError:
-                raise ClientError(f"{address} did not answer within {CALL_TIMEOUT:g}s") from None
-            except capnp.KjException as exc:
-                if exc.type == "DISCONNECTED":
-                    raise ClientError(
-                        f"{address} closed the connection on the first call: it refused this certificate "
-                        "(issued by another cluster's CA, expired, or not an admin certificate)"
-                    ) from None
-                raise ClientError(remote_reason(exc)) from None
-            yield ClusterClient(admin, address)
-            return
-        raise ClientError("; ".join(errors) or "no control plane address given")
+        try:
+            address, stream = await net.connect_first(addresses, context)
+        except net.ConnectError as exc:
+            raise ClientError(str(exc)) from None
+        client = await stack.enter_async_context(open_client(stream))
+        cluster = client.bootstrap().cast_as(schema.load().Cluster)
+        try:
+            with trio.fail_after(CALL_TIMEOUT):
+                admin = (await cluster.admin()).admin
+        except trio.TooSlowError:
+            raise ClientError(f"{address} did not answer within {CALL_TIMEOUT:g}s") from None
+        except capnp.KjException as exc:
+            if exc.type == "DISCONNECTED":
+                raise ClientError(
+                    f"{address} closed the connection on the first call: it refused this certificate "
+                    "(issued by another cluster's CA, expired, or not an admin certificate)"
+                ) from None
+            raise ClientError(remote_reason(exc)) from None
+        yield ClusterClient(admin, address)
 
 
 def model_from_mapping(data: Mapping[str, Any]) -> ModelSpec:

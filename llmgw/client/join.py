@@ -55,32 +55,28 @@ async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, san
     async with contextlib.AsyncExitStack() as stack:
         if not runtime_active():
             await stack.enter_async_context(capnp_runtime())
-        errors = []
-        for address in addresses:
+        try:
+            address, stream = await net.connect_first(addresses, anonymous_client_context())
+        except net.ConnectError as exc:
+            raise JoinError(f"no control plane answered: {exc}") from None
+        async with open_client(stream) as client:
+            desk = client.bootstrap().cast_as(schema.load().JoinDesk)
             try:
-                stream = await net.connect(address, anonymous_client_context())
-            except net.ConnectError as exc:
-                errors.append(str(exc))
-                continue
-            async with open_client(stream) as client:
-                desk = client.bootstrap().cast_as(schema.load().JoinDesk)
-                try:
-                    with trio.fail_after(JOIN_CALL_TIMEOUT_S):
-                        ca = bytes((await desk.caCertificate()).pem)
-                        try:
-                            check_pinned_server(stream.getpeercert(binary_form=True), ca, token.ca_sha256)
-                        except (PermissionError, ValueError) as exc:
-                            raise JoinError(f"{address}: {exc}") from None
-                        request = certificate_request(key_pem, "joining")
-                        grant = (await desk.redeem(str(token), request, list(sans))).grant
-                except trio.TooSlowError:
-                    raise JoinError(f"{address} did not answer within {JOIN_CALL_TIMEOUT_S:g}s") from None
-                except capnp.KjException as exc:
-                    if exc.type == "DISCONNECTED":
-                        raise JoinError(f"{address} closed the connection: it does not answer joins (it holds no "
-                                        "cluster CA key, or runs an llmgw without `server join`)") from None
-                    raise JoinError(f"{address} refused the join: {remote_reason(exc)}") from None
-                return Grant(str(grant.role), str(grant.name), bytes(grant.certificate), bytes(grant.ca),
-                             bytes(grant.caKey), str(grant.storeUrl), float(grant.leaderLease),
-                             tuple(str(a) for a in grant.controlPlanes))
-        raise JoinError("no control plane answered: " + "; ".join(errors))
+                with trio.fail_after(JOIN_CALL_TIMEOUT_S):
+                    ca = bytes((await desk.caCertificate()).pem)
+                    try:
+                        check_pinned_server(stream.getpeercert(binary_form=True), ca, token.ca_sha256)
+                    except (PermissionError, ValueError) as exc:
+                        raise JoinError(f"{address}: {exc}") from None
+                    request = certificate_request(key_pem, "joining")
+                    grant = (await desk.redeem(str(token), request, list(sans))).grant
+            except trio.TooSlowError:
+                raise JoinError(f"{address} did not answer within {JOIN_CALL_TIMEOUT_S:g}s") from None
+            except capnp.KjException as exc:
+                if exc.type == "DISCONNECTED":
+                    raise JoinError(f"{address} closed the connection: it does not answer joins (it holds no "
+                                    "cluster CA key, or runs an llmgw without `server join`)") from None
+                raise JoinError(f"{address} refused the join: {remote_reason(exc)}") from None
+            return Grant(str(grant.role), str(grant.name), bytes(grant.certificate), bytes(grant.ca),
+                         bytes(grant.caKey), str(grant.storeUrl), float(grant.leaderLease),
+                         tuple(str(a) for a in grant.controlPlanes))

@@ -27,7 +27,7 @@ from llmgw.control.store.base import JoinTokenRefused
 from llmgw.jointoken import parse_token
 from llmgw.logthrottle import LogThrottle
 from llmgw.rpc import schema
-from llmgw.rpc.tls import ClusterCA, Role
+from llmgw.rpc.tls import ClusterCA, Role, check_sans, request_public_key
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +73,17 @@ async def redeem(service: JoinService, token_text: str, request: bytes, sans: li
         raise PermissionError(str(exc)) from None
     if len(sans) > MAX_SANS:
         raise ValueError(f"a control plane's certificate names at most {MAX_SANS} addresses, got {len(sans)}")
-    # Check the request and the addresses before the token is spent (signing is cheap; a
-    # mistyped --advertise must not cost the operator a token).
-    service.ca.sign_request(Role.CONTROL, "check", request, sans=sans)
+    # Check the request and the addresses before the token is spent: a mistyped
+    # --advertise must not cost the operator a token.
+    public_key = request_public_key(request)
+    check_sans(sans)
     try:
         record = await service.store.redeem_join_token(token.id, token.secret_sha256, peer)
     except JoinTokenRefused as exc:
         await _refused(service, peer, str(exc))
         raise PermissionError(str(exc)) from None
     control = record.role == Role.CONTROL.value
-    certificate = service.ca.sign_request(record.role, record.name, request, sans=sans if control else ())
+    certificate = service.ca.sign(record.role, record.name, public_key, sans=sans if control else ())
     with trio.move_on_after(AUDIT_TIMEOUT_S):
         await service.store.audit(f"join:{peer}", "join.redeem", record.name,
                                   {"role": record.role, "token": record.id, "from": peer})

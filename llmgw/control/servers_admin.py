@@ -92,13 +92,13 @@ class ServersAdminMixin:
             raise ValueError(f"{name} leads: stop it first (`llmgw service stop` on it), let another take the "
                              "lead, then remove it")
         store = self._servers_store
-        pending = [t for t in await store.list_join_tokens() if t.name == name and t.state(time.time()) == "pending"]
-        removed = await store.remove_control_plane(name, self._servers_actor)
-        if removed is not None or pending:
+        removal = await store.remove_control_plane(name, self._servers_actor)
+        removed = removal.record
+        if removed is not None or removal.tokens_revoked:
             await store.audit(self._servers_actor, "control_plane.remove", name,
-                              {"serial": removed.serial if removed else "", "tokens_revoked": len(pending)})
+                              {"serial": removed.serial if removed else "", "tokens_revoked": removal.tokens_revoked})
         if removed is not None:
             self._servers_tee.drop(name, "it was removed from the cluster (`llmgw ctl servers remove`)")
             log.info("%s removed control plane %s (certificate %s revoked)", self._servers_actor, name,
                      removed.serial or "unrecorded")
-        _context.results.removed = removed is not None or bool(pending)
+        _context.results.removed = removed is not None or removal.tokens_revoked > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import ssl
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import trio
 
@@ -71,6 +71,19 @@ async def connect(address: str, context: ssl.SSLContext, *, timeout: float = CON
         await trio.aclose_forcefully(stream)
         raise ConnectError(explain_tls_error(exc, side="client", peer=address)) from None
     return stream
+
+
+async def connect_first(addresses: Sequence[str], context: ssl.SSLContext) -> tuple[str, trio.SSLStream]:
+    """Dial each of ``addresses`` in turn (:func:`connect`); return the first that answers
+    and its handshaken stream (the caller closes it). Raises :class:`ConnectError` with
+    every address's reason when none does (or none was given)."""
+    errors = []
+    for address in addresses:
+        try:
+            return address, await connect(address, context)
+        except ConnectError as exc:
+            errors.append(str(exc))
+    raise ConnectError("; ".join(errors) or "no control plane address given")
 
 
 #: Called per accepted connection with its stream and the client's identity (None: the

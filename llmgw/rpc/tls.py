@@ -251,6 +251,31 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def request_public_key(csr_pem: bytes) -> ec.EllipticCurvePublicKey:
+    """Return the public key of the certificate signing request ``csr_pem``, for
+    :meth:`ClusterCA.sign` (the private key stays with whoever made the request; the
+    request's subject is not used: the caller decides the name). Raises
+    :class:`ValueError` when it is not PEM, its signature does not verify (its maker does
+    not hold the key), or the key is not elliptic-curve."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as exc:
+        raise ValueError(f"the certificate request is not valid PEM ({exc})") from None
+    if not csr.is_signature_valid:
+        raise ValueError("the certificate request's signature does not verify: it was not made with its key")
+    public_key = csr.public_key()
+    if not isinstance(public_key, ec.EllipticCurvePublicKey):
+        raise ValueError("the certificate request must carry an elliptic-curve (P-256) key")
+    return public_key
+
+
+def check_sans(sans: Iterable[str]) -> None:
+    """Return None when every one of ``sans`` is an IP address or DNS name a certificate may
+    name; raise :class:`ValueError` naming the first that is not."""
+    for san in sans:
+        _parse_san(san)
+
+
 def _parse_san(text: str) -> x509.GeneralName:
     """A SAN for an address a server is reached by: an IP address or a DNS name."""
     try:
@@ -418,25 +443,6 @@ class ClusterCA:
         key = ec.generate_private_key(ec.SECP256R1())
         cert_pem = self.sign(role, name, key.public_key(), sans=sans, days=days, not_before=not_before)
         return IssuedCert(cert_pem=cert_pem, key_pem=_private_pem(key))
-
-    def sign_request(self, role: Role | str, name: str, csr_pem: bytes, *, sans: Iterable[str] = ()) -> bytes:
-        """Return a PEM certificate for ``role`` holder ``name`` over the public key of the
-        certificate signing request ``csr_pem`` (the key stays with whoever made it).
-
-        Only the request's key is used (its subject is not trusted: the caller decides the
-        name). Raises :class:`ValueError` when the request is not PEM, its signature does not
-        verify (its maker does not hold the key), or as :meth:`issue` does.
-        """
-        try:
-            csr = x509.load_pem_x509_csr(csr_pem)
-        except ValueError as exc:
-            raise ValueError(f"the certificate request is not valid PEM ({exc})") from None
-        if not csr.is_signature_valid:
-            raise ValueError("the certificate request's signature does not verify: it was not made with its key")
-        public_key = csr.public_key()
-        if not isinstance(public_key, ec.EllipticCurvePublicKey):
-            raise ValueError("the certificate request must carry an elliptic-curve (P-256) key")
-        return self.sign(role, name, public_key, sans=sans)
 
     def sign(
         self,

@@ -9,7 +9,12 @@ import pytest
 import trio
 
 from llmgw.control.store import open_store
-from llmgw.control.store.base import CertificateRevokedError, JoinTokenRecord, JoinTokenRefused
+from llmgw.control.store.base import (
+    CertificateRevokedError,
+    ControlPlaneRemoval,
+    JoinTokenRecord,
+    JoinTokenRefused,
+)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -72,9 +77,9 @@ async def test_an_expired_token_is_refused_with_how_long_ago(db_url: str) -> Non
 async def test_removing_a_control_plane_revokes_its_certificate_and_pending_tokens(db_url: str) -> None:
     async with open_store(db_url) as store:
         await store.record_control_plane("cp-2", "10.0.0.2:7070", "10.0.0.2:8080", "ab12")
-        await store.create_join_token(_token("t1"), _sha("s"))
-        removed = await store.remove_control_plane("cp-2", "admin:alice")
-        assert removed is not None and removed.serial == "ab12"
+        await store.create_join_token(_token("t1", expires_at=4_000_000_000.0), _sha("s"))
+        removal = await store.remove_control_plane("cp-2", "admin:alice")
+        assert removal.record is not None and removal.record.serial == "ab12" and removal.tokens_revoked == 1
         assert await store.list_control_planes() == []
         assert await store.is_certificate_revoked("ab12")
         assert not await store.is_certificate_revoked("cd34")
@@ -85,4 +90,4 @@ async def test_removing_a_control_plane_revokes_its_certificate_and_pending_toke
         # Joined again, with a new certificate: welcome back.
         again = await store.record_control_plane("cp-2", "10.0.0.2:7070", "10.0.0.2:8080", "ef56")
         assert again.serial == "ef56"
-        assert await store.remove_control_plane("nobody", "admin:alice") is None
+        assert await store.remove_control_plane("nobody", "admin:alice") == ControlPlaneRemoval(None, 0)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import time
 from typing import Any
 
 import click
 import yaml
 
 from llmgw.cli.ctl.common import call, json_option, target_of
-from llmgw.cli.output import fail, print_json, print_table
+from llmgw.cli.output import fail, local_time, print_json, print_table
 from llmgw.client import SettingRow
 
 
@@ -26,16 +25,12 @@ def config() -> None:
     """Cluster settings: serving.stopped, agents.default, agents.nodes.NODE (versioned, audited)."""
 
 
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
 def _yaml(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=False, sort_keys=True).rstrip("\n").removesuffix("\n...")
 
 
 def _print_setting(s: SettingRow) -> None:
-    click.echo(f"{s.key} (version {s.version}, {_when(s.updated_at)}, by {s.actor}):")
+    click.echo(f"{s.key} (version {s.version}, {local_time(s.updated_at)}, by {s.actor}):")
     for line in _yaml(s.value).splitlines():
         click.echo(f"  {line}")
 
@@ -86,7 +81,7 @@ def config_history(ctx: click.Context, key: str, as_json: bool) -> None:
     """Every version of the setting KEY belongs to, oldest first."""
     rows = call(ctx, as_json, lambda c: c.setting_history(key))
     print_table(["VERSION", "WHEN", "BY", "VALUE"],
-                [[r.version, _when(r.updated_at), r.actor, json.dumps(r.value)[:80]] for r in rows],
+                [[r.version, local_time(r.updated_at), r.actor, json.dumps(r.value)[:80]] for r in rows],
                 empty=f"{key} was never set")
 
 

@@ -6,21 +6,14 @@ its gateway before the command returns.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import click
 
 from llmgw.catalog import AccessError, validate_tenant
 from llmgw.cli.ctl.common import call, json_option, remove
-from llmgw.cli.output import fail, print_table
+from llmgw.cli.output import fail, local_time, print_table
 from llmgw.client import ClusterClient, KeyRow, TenantRow
-
-
-def _when(ts: float | None) -> str:
-    if not ts:
-        return "-"
-    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _limit(value: int) -> str:
@@ -51,7 +44,7 @@ def _print_tenants(rows: list[TenantRow]) -> None:
     print_table(
         ["TENANT", "MODELS", "MAX CONCURRENCY", "RPM", "TPM", "UPDATED"],
         [[t.name, ",".join(t.models) if t.models is not None else "all", _limit(t.max_concurrency),
-          _limit(t.rpm), _limit(t.tpm), _when(t.updated_at)] for t in rows],
+          _limit(t.rpm), _limit(t.tpm), local_time(t.updated_at)] for t in rows],
         empty="no tenants: add one with `llmgw ctl tenants add NAME`",
     )
 
@@ -167,7 +160,7 @@ def keys_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
 
     rows = call(ctx, as_json, listed)
     print_table(["KEY ID", "TENANT", "NAME", "CREATED", "REVOKED"],
-                [[k.id, k.tenant, k.name or "-", _when(k.created_at), _when(k.revoked_at)] for k in rows],
+                [[k.id, k.tenant, k.name or "-", local_time(k.created_at), local_time(k.revoked_at)] for k in rows],
                 empty="no API keys: create one with `llmgw ctl keys create --tenant NAME`")
 
 

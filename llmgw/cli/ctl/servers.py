@@ -8,13 +8,12 @@ any pending token for it, and ends its session with the leader.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import click
 
 from llmgw.cli.ctl.common import call, json_option, target_of
-from llmgw.cli.output import fail, print_json, print_table
+from llmgw.cli.output import fail, local_time, print_json, print_table
 from llmgw.config.values import parse_duration
 from llmgw.jointoken import DEFAULT_TTL_S
 
@@ -22,10 +21,6 @@ from llmgw.jointoken import DEFAULT_TTL_S
 @click.group()
 def servers() -> None:
     """Control planes: add one with a join token, list them, remove one."""
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
 @servers.command("add")
@@ -44,7 +39,7 @@ def servers_add(ctx: click.Context, name: str, ttl: str, as_json: bool) -> None:
                as_data=lambda t: {"name": t.name, "token": t.token, "expires_at": t.expires_at,
                                   "control_planes": list(t.control_planes),
                                   "command": _join_command(t.control_planes, t.token)})
-    click.echo(f"join token for control plane {name}, valid until {_when(new.expires_at)} (once):")
+    click.echo(f"join token for control plane {name}, valid until {local_time(new.expires_at)} (once):")
     click.echo(f"  {new.token}")
     click.echo("On the new machine, run:")
     click.echo(f"  {_join_command(new.control_planes, new.token)}")
@@ -75,11 +70,11 @@ def servers_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
                     "join_tokens": [_token_data(t) for t in shown]})
         return
     print_table(["NAME", "ROLE", "RPC", "HTTP", "LAST STARTED"],
-                [[p.name, p.role, p.rpc_address, p.http_address, _when(p.last_seen)] for p in status.control_planes])
+                [[p.name, p.role, p.rpc_address, p.http_address, local_time(p.last_seen)] for p in status.control_planes])
     if shown:
         click.echo()
         print_table(["TOKEN", "FOR", "STATE", "EXPIRES", "BY", "USED FROM"],
-                    [[t.id, f"{t.role} {t.name}", t.state, _when(t.expires_at), t.created_by, t.used_by or "-"]
+                    [[t.id, f"{t.role} {t.name}", t.state, local_time(t.expires_at), t.created_by, t.used_by or "-"]
                      for t in shown])
 
 

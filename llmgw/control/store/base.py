@@ -72,6 +72,15 @@ class ControlPlaneRecord:
 
 
 @attrs.frozen
+class ControlPlaneRemoval:
+    """What removing a control plane did: its row (None: it had none) and how many of its
+    join tokens that could still have been used were revoked."""
+
+    record: ControlPlaneRecord | None
+    tokens_revoked: int
+
+
+@attrs.frozen
 class JoinTokenRecord:
     """A one-time join token (without its secret). Times are Unix seconds; ``used_at``,
     ``used_by`` (the address it was redeemed from) and ``revoked_at`` are None until then."""
@@ -245,10 +254,10 @@ class Store(abc.ABC):
         any control plane may answer a join."""
 
     @abc.abstractmethod
-    async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRecord | None:
-        """Forget control plane ``name`` (fenced): delete its row, revoke the certificate it
-        last ran with and every pending join token for it. Returns the removed row, or None
-        when no control plane has that name (pending tokens are revoked all the same)."""
+    async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRemoval:
+        """Forget control plane ``name`` (fenced), in one transaction: delete its row, revoke
+        the certificate it last ran with and every pending join token for it. Returns what
+        was removed (no row where no control plane has that name)."""
 
     @abc.abstractmethod
     async def is_certificate_revoked(self, serial: str) -> bool:

@@ -15,6 +15,7 @@ from llmgw.control.store.base import (
     CertificateRevokedError,
     ConflictError,
     ControlPlaneRecord,
+    ControlPlaneRemoval,
     JoinTokenRecord,
     JoinTokenRefused,
 )
@@ -111,22 +112,23 @@ class EnrolmentStore:
 
         return await self._run(write, write=True)  # type: ignore[no-any-return]
 
-    async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRecord | None:
+    async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRemoval:
         now = time.time()
 
-        def write(tx: Any) -> ControlPlaneRecord | None:
-            tx.execute("UPDATE join_tokens SET revoked_at = ? WHERE role = 'control' AND name = ? "
-                       "AND used_at IS NULL AND revoked_at IS NULL", (now, name))
+        def write(tx: Any) -> ControlPlaneRemoval:
+            revoked = [row for row in tx.execute(
+                "UPDATE join_tokens SET revoked_at = ? WHERE role = 'control' AND name = ? "
+                "AND used_at IS NULL AND revoked_at IS NULL RETURNING expires_at", (now, name)) if row[0] > now]
             rows = tx.execute(f"SELECT {CONTROL_PLANE_COLUMNS} FROM control_planes WHERE name = ?", (name,))
             if not rows:
-                return None
+                return ControlPlaneRemoval(None, len(revoked))
             record = ControlPlaneRecord(*rows[0])
             if record.serial:
                 tx.execute("INSERT INTO revoked_certificates (serial, role, name, revoked_at, actor) "
                            "VALUES (?, 'control', ?, ?, ?) ON CONFLICT (serial) DO NOTHING",
                            (record.serial, name, now, actor))
             tx.execute("DELETE FROM control_planes WHERE name = ?", (name,))
-            return record
+            return ControlPlaneRemoval(record, len(revoked))
 
         return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
 
