@@ -319,6 +319,7 @@ struct ClusterStatus {
   epoch @12 :UInt64;         # its epoch: grows by one at every change of leader
   leaderSince @13 :Float64;  # Unix seconds it has led since
   controlPlanes @14 :List(ControlPlaneView);
+  routing @15 :Text;         # the leader gateway's routing in words (server.yaml routing: + setting routing)
   # Per tenant, since this control plane's gateway started.
 }
 

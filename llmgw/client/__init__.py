@@ -111,6 +111,7 @@ class ClusterStatus:
     epoch: int = 0  # grows by one at every change of leader
     leader_since: float = 0.0  # Unix seconds
     control_planes: tuple[ControlPlaneRow, ...] = ()
+    routing: str = ""  # the routing of the answering (leader's) gateway, in words
 
 
 @attrs.frozen
@@ -251,6 +252,7 @@ class ClusterClient:
             str(r.leader), int(r.epoch), float(r.leaderSince),
             tuple(ControlPlaneRow(str(p.name), str(p.rpcAddress), str(p.httpAddress), str(p.role), float(p.lastSeen))
                   for p in r.controlPlanes),
+            str(r.routing),
         )
 
     # -- tenants, API keys, usage, serving (issue 3) --------------------------------------

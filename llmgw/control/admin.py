@@ -22,6 +22,7 @@ from llmgw.control.peers import FeedTee
 from llmgw.control.restart import restart_cluster
 from llmgw.control.joining import JoinService
 from llmgw.control.servers_admin import ServersAdminMixin
+from llmgw.control.settings import SERVING_STOPPED
 from llmgw.control.settings_admin import SettingsAdminMixin
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
 from llmgw.control import rollout
@@ -101,6 +102,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
                 "servingStopped": gateway.stopped,
                 "admission": admission_rows(gateway),
                 "kvAlarms": list(gateway.kv_alarms),
+                "routing": gateway.routing,
                 **await services.leadership(),
             }
 
@@ -208,12 +210,13 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
     server = AdminServer()
     server.bind_access(services.store, services.access, actor, serving_changed=services.catalog_changed)
 
-    async def serving_applied() -> None:
+    async def gateway_applied(stored: str) -> None:
         await services.access.reload()
         services.access.changed()
-        services.catalog_changed()
+        if stored == SERVING_STOPPED:
+            services.catalog_changed()
 
-    server.bind_settings(services.store, actor, serving_applied, services.agent_settings_changed)
+    server.bind_settings(services.store, actor, gateway_applied, services.agent_settings_changed)
 
     async def leader() -> str:
         return str((await services.leadership())["leader"])

@@ -4,7 +4,7 @@
   accepted.
 * :func:`new_api_key` makes a key; the store keeps only the SHA-256 of its secret.
 * :class:`AccessSync` keeps the gateway's in-memory view fresh: the active keys with their
-  tenants and the cluster setting ``serving.stopped``
+  tenants and the cluster settings ``serving.stopped`` and ``routing``
   (:meth:`~llmgw.router.interface.GatewayInterface.apply_access`). It reloads at start,
   right after every change made through this control plane's Admin API
   (:meth:`AccessSync.reload`), and every :data:`RELOAD_INTERVAL_S` for changes made
@@ -24,7 +24,7 @@ import trio
 from llmgw import usage_journal
 from llmgw.catalog.access import TenantSpec, check_key_name, generate_key
 from llmgw.config.defaults import DEFAULT_USAGE_FLUSH_INTERVAL
-from llmgw.control.settings import SERVING_STOPPED
+from llmgw.control.settings import ROUTING, SERVING_STOPPED, SettingError, routing_overrides
 from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
 from llmgw.control.usage_replay import replay_usage_journals
@@ -68,8 +68,20 @@ def key_entries(tenants: Iterable[TenantRecord], keys: Iterable[ApiKeyRecord]) -
     ]
 
 
+def _routing(stored: Any) -> dict[str, Any]:
+    """Returns the stored ``routing`` setting's overrides; a value this release refuses (stored
+    by another one) is logged and left out, so the gateway keeps server.yaml's routing."""
+    if stored is None:
+        return {}
+    try:
+        return routing_overrides(stored)
+    except SettingError as exc:
+        log.warning("ignoring the cluster setting %s: %s (fix it with `llmgw ctl config set`)", ROUTING, exc)
+        return {}
+
+
 class AccessSync:
-    """Keeps ``gateway``'s keys, tenants and ``serving.stopped`` equal to the store's;
+    """Keeps ``gateway``'s keys, tenants, ``serving.stopped`` and ``routing`` equal to the store's;
     flushes its usage counters into the store.
 
     ``usage_journal`` is the directory the gateway journals its usage in
@@ -92,7 +104,7 @@ class AccessSync:
         self._flush_lock = trio.Lock()
 
     async def reload(self) -> None:
-        """Read tenants, keys and ``serving.stopped`` and apply them to the gateway.
+        """Read tenants, keys, ``serving.stopped`` and ``routing`` and apply them to the gateway.
 
         Raises the store's error (the gateway keeps its previous view) or
         ``trio.TooSlowError`` after :data:`STORE_CALL_TIMEOUT_S`. Returns once the gateway
@@ -103,12 +115,14 @@ class AccessSync:
                 tenants = await self.store.list_tenants()
                 keys = await self.store.list_api_keys()
                 stopped = await self.store.get_setting(SERVING_STOPPED)
+                routing = await self.store.get_setting(ROUTING)
             access = AccessState(tuple(key_entries(tenants, keys)),
-                                 bool(stopped.value) if stopped is not None else False)
+                                 bool(stopped.value) if stopped is not None else False,
+                                 _routing(routing.value if routing is not None else None))
             await self.gateway.apply_access(access)
 
     def changed(self) -> None:
-        """An admin call changed keys, tenants or ``serving.stopped`` (and :meth:`reload`
+        """An admin call changed keys, tenants, ``serving.stopped`` or ``routing`` (and :meth:`reload`
         applied it here): tell whoever listens (the standbys, on a leader). Never raises."""
         if self.on_change is not None:
             self.on_change()

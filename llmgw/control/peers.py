@@ -147,7 +147,7 @@ class FeedTee:
         self.gateway.set_readiness(not_ready)
 
     def access_changed(self) -> None:
-        """Keys, tenants or ``serving.stopped`` changed: every standby reloads them."""
+        """Keys, tenants, ``serving.stopped`` or ``routing`` changed: every standby reloads them."""
         self._send(("access",))
 
     def send_shares(self, publication: Publication, applied: Callable[[], None]) -> None:

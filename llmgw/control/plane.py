@@ -14,7 +14,7 @@ passes admin calls to the leader.
 Nursery tree::
 
     run_control_plane
-    ├── access sync (keys, tenants, serving.stopped -> the gateway; usage -> the store)
+    ├── access sync (keys, tenants, serving.stopped, routing -> the gateway; usage -> the store)
     ├── admission shares (the gateway's share of the tenant limits: 1/N without a leader)
     ├── gateway (GatewayInterface.serve; its last usage is stored when it stops)
     ├── rpc listener ── per connection: Cluster bootstrap ── node session / admin / peer stream
@@ -88,7 +88,7 @@ class ControlPlane:
 
     store: Store
     election: LeaderElection
-    #: Keys, tenants and ``serving.stopped`` into the gateway (``reload`` after a direct store change).
+    #: Keys, tenants, ``serving.stopped`` and ``routing`` into the gateway (``reload`` after a direct store change).
     access: AccessSync
     rpc_port: int
     http_port: int

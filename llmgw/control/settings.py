@@ -4,6 +4,8 @@ Settings live in the store, one row per key with every version kept (``ctl confi
 The keys are:
 
 * ``serving.stopped`` (bool): ``llmgw ctl stop``/``start``;
+* ``routing`` (a mapping): server.yaml's ``routing:`` keys, over every control plane's own
+  server.yaml, applied live by every gateway (``routing.policy`` switches the policy);
 * ``agents.default`` (a mapping): what every agent.yaml can say, for every node;
 * ``agents.nodes.<node id>`` (a mapping): the same for one node, over ``agents.default``.
 
@@ -11,22 +13,28 @@ An agent mapping may hold anything agent.yaml can say except what names the node
 is reached: :data:`AGENT_KEYS_REFUSED`. It is checked by loading it as agent.yaml overrides,
 so a bad value is refused with its key path and the reason, before anything is stored.
 
-A dotted key below a mapping's key edits one entry of it: ``agents.default.log_level``
-sets ``log_level`` in ``agents.default``; ``agents.nodes.gpu-7.engines.vllm.python``
+A dotted key below a mapping's key edits one entry of it: ``routing.policy`` sets ``policy``
+in ``routing``, ``agents.default.log_level`` sets ``log_level`` in ``agents.default``; ``agents.nodes.gpu-7.engines.vllm.python``
 a nested one. :func:`edit` returns the whole new value of the stored key.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from llmgw.config import ConfigError, load_agent_config
+from llmgw.config import ConfigError, RoutingConfig, load_agent_config
+from llmgw.config.sections import RETIRED_ROUTING_KEYS, read_routing
 from llmgw.config.values import parse_node_id
+from llmgw.config.yaml_reader import Reader
 
 SERVING_STOPPED = "serving.stopped"
+ROUTING = "routing"
+#: The settings every gateway applies (through AccessSync), not the agents.
+GATEWAY_SETTINGS = (SERVING_STOPPED, ROUTING)
 AGENTS_DEFAULT = "agents.default"
 AGENTS_NODES = "agents.nodes."
 #: What only the node's own agent.yaml may say: its identity, where its control planes and
@@ -56,6 +64,8 @@ def parse_key(key: str) -> SettingKey:
     """Returns where ``key`` lives; raises SettingError for a key that does not exist."""
     if key == SERVING_STOPPED:
         return SettingKey(SERVING_STOPPED)
+    if key == ROUTING or key.startswith(ROUTING + "."):
+        return SettingKey(ROUTING, _path(key, key[len(ROUTING) + 1:]))
     if key == AGENTS_DEFAULT or key.startswith(AGENTS_DEFAULT + "."):
         return SettingKey(AGENTS_DEFAULT, _path(key, key[len(AGENTS_DEFAULT) + 1:]))
     if key.startswith(AGENTS_NODES):
@@ -66,7 +76,7 @@ def parse_key(key: str) -> SettingKey:
             raise SettingError(f"{key}: not a node id: {exc}") from None
         return SettingKey(AGENTS_NODES + node, _path(key, rest))
     raise SettingError(
-        f"unknown setting {key!r}: the settings are {SERVING_STOPPED}, {AGENTS_DEFAULT}[.KEY...] and "
+        f"unknown setting {key!r}: the settings are {SERVING_STOPPED}, {ROUTING}[.KEY], {AGENTS_DEFAULT}[.KEY...] and "
         f"{AGENTS_NODES}NODE_ID[.KEY...]"
     )
 
@@ -121,6 +131,9 @@ def check(stored: str, value: Any) -> None:
         if not isinstance(value, bool):
             raise SettingError(f"{SERVING_STOPPED}: expected true or false, got {value!r}")
         return
+    if stored == ROUTING:
+        routing_overrides(value)
+        return
     if not isinstance(value, dict):
         raise SettingError(f"{stored}: expected a mapping of agent.yaml keys, got {value!r}")
     refused = [k for k in AGENT_KEYS_REFUSED if k in value]
@@ -133,6 +146,24 @@ def check(stored: str, value: Any) -> None:
         load_agent_config(None, overrides={**value, "node_id": _CHECK_NODE_ID})
     except ConfigError as exc:
         raise SettingError(_reworded(str(exc), stored)) from None
+
+
+def routing_overrides(value: Any) -> dict[str, Any]:
+    """Returns the stored ``routing`` setting as :class:`~llmgw.config.RoutingConfig` field
+    values (durations in seconds), only the keys it names; raises SettingError naming the key
+    and the reason for a value server.yaml's ``routing:`` would refuse, or a retired key."""
+    if not isinstance(value, dict):
+        raise SettingError(f"{ROUTING}: expected a mapping of server.yaml routing: keys, got {value!r}")
+    retired = [k for k in RETIRED_ROUTING_KEYS if k in value]
+    if retired:
+        raise SettingError(f"{ROUTING}.{retired[0]}: no longer used (the gateway prices each replica by its "
+                           "predicted time to first token; docs/gateway.md)")
+    try:
+        parsed = read_routing(Reader("cluster setting", Path("."), set()), value)
+    except ConfigError as exc:
+        raise SettingError(str(exc).removeprefix("cluster setting: ")) from None
+    fields = attrs.fields_dict(RoutingConfig)
+    return {name: getattr(parsed, name) for name in value if name in fields}
 
 
 def _reworded(message: str, stored: str) -> str:

@@ -1,7 +1,8 @@
 """The Admin methods for cluster settings (``llmgw ctl config``), a mixin.
 
 :func:`llmgw.control.admin.make_admin` calls :meth:`SettingsAdminMixin.bind_settings`
-with the store, the actor, and what to do after ``serving.stopped`` changed. Every change is
+with the store, the actor, and what to do after a setting the gateway applies
+(``serving.stopped``, ``routing``) or one the agents apply (``agents.*``) changed. Every change is
 checked first (:mod:`llmgw.control.settings`: the key path and the reason on refusal), stored
 as a new version and audited.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from llmgw.control.settings import SERVING_STOPPED, SettingError, edit, parse_key
+from llmgw.control.settings import GATEWAY_SETTINGS, SettingError, edit, parse_key
 from llmgw.control.store import Store
 from llmgw.control.store.base import SettingVersion
 
@@ -27,19 +28,20 @@ class SettingsAdminMixin:
 
     _settings_store: Store
     _settings_actor: str
-    _serving_applied: Callable[[], Awaitable[None]]
+    _gateway_applied: Callable[[str], Awaitable[None]]
     _agents_changed: Callable[[], None]
 
     def bind_settings(
-        self, store: Store, actor: str, serving_applied: Callable[[], Awaitable[None]],
+        self, store: Store, actor: str, gateway_applied: Callable[[str], Awaitable[None]],
         agents_changed: Callable[[], None],
     ) -> None:
-        """Act on ``store`` for ``actor``; ``serving_applied`` is awaited after
-        ``serving.stopped`` changed (the gateway applies it, the reconciler frees or places),
-        ``agents_changed`` called after an ``agents.*`` setting changed (pushed to the nodes)."""
+        """Act on ``store`` for ``actor``; ``gateway_applied(stored key)`` is awaited after one
+        of :data:`~llmgw.control.settings.GATEWAY_SETTINGS` changed (every gateway applies it;
+        for ``serving.stopped`` the reconciler frees or places), ``agents_changed`` called
+        after an ``agents.*`` setting changed (pushed to the nodes)."""
         self._settings_store = store
         self._settings_actor = actor
-        self._serving_applied = serving_applied
+        self._gateway_applied = gateway_applied
         self._agents_changed = agents_changed
 
     async def getSettings(self, key: str, _context: Any, **_: Any) -> None:
@@ -68,8 +70,8 @@ class SettingsAdminMixin:
         version = await store.set_setting(parsed.stored, new, self._settings_actor)
         await store.audit(self._settings_actor, "setting.unset" if unset else "setting.set", str(parsed),
                           {"stored_key": parsed.stored, "version": version, "value": new})
-        if parsed.stored == SERVING_STOPPED:
-            await self._serving_applied()
+        if parsed.stored in GATEWAY_SETTINGS:
+            await self._gateway_applied(parsed.stored)
         else:
             self._agents_changed()
         saved = await store.get_setting(parsed.stored)

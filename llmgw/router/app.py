@@ -30,7 +30,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from llmgw.config import MetricsConfig
+import attrs
+
+from llmgw.config import MetricsConfig, RoutingConfig
 from llmgw.config.defaults import DEFAULT_MAX_REQUEST_BYTES
 from llmgw.spec import KvDelta
 
@@ -46,6 +48,7 @@ from .http.forward import FastForward, ForwardCall, ForwardResult
 from .http.upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
 from .http.upstream_pool import H1Response
 from .kvindex import KvIndex
+from .kvrouting import make_policy
 from .replicas import LeastOutstanding, Lease, LoadTracker, Replica, ReplicaTable, RequestInfo, Route, RoutingPolicy
 from .usage import StreamUsage, Usage, UsageMeter, usage_from_body
 
@@ -84,6 +87,15 @@ def error_response(error: GatewayError, request_id: str | None = None) -> Respon
     )
 
 
+def describe_routing(routing: RoutingConfig) -> str:
+    """Returns ``routing`` in words: the policy, then the KV-aware policy's parameters."""
+    if routing.policy != "kv":
+        return routing.policy
+    params = attrs.asdict(routing)
+    del params["policy"]
+    return "kv (" + ", ".join(f"{name} {value:g}" for name, value in params.items()) + ")"
+
+
 class Gateway:
     """The gateway's state (replica table, load, policy, upstream client) and its app.
 
@@ -99,6 +111,7 @@ class Gateway:
         *,
         load: LoadTracker | None = None,
         policy: RoutingPolicy | None = None,
+        routing: RoutingConfig | None = None,
         timeouts: UpstreamTimeouts = UpstreamTimeouts(),
         auth: AuthTable | None = None,
         admission: Admission | None = None,
@@ -123,6 +136,10 @@ class Gateway:
         self.leader: dict[str, Any] = leader_state(False, "", 0)
         self.load = load if load is not None else LoadTracker()
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
+        #: server.yaml's ``routing:`` (None: the one naming ``policy``); the cluster setting
+        #: ``routing`` is laid over it by :meth:`apply_routing`, giving :attr:`routing`.
+        self.routing_base = routing if routing is not None else RoutingConfig(policy=self.policy.name)
+        self.routing = self.routing_base
         # KV-cache blocks per replica, fed by the control plane (kv_update/kv_forget); a
         # KV-aware policy (llmgw/router/kvrouting.py) brings its own index and reads it.
         policy_index = self.policy.index
@@ -140,6 +157,7 @@ class Gateway:
         self.adapters = Adapters(table, self.load, UpstreamAdmin(self.upstream_client), metrics=self.metrics)
         self.metrics.bind_kv(self.kv_index)
         self.policy.attach_observer(self.metrics)  # routing decisions, hash alarms -> metrics
+        self.metrics.routing_policy(self.routing.policy)
         if self.admission.metrics is None:
             self.admission.metrics = self.metrics
         self.tracer = tracer
@@ -186,6 +204,30 @@ class Gateway:
             # Only so that other methods get Quart's 405: FastForward serves every POST here.
             app.add_url_rule(path, path, _served_by_fast_forward, methods=["POST"])
         return app
+
+    def apply_routing(self, overrides: Mapping[str, Any]) -> None:
+        """Route by :attr:`routing_base` with ``overrides`` (the cluster setting ``routing``,
+        :class:`RoutingConfig` field values) over it, from the next request on.
+
+        Another ``policy`` starts that policy on the same load and KV index (requests in
+        flight finish as routed; a KV-aware policy learns prefill rates afresh); the other
+        keys retune the current policy in place. Raises TypeError for an unknown field.
+        """
+        routing = attrs.evolve(self.routing_base, **overrides)
+        if routing == self.routing:
+            return
+        if routing.policy == self.policy.name:
+            self.policy.retune(routing)
+        else:
+            policy = make_policy(routing, self.load, index=self.kv_index)
+            policy.attach_observer(self.metrics)
+            policy.bind_upstream(self.upstream)
+            old, self.policy = self.policy, policy
+            old.bind_upstream(None)
+            old.close()
+        log.info("routing now %s", describe_routing(routing))
+        self.routing = routing
+        self.metrics.routing_policy(routing.policy)
 
     async def _start(self) -> None:
         self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)

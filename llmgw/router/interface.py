@@ -19,7 +19,7 @@ nothing else of the router.
 from __future__ import annotations
 
 import abc
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import trio
@@ -42,11 +42,14 @@ UsageCountsByKey = Mapping[tuple[str, str], UsageCounts]
 
 @attrs.frozen
 class AccessState:
-    """Who may use the gateway: the active API keys (each with its tenant and limits), and
-    the cluster setting ``serving.stopped`` (True: every POST under /v1/ answers 503)."""
+    """Who may use the gateway and how it routes: the active API keys (each with its tenant
+    and limits), the cluster setting ``serving.stopped`` (True: every POST under /v1/ answers
+    503) and the cluster setting ``routing`` (:class:`~llmgw.config.RoutingConfig` field
+    values over server.yaml's ``routing:``; empty: server.yaml's as it is)."""
 
     keys: tuple[KeyEntry, ...] = ()
     stopped: bool = False
+    routing: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -59,6 +62,8 @@ class GatewayStatus:
     admission: Mapping[str, TenantCounters]
     #: KV-routing hash-agreement alarms in words, sorted, once each ([] without a KV-aware policy).
     kv_alarms: tuple[str, ...]
+    #: The routing in effect (server.yaml's ``routing:`` with the cluster setting over it), in words.
+    routing: str = ""
 
 
 class GatewayInterface(abc.ABC):

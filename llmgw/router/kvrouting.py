@@ -261,6 +261,11 @@ class HashAgreement:
         """Return the raised alarms in words, one per replica, sorted."""
         return sorted(f"model {s.model} replica {rid}: {ALARM_TEXT}" for rid, s in self._state.items() if s.alarmed)
 
+    def forget_all(self) -> None:
+        """Drop every replica's state (clearing their alarms)."""
+        for replica_id in list(self._state):
+            self.forget(replica_id)
+
     def forget(self, replica_id: str) -> None:
         """Drop ``replica_id``'s state (clearing its alarm)."""
         state = self._state.pop(replica_id, None)
@@ -327,6 +332,7 @@ class KvAwarePolicy(RoutingPolicy):
     """
 
     index: KvIndex  # always one of its own (or the one given)
+    name = "kv"
 
     def __init__(
         self,
@@ -379,6 +385,19 @@ class KvAwarePolicy(RoutingPolicy):
     def alarms(self) -> list[str]:
         """Return the hash-agreement alarms in words (for ``ctl status``)."""
         return self.agreement.alarms()
+
+    def retune(self, settings: RoutingConfig) -> None:
+        """Use ``settings``' deadlines and thresholds from the next request on; the index,
+        prefix tree, unconfirmed blocks and agreement states stay."""
+        self.settings = settings
+        self.hasher.timeout = settings.tokenize_timeout
+        self.unconfirmed.ttl = settings.unconfirmed_ttl
+        self.agreement.window = settings.agreement_window
+        self.agreement.threshold = settings.mismatch_alarm_after
+
+    def close(self) -> None:
+        """Clear every raised hash-agreement alarm (the gateway routes by another policy now)."""
+        self.agreement.forget_all()
 
     # -- choosing -----------------------------------------------------------------------
 
@@ -532,6 +551,8 @@ def _prompt_tokens(precise: dict[str, tuple[int, ...]], index: KvIndex, text: st
 class RoundRobin(RoutingPolicy):
     """Picks candidates in turn, per model (a baseline for benchmarks and a config choice)."""
 
+    name = "round-robin"
+
     def __init__(self) -> None:
         self._turns: dict[str, itertools.count[int]] = {}
 
@@ -543,13 +564,14 @@ class RoundRobin(RoutingPolicy):
         return candidates[turn % len(candidates)]
 
 
-def make_policy(settings: RoutingConfig, load: LoadTracker) -> RoutingPolicy:
-    """Return the routing policy ``settings.policy`` names, on ``load``.
+def make_policy(settings: RoutingConfig, load: LoadTracker, *, index: KvIndex | None = None) -> RoutingPolicy:
+    """Return the routing policy ``settings.policy`` names, on ``load`` (a KV-aware one reads
+    ``index``; None: a new one of its own).
 
     Raises ValueError for an unknown policy name (config validation refuses it first).
     """
     if settings.policy == "kv":
-        return KvAwarePolicy(load, settings=settings)
+        return KvAwarePolicy(load, index=index, settings=settings)
     if settings.policy == "least-load":
         return LeastOutstanding(load)
     if settings.policy == "round-robin":

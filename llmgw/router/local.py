@@ -9,14 +9,14 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import trio
 
 from llmgw.spec import KvDelta
 
 from .admission import AdmissionShares, TenantCounters, TenantDemand, demand_since
-from .app import Gateway, leader_state
+from .app import Gateway, describe_routing, leader_state
 from .http.serve import GRACEFUL_SHUTDOWN_S, serve_gateway
 from .interface import (
     AccessState, GatewayInterface, GatewayStatus, ModelInfo, Replica, UsageBatch, UsageCounts,
@@ -49,6 +49,11 @@ class GatewayState(GatewayInterface):
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)
         self.gateway.stopped = access.stopped
+        self.apply_routing(access.routing)
+
+    def apply_routing(self, overrides: Mapping[str, Any]) -> None:
+        """Route by server.yaml's ``routing:`` with ``overrides`` over it (:meth:`Gateway.apply_routing`)."""
+        self.gateway.apply_routing(overrides)
 
     async def apply_admission_shares(self, shares: AdmissionShares) -> None:
         self.gateway.admission.set_shares(shares)
@@ -73,6 +78,7 @@ class GatewayState(GatewayInterface):
             stopped=self.gateway.stopped,
             admission=self.gateway.admission.snapshot(),
             kv_alarms=tuple(sorted(set(self.gateway.policy.alarms()))),
+            routing=describe_routing(self.gateway.routing),
         )
 
     async def scrape(self) -> bytes | None:

@@ -51,6 +51,8 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from llmgw.config.sections import ROUTING_POLICIES
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -171,6 +173,11 @@ class GatewayMetrics:
             "Finished requests whose usage could not be journaled (disk full?): a crash before the "
             "next usage flush would lose them.", registry=r,
         )
+        self.routing_policy_gauge = Gauge(
+            f"{PREFIX}_routing_policy", "1 for the routing policy this gateway process routes by (server.yaml "
+            "routing.policy, or the cluster setting routing.policy over it), 0 for the others; a worker pool "
+            "reports how many of its workers route by each.", ("policy",), registry=r,
+        )
         # KV-aware routing (llmgw/router/kvrouting.py): decisions, hit share, hash agreement.
         self.routing_decisions = Counter(
             f"{PREFIX}_routing_decisions", "Routing decisions among several replicas, by model and kind "
@@ -242,6 +249,11 @@ class GatewayMetrics:
         """Report the KV index's size and each replica's event counters (a
         :class:`~llmgw.router.kvindex.KvIndex`) at scrape time."""
         self._kv_index = index
+
+    def routing_policy(self, name: str) -> None:
+        """Report that this process routes by the policy ``name`` now (one of ROUTING_POLICIES)."""
+        for policy in ROUTING_POLICIES:
+            self.routing_policy_gauge.labels(policy).set(1 if policy == name else 0)
 
     # -- routing (a llmgw.router.replicas.RoutingObserver) --------------------------------
 

@@ -330,10 +330,11 @@ class RoutingPolicy(abc.ABC):
     overrides them all). All are synchronous and called on the trio thread.
 
     ``index`` is the KV index a policy brings to be fed by the gateway (None: the
-    gateway keeps its own).
+    gateway keeps its own). ``name`` is the ``routing.policy`` value that selects it.
     """
 
     index: KvIndex | None = None
+    name: str = ""
 
     @abc.abstractmethod
     def choose(self, candidates: Sequence[Replica], request: RequestInfo) -> Replica | Awaitable[Replica]:
@@ -367,6 +368,13 @@ class RoutingPolicy(abc.ABC):
         """Return the policy's standing alarms in words (for ``ctl status``); none here."""
         return []
 
+    def retune(self, settings: Any) -> None:
+        """Take the parameters of ``settings`` (a :class:`~llmgw.config.RoutingConfig` naming
+        this policy) from now on, keeping what the policy has learnt; none here."""
+
+    def close(self) -> None:
+        """The gateway replaced this policy: clear what it told the observer (raised alarms)."""
+
 
 async def _route_of(choice: Awaitable[Replica]) -> Route:
     return Route(await choice)
@@ -378,6 +386,8 @@ class LeastOutstanding(RoutingPolicy):
     Round-robin on ties matters when the fleet is idle: sequential requests would
     otherwise all land on the first replica.
     """
+
+    name = "least-load"
 
     def __init__(self, load: LoadTracker) -> None:
         self._load = load

@@ -21,8 +21,8 @@ from llmgw import kvhash
 from llmgw.config import RoutingConfig
 from llmgw.node.kvevents import KvSubscriber
 from llmgw.router import LoadTracker, Replica, ReplicaTable, create_app, serve_gateway
-from llmgw.router.app import gateway_of
-from llmgw.router.kvrouting import ALARM_TEXT, KvAwarePolicy
+from llmgw.router.app import Gateway, gateway_of
+from llmgw.router.kvrouting import ALARM_TEXT, KvAwarePolicy, RoundRobin
 from llmgw.sim import SimConfig, serve
 from llmgw.sim.launch import free_tcp_port
 from llmgw.spec import KvDelta
@@ -40,6 +40,7 @@ class Cluster:
     load: LoadTracker
     engines: list  # llmgw.sim.engine.Engine, one per replica
     replicas: list[Replica]
+    gateway: Gateway
 
 
 class ManualClock:
@@ -82,7 +83,7 @@ async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED,
         table.set_model_replicas(MODEL, replicas)
         port = await nursery.start(serve_gateway, app, "127.0.0.1", 0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=DEADLINE_S) as http:
-            yield Cluster(http, policy, load, engines, replicas)
+            yield Cluster(http, policy, load, engines, replicas, gateway)
         nursery.cancel_scope.cancel()
 
 
@@ -173,3 +174,40 @@ async def test_wrong_seed_raises_the_alarm(repeat: bool) -> None:
         metrics = (await c.http.get("/metrics")).text
         assert any(line.startswith("llmgw_gateway_kv_hash_alarm{") and line.endswith(" 1.0")
                    for line in metrics.splitlines())
+
+
+async def test_routing_settings_apply_live_without_losing_the_index() -> None:
+    """The cluster setting ``routing`` reaches a serving gateway: another policy takes over
+    on the same KV index (the old one's alarms cleared), parameters retune the policy in place."""
+    clock = ManualClock()
+    async with cluster(2, seed="not-the-router-seed", clock=clock) as c:
+        with trio.fail_after(DEADLINE_S):
+            i = 0
+            while not c.policy.alarms():
+                await cached_tokens(c, conversation(200 + i, 0))
+                i += 1
+                clock.now += AGREEMENT_WINDOW_S + 1
+        blocks = {r.id: len(c.gateway.kv_index.replica(r.id).blocks) for r in c.replicas}
+
+        c.gateway.apply_routing({"policy": "round-robin"})
+        assert isinstance(c.gateway.policy, RoundRobin) and c.gateway.routing.policy == "round-robin"
+        metrics = (await c.http.get("/metrics")).text
+        assert metric_value(metrics, 'llmgw_gateway_routing_policy{policy="round-robin"}') == 1
+        assert metric_value(metrics, 'llmgw_gateway_routing_policy{policy="kv"}') == 0
+        assert not any(line.startswith("llmgw_gateway_kv_hash_alarm{") and line.endswith(" 1.0")
+                       for line in metrics.splitlines())  # the KV policy's alarm went with it
+        before = [len(e.cache) for e in c.engines]
+        for _ in range(2):  # in turn: one request each, whatever they hold
+            await cached_tokens(c, conversation(300, 0))
+        assert [len(e.cache) > b for e, b in zip(c.engines, before)] == [True, True]
+
+        c.gateway.apply_routing({"policy": "kv", "mismatch_alarm_after": 5})
+        kv = c.gateway.policy
+        assert isinstance(kv, KvAwarePolicy) and kv is not c.policy
+        assert kv.index is c.gateway.kv_index and kv.agreement.threshold == 5
+        assert all(len(kv.index.replica(rid).blocks) >= n for rid, n in blocks.items())  # nothing relearnt
+        c.gateway.apply_routing({"policy": "kv", "mismatch_alarm_after": 7, "tokenize_timeout": 0.25})
+        assert c.gateway.policy is kv  # retuned, not replaced
+        assert kv.agreement.threshold == 7 and kv.hasher.timeout == 0.25
+        c.gateway.apply_routing({})  # the setting removed: server.yaml's routing again
+        assert c.gateway.policy is kv and kv.agreement.threshold == c.gateway.routing_base.mismatch_alarm_after

@@ -100,6 +100,10 @@ async def test_two_workers_share_state_usage_metrics_and_restart(cluster: Cluste
     statuses, workers = await through_many(cluster, "m1", key)
     assert statuses == {401} and workers == {"0", "1"}
 
+    # The routing setting reaches every worker as soon as ctl returns.
+    assert cluster.ctl("config", "set", "routing.policy", "round-robin").returncode == 0
+    assert await routing_workers(cluster) == {"round-robin": 2.0}
+
     # A killed worker is restarted and serves again.
     victim = pids[1]
     psutil.Process(victim).kill()
@@ -112,11 +116,20 @@ async def test_two_workers_share_state_usage_metrics_and_restart(cluster: Cluste
     assert not alive(victim) and alive(now[1])
     key2 = cluster.ctl_json("keys", "create", "--tenant", "acme")["key"]
     await eventually(lambda: served_everywhere_with(cluster, key2), "both workers serving after the restart")
+    assert await routing_workers(cluster) == {"round-robin": 2.0}  # the new worker got it before it listened
 
     # Stopping the server stops its workers (no orphans).
     cluster.server.signal(2)  # type: ignore[union-attr]  SIGINT: a clean stop
     await cluster.server.wait_exit()  # type: ignore[union-attr]
     assert not any(alive(pid) for pid in now.values()), "a gateway worker outlived the server"
+
+
+async def routing_workers(cluster: Cluster) -> dict[str, float]:
+    """Return how many workers route by each policy, from the merged /metrics (policies with none left out)."""
+    async with httpx.AsyncClient(base_url=cluster.gateway, timeout=30) as http:
+        metrics = (await http.get("/metrics")).text
+    found = re.findall(r'^llmgw_gateway_routing_policy\{policy="([^"]+)"\} (\S+)$', metrics, re.MULTILINE)
+    return {policy: float(n) for policy, n in found if float(n) > 0}
 
 
 async def served_everywhere_with(cluster: Cluster, key: str) -> bool:

@@ -143,6 +143,17 @@ async def test_killing_the_leader_hands_the_lead_to_a_standby_with_no_engine_res
         history = cluster.ctl_json("--server", leader.rpc, "config", "history", "agents.default")
         assert [h["version"] for h in history] == [1]
 
+        # Routing settings through a standby: every gateway routes by them, live.
+        refused = cluster.ctl("--server", other.rpc, "config", "set", "routing.policy", "fastest")
+        assert refused.returncode == 1 and "routing.policy: expected one of kv" in refused.stderr
+        assert cluster.ctl("--server", other.rpc, "config", "set", "routing.policy", "round-robin").returncode == 0
+        assert cluster.ctl_json("--server", other.rpc, "status")["routing"] == "round-robin"  # the leader's
+        for gateway in (leader.gateway, other.gateway):
+            await eventually(lambda g=gateway: routes_by(http, g, "round-robin"), f"{gateway} routes round-robin")
+        assert cluster.ctl("--server", leader.rpc, "config", "unset", "routing").returncode == 0
+        assert cluster.ctl_json("--server", other.rpc, "status")["routing"].startswith("kv (")
+        await eventually(lambda: routes_by(http, other.gateway, "kv"), "the standby routes by server.yaml again")
+
         # ctl stop through a standby: the leader stores it and every gateway answers 503.
         assert cluster.ctl("--server", other.rpc, "stop").returncode == 0
         for gateway in (leader.gateway, other.gateway):
@@ -278,6 +289,13 @@ async def test_the_control_planes_ride_out_a_postgresql_restart_under_load(
         if standby is not None:
             standby.stop()
         cluster.stop()
+
+
+async def routes_by(http: httpx.AsyncClient, gateway: str, policy: str) -> bool:
+    """Whether ``gateway``'s /metrics says it routes by ``policy`` (and by no other)."""
+    lines = (await http.get(f"{gateway}/metrics")).text.splitlines()
+    return (f'llmgw_gateway_routing_policy{{policy="{policy}"}} 1.0' in lines
+            and sum(line.startswith("llmgw_gateway_routing_policy{") and line.endswith(" 1.0") for line in lines) == 1)
 
 
 async def _stopped(http: httpx.AsyncClient, gateway: str) -> bool:

@@ -27,6 +27,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo("control planes: " + ", ".join(f"{p.name} {p.role}" for p in st.control_planes))
     click.echo(f"nodes: {st.nodes_online} online, {st.nodes_lost} lost")
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
+    if st.routing:
+        click.echo(f"routing: {st.routing}")
     for reason in st.unplaceable:
         click.echo(f"not placed: {reason}")
     for alarm in st.kv_alarms:

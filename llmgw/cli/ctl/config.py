@@ -1,8 +1,8 @@
 """``llmgw ctl config get|set|unset|history|diff``: cluster settings, versioned, in the store.
 
-Keys (llmgw/control/settings.py): ``serving.stopped``, ``agents.default`` and
-``agents.nodes.<node id>``, or a dotted key below one of the two mappings
-(``agents.default.log_level``). Values are YAML (``true``, ``debug``, ``{level: 2}``). A key or
+Keys (llmgw/control/settings.py): ``serving.stopped``, ``routing``, ``agents.default`` and
+``agents.nodes.<node id>``, or a dotted key below one of the mappings (``routing.policy``,
+``agents.default.log_level``). Values are YAML (``true``, ``debug``, ``{level: 2}``). A key or
 value the cluster refuses is answered with its key path and the reason; nothing is stored then.
 """
 
@@ -22,7 +22,7 @@ from llmgw.client import SettingRow
 
 @click.group()
 def config() -> None:
-    """Cluster settings: serving.stopped, agents.default, agents.nodes.NODE (versioned, audited)."""
+    """Cluster settings: serving.stopped, routing, agents.default, agents.nodes.NODE (versioned, audited)."""
 
 
 def _yaml(value: Any) -> str:

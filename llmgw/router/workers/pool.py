@@ -5,7 +5,7 @@ With ``gateway.workers: N`` above 1, :func:`~llmgw.router.build.build_gateway` r
 worker processes (``python -m llmgw.router.workers.worker``), each a complete gateway
 listening on the same port with SO_REUSEPORT (the kernel spreads connections over
 them). The pool keeps the *master* :class:`~llmgw.router.app.Gateway` (never served):
-its replica table, keys and ``serving.stopped`` (fed through the
+its replica table, keys, ``serving.stopped`` and the ``routing`` setting (fed through the
 :class:`~llmgw.router.interface.GatewayInterface` methods), usage meter and admission
 counters. It mirrors that state into every worker and brings the workers' usage,
 in-flight counts, admission counters, KV hash alarms and metrics back. The messages are
@@ -46,7 +46,7 @@ from llmgw.spec import KvDelta, split_delta
 from llmgw.trioutil import unwrap_single_group
 
 from ..admission import Admission, AdmissionLimits, AdmissionShares, TenantCounters
-from ..app import Gateway, leader_state
+from ..app import Gateway, describe_routing, leader_state
 from ..auth import AuthTable, KeyEntry
 from ..http.serve import CUT_SLACK_S, SHUTDOWN_SLACK_S
 from ..interface import AccessState, GatewayStatus, UsageCounts
@@ -217,6 +217,8 @@ class GatewayPool(GatewayState):
         self.pids: dict[int, int] = {}
         self.load: dict[int, dict[str, int]] = {}
         self.alarms: dict[int, list[str]] = {}  # KV hash-agreement alarms per worker, as last reported
+        #: The cluster setting ``routing`` the workers route by (over ``settings.routing``).
+        self.routing: dict[str, Any] = {}
         self._version = 0
         self._shares_version = 0
         self._changed = trio.Event()
@@ -239,6 +241,12 @@ class GatewayPool(GatewayState):
         if self.master.stopped != stopped:  # a plain attribute: say so here
             self.state_changed()
         await self.synced()
+
+    def apply_routing(self, overrides: Mapping[str, Any]) -> None:
+        """Send ``overrides`` to every worker (each routes by them; the master routes nothing)."""
+        if dict(overrides) != self.routing:
+            self.routing = dict(overrides)
+            self.state_changed()
 
     def set_readiness(self, not_ready: str | None) -> None:
         """Set the master's readiness; the pusher sends it to every worker (each answers ``/readyz``)."""
@@ -277,7 +285,8 @@ class GatewayPool(GatewayState):
         """Return the master's status: admission counters summed over the workers, KV alarms
         as the workers last reported them."""
         alarms = set(self.master.policy.alarms()) | set(self.kv_alarms())
-        return attrs.evolve(super().status(), kv_alarms=tuple(sorted(alarms)))
+        routing = attrs.evolve(self.settings.routing, **self.routing)
+        return attrs.evolve(super().status(), kv_alarms=tuple(sorted(alarms)), routing=describe_routing(routing))
 
     # -- state down ---------------------------------------------------------------------
 
@@ -291,7 +300,7 @@ class GatewayPool(GatewayState):
         return {
             "t": "state", "version": self._version, "table": encode_table(m.table),
             "keys": encode_keys(m.auth.entries if isinstance(m.auth, ObservedAuthTable) else ()),
-            "stopped": m.stopped, "not_ready": m.not_ready, "leader": m.leader,
+            "stopped": m.stopped, "not_ready": m.not_ready, "leader": m.leader, "routing": self.routing,
         }
 
     async def _sync(self, slot: _Slot) -> None:

@@ -26,8 +26,8 @@ Each message is a dict whose ``"t"`` names its kind, sent over a
 
 Down (control plane -> worker): the worker's settings (:func:`worker_config`), the
 routing state as one snapshot (catalog models with their ready replicas and ``created``
-times, the active API keys with their tenants' limits, ``serving.stopped``), and the
-engines' KV-cache deltas one by one (:func:`encode_kv_delta`), and the gateway's shares of
+times, the active API keys with their tenants' limits, ``serving.stopped``, the cluster
+setting ``routing``), the engines' KV-cache deltas one by one (:func:`encode_kv_delta`), and the gateway's shares of
 the tenants' limits (:func:`encode_shares`; each worker enforces ``1/workers`` of them,
 :func:`~llmgw.router.admission.tenant_limit`). Up (worker -> control
 plane): usage counts, in-flight per replica, admission counters, and on request the

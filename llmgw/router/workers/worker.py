@@ -103,12 +103,13 @@ class Worker:
         self._scrapes: dict[int, tuple[trio.Event, list[bytes]]] = {}
 
     def apply(self, state: Message) -> None:
-        """Make the gateway's table, keys, ``stopped`` and readiness equal to ``state``."""
+        """Make the gateway's table, keys, ``stopped``, readiness and routing equal to ``state``."""
         self.table.load_state(state["table"])
         self.gateway.auth.replace(decode_keys(state["keys"]))
         self.gateway.stopped = bool(state["stopped"])
         self.gateway.not_ready = state.get("not_ready")
         self.gateway.leader = state.get("leader") or leader_state(False, "", 0)
+        self.gateway.apply_routing(state.get("routing") or {})
 
     async def apply_shares(self, message: Message) -> None:
         """Enforce the gateway's admission shares of a "shares" message (this worker's part
