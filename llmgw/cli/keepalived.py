@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import shutil
+from pathlib import Path
 
 import psutil
 
@@ -20,6 +21,8 @@ CHECK_RISE = 1
 #: The VRRP router id every control plane of one cluster shares (1-255; pick another with
 #: --vip-router-id where this one is taken on the network segment).
 DEFAULT_ROUTER_ID = 51
+#: Linux's IFF_LOOPBACK in /sys/class/net/NAME/flags: keepalived runs no VRRP there.
+IFF_LOOPBACK = 0x8
 
 
 def interface_of(address: str) -> str | None:
@@ -28,6 +31,27 @@ def interface_of(address: str) -> str | None:
         if any(entry.address.split("%")[0] == address for entry in entries):
             return name
     return None
+
+
+def check_interface(name: str) -> None:
+    """Raises ValueError unless keepalived can float an address on the interface ``name`` of
+    this machine: it exists and is not a loopback (keepalived ignores VRRP on one)."""
+    present = sorted(psutil.net_if_stats())
+    if name not in present:
+        raise ValueError(f"this machine has no network interface {name!r} (it has {', '.join(present)})")
+    try:
+        flags = int(Path("/sys/class/net", name, "flags").read_text().strip(), 16)
+    except (OSError, ValueError):
+        flags = 0
+    if flags & IFF_LOOPBACK or name == "lo":
+        raise ValueError(f"{name} is a loopback interface, where keepalived runs no VRRP: give the interface "
+                         "of the network the control planes share")
+
+
+def parse_vip(vip: str) -> ipaddress.IPv4Interface | ipaddress.IPv6Interface:
+    """Returns ``vip`` (``ADDRESS`` or ``ADDRESS/PREFIX``; a lone address is a /32 or /128);
+    raises ValueError for anything else."""
+    return ipaddress.ip_interface(vip if "/" in vip else f"{vip}/{32 if ':' not in vip else 128}")
 
 
 def check_command(http_address: str) -> str:
@@ -43,7 +67,7 @@ def check_command(http_address: str) -> str:
 def render(vip: str, interface: str, http_address: str, *, router_id: int = DEFAULT_ROUTER_ID) -> str:
     """Returns keepalived.conf text floating ``vip`` (``ADDRESS`` or ``ADDRESS/PREFIX``) on
     ``interface`` to whichever control plane leads. Raises ValueError for a bad address or id."""
-    network = ipaddress.ip_interface(vip if "/" in vip else f"{vip}/{32 if ':' not in vip else 128}")
+    network = parse_vip(vip)
     if not 1 <= router_id <= 255:
         raise ValueError(f"the VRRP router id must be 1-255, got {router_id}")
     return f"""# Written by `llmgw server join --vip`: {network} follows the leading llmgw control plane.

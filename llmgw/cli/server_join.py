@@ -104,11 +104,13 @@ def _already_joined(state_dir: Path, pin: str) -> str | None:
 @click.option("--vip-interface", default=None, help="Interface for --vip [the one holding --advertise].")
 @click.option("--keepalived-config", type=click.Path(path_type=Path), default=DEFAULT_KEEPALIVED, show_default=True)
 @click.option("--user", default=None, help="The unit's user [llmgw where it exists, else the caller].")
+@click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), default=UNIT_DIR, show_default=True,
+              help="Where to install llmgw-server.service.")
 @click.option("--no-start", is_flag=True, help="Write everything, but do not install or start the unit.")
 @click.pass_context
 def server_join(ctx: click.Context, servers: str, token: str, advertise: str | None, rpc_port: int,
                 http_port: int, state_dir: Path, vip: str | None, vip_interface: str | None,
-                keepalived_config: Path, user: str | None, no_start: bool) -> None:
+                keepalived_config: Path, user: str | None, unit_dir: Path, no_start: bool) -> None:
     """Join this machine to a cluster as another control plane, with a token from `llmgw ctl servers add`."""
     from llmgw.cli.common import run_trio
     from llmgw.client.join import JoinError, redeem
@@ -130,6 +132,8 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
         host = advertise or route_address(addresses[0])
     except (OSError, ValueError) as exc:
         fail(f"cannot tell which address others reach this machine at ({exc}): give --advertise")
+    if vip:  # checked before the token is spent
+        vip_interface = _vip_interface(vip, vip_interface, host)
     key_pem = new_private_key()
     click.echo(f"joining through {', '.join(addresses)} as a control plane reached at {host} ...")
     try:
@@ -161,8 +165,8 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
                    + yaml.safe_dump(config, sort_keys=False))
     click.echo(f"  wrote {config_path} (store and lease as the cluster's; listening on {rpc_listen} and {http_listen})")
 
-    if vip:
-        _write_keepalived(vip, vip_interface, host, http_listen, keepalived_config)
+    if vip and vip_interface:
+        _write_keepalived(vip, vip_interface, http_listen, keepalived_config)
 
     unit_user = _unit_user(user)
     if os.geteuid() == 0:
@@ -170,7 +174,7 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
     if no_start:
         click.echo(f"not started (--no-start): run `llmgw server --config {config_path}`")
         return
-    _install_and_start(config_path, unit_user, state_dir)
+    _install_and_start(config_path, unit_user, state_dir, unit_dir)
     click.echo(f"done: `llmgw ctl servers list` on any control plane shows {grant.name} as a standby shortly")
 
 
@@ -195,12 +199,28 @@ def _write_private(path: Path, text: str) -> None:
         fail(f"cannot write {path}: {exc} (run as root, or pass `llmgw server --config PATH join`)")
 
 
-def _write_keepalived(vip: str, interface: str | None, host: str, http_listen: str, path: Path) -> None:
-    from llmgw.cli.keepalived import interface_of, render
+def _vip_interface(vip: str, given: str | None, host: str) -> str:
+    """Returns the interface keepalived floats ``vip`` on (``given``, else the one holding
+    ``host``); exits with the reason when ``vip`` or the interface will not do."""
+    from llmgw.cli.keepalived import check_interface, interface_of, parse_vip
 
-    interface = interface or interface_of(host)
+    try:
+        parse_vip(vip)
+    except ValueError as exc:
+        fail(f"--vip: {exc}")
+    interface = given or interface_of(host)
     if interface is None:
         fail(f"--vip: no interface here holds {host}: give --vip-interface")
+    try:
+        check_interface(interface)
+    except ValueError as exc:
+        fail(f"--vip-interface: {exc}")
+    return interface
+
+
+def _write_keepalived(vip: str, interface: str, http_listen: str, path: Path) -> None:
+    from llmgw.cli.keepalived import render
+
     try:
         text = render(vip, interface, http_listen)
     except ValueError as exc:
@@ -217,12 +237,13 @@ def _chown_tree(root: Path, user: str) -> None:
             os.chown(os.path.join(directory, name), entry.pw_uid, entry.pw_gid)
 
 
-def _install_and_start(config_path: Path, user: str, state_dir: Path) -> None:
+def _install_and_start(config_path: Path, user: str, state_dir: Path, unit_dir: Path) -> None:
     from llmgw.cli.service import require_systemd, systemctl
 
     require_systemd()  # everything else is written: without systemd, it says how to start by hand
-    unit = UNIT_DIR / SERVER_UNIT
+    unit = unit_dir / SERVER_UNIT
     try:
+        unit_dir.mkdir(parents=True, exist_ok=True)
         unit.write_text(render_unit(SERVER_UNIT, daemon="server", config=config_path, user=user, state_dir=state_dir))
     except OSError as exc:
         fail(f"cannot write {unit}: {exc} (run as root)")

@@ -23,7 +23,7 @@ case "$1" in
   is-system-running) echo running ;;
   list-unit-files) printf 'llmgw-server.service enabled enabled\nllmgw-agent.service enabled enabled\n' ;;
   show) printf 'ActiveState=active\nSubState=running\nMainPID=4242\nActiveEnterTimestamp=Fri 2026-12-04 09:00:00 UTC\n' ;;
-  start|stop|restart) ;;
+  start|stop|restart|daemon-reload|enable) ;;
   *) echo "unknown command $1" >&2; exit 1 ;;
 esac
 """
