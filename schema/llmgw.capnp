@@ -412,6 +412,19 @@ interface Admin {
   removeControlPlane @22 (name :Text) -> (removed :Bool);
   # Forgets control plane NAME, revokes its certificate and its pending tokens, and ends its peer session.
   # Refused for the leader itself (stop it first: another leads, then remove it).
+
+  createAdminToken @23 (name :Text) -> (token :Text, view :AdminTokenView);
+  # A bearer token for the HTTP admin API (/api/v1/*), returned this once; only its SHA-256 is stored.
+  listAdminTokens @24 () -> (tokens :List(AdminTokenView));
+  revokeAdminToken @25 (id :Text) -> (view :AdminTokenView);
+}
+
+struct AdminTokenView {
+  id @0 :Text;
+  name @1 :Text;
+  createdBy @2 :Text;
+  createdAt @3 :Float64;
+  revokedAt @4 :Float64;  # 0 while active
 }
 
 struct Setting {

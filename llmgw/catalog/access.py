@@ -119,17 +119,18 @@ def hash_secret(secret: str) -> str:
     return secret_digest(secret).hex()
 
 
-def generate_key() -> NewKey:
-    """Returns a new random key (``llmgw_<id>_<secret>``) with its id and secret hash."""
+def generate_key(prefix: str = KEY_PREFIX) -> NewKey:
+    """Returns a new random key (``<prefix>_<id>_<secret>``) with its id and secret hash."""
     key_id = secrets.token_hex(KEY_ID_BYTES)
     secret = secrets.token_urlsafe(KEY_SECRET_BYTES)
-    return NewKey(key_id, f"{KEY_PREFIX}_{key_id}_{secret}", hash_secret(secret))
+    return NewKey(key_id, f"{prefix}_{key_id}_{secret}", hash_secret(secret))
 
 
-def split_key(key: str) -> tuple[str, str] | None:
-    """Returns ``(id, secret)`` of a key in llmgw's format, or None if it is not one."""
-    prefix, sep, rest = key.partition("_")
-    if prefix != KEY_PREFIX or not sep:
+def split_key(key: str, prefix: str = KEY_PREFIX) -> tuple[str, str] | None:
+    """Returns ``(id, secret)`` of a key in llmgw's format (``<prefix>_<id>_<secret>``), or
+    None if it is not one."""
+    given, sep, rest = key.partition("_")
+    if given != prefix or not sep:
         return None
     key_id, sep, secret = rest.partition("_")
     if not sep or not key_id or not secret:

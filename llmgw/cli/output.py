@@ -7,21 +7,9 @@ import sys
 import time
 from typing import Any, Sequence
 
-import attrs
 import click
 
-
-def to_jsonable(value: Any) -> Any:
-    """attrs classes, enums, tuples and mappings as plain JSON values."""
-    if attrs.has(type(value)):
-        return {k: to_jsonable(v) for k, v in attrs.asdict(value, recurse=False).items()}
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v) for v in value]
-    if hasattr(value, "value") and value.__class__.__module__ != "builtins":
-        return value.value
-    return value
+from llmgw.client.jsonable import to_jsonable
 
 
 def local_time(ts: float | None) -> str:

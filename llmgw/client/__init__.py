@@ -152,6 +152,21 @@ class NewJoinToken:
 
 
 @attrs.frozen
+class AdminTokenRow:
+    """A bearer token of the HTTP admin API (never its secret); ``revoked_at`` 0 while active."""
+
+    id: str
+    name: str
+    created_by: str
+    created_at: float
+    revoked_at: float
+
+
+def _admin_token_from(t: Any) -> AdminTokenRow:
+    return AdminTokenRow(str(t.id), str(t.name), str(t.createdBy), float(t.createdAt), float(t.revokedAt))
+
+
+@attrs.frozen
 class SettingRow:
     """One version of a cluster setting (``value`` None: unset at this version)."""
 
@@ -336,6 +351,20 @@ class ClusterClient:
         """Remove control plane ``name`` (its certificate and pending tokens revoked); returns
         whether there was anything to remove. Fails for the leader itself."""
         return bool((await self._call("removeControlPlane", name)).removed)
+
+    async def create_admin_token(self, name: str) -> tuple[AdminTokenRow, str]:
+        """Make a bearer token of the HTTP admin API named ``name``; returns it with the token
+        itself (shown this once)."""
+        r = await self._call("createAdminToken", name)
+        return _admin_token_from(r.view), str(r.token)
+
+    async def admin_tokens(self) -> list[AdminTokenRow]:
+        """Returns every admin token, revoked ones included, oldest first."""
+        return [_admin_token_from(t) for t in (await self._call("listAdminTokens")).tokens]
+
+    async def revoke_admin_token(self, token_id: str) -> AdminTokenRow:
+        """Revoke admin token ``token_id`` (fails for an unknown one); returns it."""
+        return _admin_token_from((await self._call("revokeAdminToken", token_id)).view)
 
     async def nodes(self) -> list[NodeRow]:
         result = await self._call("listNodes")

@@ -22,6 +22,7 @@ from llmgw.control.peers import FeedTee
 from llmgw.control.restart import restart_cluster
 from llmgw.control.joining import JoinService
 from llmgw.control.servers_admin import ServersAdminMixin
+from llmgw.control.admin_tokens import AdminTokensAdminMixin
 from llmgw.control.settings import SERVING_STOPPED
 from llmgw.control.settings_admin import SettingsAdminMixin
 from llmgw.control.keys_admin import AccessAdminMixin, admission_rows
@@ -84,7 +85,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
     s = schema.load()
 
     # tenants, keys, usage: keys_admin.py; cluster settings: settings_admin.py
-    class AdminServer(AccessAdminMixin, SettingsAdminMixin, ServersAdminMixin, s.Admin.Server):
+    class AdminServer(AccessAdminMixin, SettingsAdminMixin, AdminTokensAdminMixin, ServersAdminMixin, s.Admin.Server):
         async def status(self, _context: Any, **_: Any) -> None:
             fleet = services.registry.snapshot()
             shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]

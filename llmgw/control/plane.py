@@ -45,6 +45,7 @@ from llmgw.control.admin import AdminServices, make_admin
 from llmgw.control.admission_shares import LocalShares, ShareBook, lead_shares
 from llmgw.control.cluster import ClusterServices, handle_connection
 from llmgw.control.joining import JoinService
+from llmgw.control.http_api import HttpAdminApi
 from llmgw.control.keys import SERVING_STOPPED, AccessSync
 from llmgw.control.leader import LEADER_LEASE_S, LeaderElection
 from llmgw.control.peers import FeedTee, Follower
@@ -216,6 +217,8 @@ async def run_control_plane(
                 others = [r.rpc_address for r in await store.list_control_planes() if r.rpc_address != me]
                 return [me, *others] if me else others
 
+            # /api/v1/* on the gateway port: admin tokens, through the same Admin as ctl.
+            gateway.set_admin_api(HttpAdminApi(store, admin_for))
             joins = None if join_ca is None else JoinService(store, join_ca, store_url, leader_lease, control_planes)
             cluster = ClusterServices(
                 store=store, heartbeat_interval=heartbeat_interval, term=current_term, not_leader=not_leader,

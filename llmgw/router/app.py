@@ -38,6 +38,7 @@ from llmgw.spec import KvDelta
 
 from . import errors
 from .adapters import NO_HOLD, Adapters, Target, UpstreamAdmin
+from .admin_api import ADMIN_API_METHODS, ADMIN_API_PREFIX, NO_ADMIN_API, AdminApiHandler, ApiRequest, encode_response
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
@@ -134,6 +135,8 @@ class Gateway:
         self.not_ready: str | None = None
         #: What ``/leader`` answers (:func:`leader_state`; the control plane sets it).
         self.leader: dict[str, Any] = leader_state(False, "", 0)
+        #: Who answers ``/api/v1/*`` (llmgw/router/admin_api.py; the control plane sets it).
+        self.admin_api: AdminApiHandler | None = None
         self.load = load if load is not None else LoadTracker()
         self.policy = policy if policy is not None else LeastOutstanding(self.load)
         #: server.yaml's ``routing:`` (None: the one naming ``policy``); the cluster setting
@@ -197,6 +200,7 @@ class Gateway:
         app.add_url_rule("/healthz", "healthz", self._healthz, methods=["GET"])
         app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
         app.add_url_rule("/leader", "leader", self._leader, methods=["GET"])
+        app.add_url_rule(ADMIN_API_PREFIX + "<path:path>", "admin_api", self._admin_api, methods=list(ADMIN_API_METHODS))
         app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])
@@ -280,6 +284,15 @@ class Gateway:
     async def _leader(self) -> Response:
         state = self.leader
         return _json(state, 200 if state["leading"] else 503)
+
+    async def _admin_api(self, path: str) -> Response:
+        handler = self.admin_api
+        if handler is None:
+            answer = NO_ADMIN_API
+        else:
+            body = await request.get_data(cache=False)
+            answer = await handler(ApiRequest(request.method, path, request.headers.get("authorization", ""), body))
+        return Response(encode_response(answer), status=answer.status, content_type="application/json")
 
     def upstream_client(self) -> UpstreamClient:
         """Return the upstream client; raise a 503 GatewayError if the gateway is not serving."""

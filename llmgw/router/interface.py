@@ -26,6 +26,7 @@ import trio
 
 from llmgw.spec import KvDelta
 
+from .admin_api import AdminApiHandler
 from .admission import AdmissionShares, TenantCounters, TenantDemand, TenantShare
 from .auth import KeyEntry, Tenant
 from .replicas import ModelInfo, Replica
@@ -95,6 +96,10 @@ class GatewayInterface(abc.ABC):
         """Say whether this control plane leads (``GET /leader`` answers 200 on the leader,
         503 elsewhere, for load balancers and keepalived), who does and at which epoch
         (``leader`` "" while unknown)."""
+
+    @abc.abstractmethod
+    def set_admin_api(self, handler: AdminApiHandler | None) -> None:
+        """Answer ``/api/v1/*`` on the gateway's port with ``handler`` (None: 404, no admin API)."""
 
     # -- access (down) -------------------------------------------------------------------
 

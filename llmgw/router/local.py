@@ -15,6 +15,7 @@ import trio
 
 from llmgw.spec import KvDelta
 
+from .admin_api import AdminApiHandler
 from .admission import AdmissionShares, TenantCounters, TenantDemand, demand_since
 from .app import Gateway, describe_routing, leader_state
 from .http.serve import GRACEFUL_SHUTDOWN_S, serve_gateway
@@ -45,6 +46,9 @@ class GatewayState(GatewayInterface):
 
     def set_leader(self, leading: bool, leader: str, epoch: int) -> None:
         self.gateway.leader = leader_state(leading, leader, epoch)
+
+    def set_admin_api(self, handler: AdminApiHandler | None) -> None:
+        self.gateway.admin_api = handler
 
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)

@@ -51,6 +51,9 @@ class RecordingGateway(GatewayInterface):
     def set_leader(self, leading: bool, leader: str, epoch: int) -> None:
         self.leader = (leading, leader, epoch)
 
+    def set_admin_api(self, handler: object) -> None:
+        self.admin_api = handler
+
     def set_readiness(self, not_ready: str | None) -> None:
         self.readiness.append(not_ready)
         self.readiness_changed.set()

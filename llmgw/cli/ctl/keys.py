@@ -1,4 +1,4 @@
-"""``llmgw ctl tenants|keys|usage``: who may use the gateway, and how much.
+"""``llmgw ctl tenants|keys|usage|admin-tokens``: who may use the gateway and its admin API, and how much.
 
 Every command takes ``--json``; every change is audited by the control plane and applies to
 its gateway before the command returns.
@@ -13,7 +13,7 @@ import click
 from llmgw.catalog import AccessError, validate_tenant
 from llmgw.cli.ctl.common import call, json_option, remove
 from llmgw.cli.output import fail, local_time, print_table
-from llmgw.client import ClusterClient, KeyRow, TenantRow
+from llmgw.client import AdminTokenRow, ClusterClient, KeyRow, TenantRow
 
 
 def _limit(value: int) -> str:
@@ -172,6 +172,53 @@ def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
     """Revoke a key (by its id, the part after `llmgw_`); refused from now on."""
     row = call(ctx, as_json, lambda c: c.revoke_key(key_id))
     click.echo(f"key {row.id} (tenant {row.tenant!r}) revoked")
+
+
+# -- admin tokens ---------------------------------------------------------------------------
+
+
+@click.group("admin-tokens")
+def admin_tokens() -> None:
+    """Bearer tokens of the HTTP admin API (/api/v1/* on any control plane's HTTP port)."""
+
+
+@admin_tokens.command("create")
+@click.argument("name")
+@json_option
+@click.pass_context
+def admin_tokens_create(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Create a token named NAME (the actor in the audit log); printed this once, only its hash stored."""
+    row, token = call(ctx, as_json, lambda c: c.create_admin_token(name),
+                      as_data=lambda made: {"token": made[1], "id": made[0].id, "name": made[0].name})
+    click.echo(token)
+    click.echo(f"(admin token {row.id} {row.name!r}: store it now, it cannot be shown again; it can do anything "
+               f"an admin certificate can; revoke it with `llmgw ctl admin-tokens revoke {row.id}`)", err=True)
+
+
+@admin_tokens.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Include revoked tokens.")
+@json_option
+@click.pass_context
+def admin_tokens_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
+    """Admin tokens (ids and names, never the tokens themselves)."""
+
+    async def listed(c: ClusterClient) -> list[AdminTokenRow]:
+        return [t for t in await c.admin_tokens() if show_all or not t.revoked_at]
+
+    rows = call(ctx, as_json, listed)
+    print_table(["TOKEN ID", "NAME", "CREATED", "BY", "REVOKED"],
+                [[t.id, t.name, local_time(t.created_at), t.created_by, local_time(t.revoked_at)] for t in rows],
+                empty="no admin tokens: create one with `llmgw ctl admin-tokens create NAME`")
+
+
+@admin_tokens.command("revoke")
+@click.argument("token_id")
+@json_option
+@click.pass_context
+def admin_tokens_revoke(ctx: click.Context, token_id: str, as_json: bool) -> None:
+    """Revoke a token (by its id, the part after `llmgwadmin_`); refused from the next call on."""
+    row = call(ctx, as_json, lambda c: c.revoke_admin_token(token_id))
+    click.echo(f"admin token {row.id} ({row.name!r}) revoked")
 
 
 # -- usage ----------------------------------------------------------------------------------

@@ -171,6 +171,18 @@ class ApiKeyRecord:
 
 
 @attrs.frozen
+class AdminTokenRecord:
+    """A bearer token of the HTTP admin API as stored: only the SHA-256 of its secret (hex)."""
+
+    id: str
+    name: str
+    secret_sha256: str
+    created_by: str = ""
+    created_at: float = 0.0
+    revoked_at: float | None = None
+
+
+@attrs.frozen
 class UsageRecord:
     """Requests and tokens of one tenant on one model, added up over every gateway."""
 
@@ -370,6 +382,22 @@ class Store(abc.ABC):
 
     async def revoke_api_key(self, key_id: str) -> ApiKeyRecord | None:
         """Revoke key ``key_id`` (no-op if already revoked); return it, or None if unknown."""
+        raise NotImplementedError
+
+    async def create_admin_token(self, token: AdminTokenRecord) -> AdminTokenRecord:
+        """Store a new admin token (:class:`ConflictError` if its id exists); returns it as stored."""
+        raise NotImplementedError
+
+    async def list_admin_tokens(self) -> list[AdminTokenRecord]:
+        """Return every admin token, revoked ones included, oldest first."""
+        raise NotImplementedError
+
+    async def get_admin_token(self, token_id: str) -> AdminTokenRecord | None:
+        """Return admin token ``token_id`` (revoked or not), or None if unknown."""
+        raise NotImplementedError
+
+    async def revoke_admin_token(self, token_id: str) -> AdminTokenRecord | None:
+        """Revoke admin token ``token_id`` (no-op if already revoked); return it, or None if unknown."""
         raise NotImplementedError
 
     async def add_usage(self, rows: list[UsageRecord], *, marks: Mapping[str, int] | None = None) -> None:

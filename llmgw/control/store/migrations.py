@@ -259,6 +259,24 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE control_planes ADD COLUMN serial TEXT NOT NULL DEFAULT ''",
         ),
     ),
+    Migration(
+        version=7,
+        name="admin tokens",
+        statements=(
+            # Bearer tokens for the HTTP admin API (/api/v1/*, `llmgw ctl admin-tokens`): only the
+            # SHA-256 of the secret is kept; the name is the actor in the audit log.
+            """
+            CREATE TABLE admin_tokens (
+                id TEXT PRIMARY KEY,
+                name TEXT NOT NULL,
+                secret_sha256 TEXT NOT NULL,
+                created_at {ts} NOT NULL,
+                created_by TEXT NOT NULL,
+                revoked_at {ts}
+            )
+            """,
+        ),
+    ),
 )
 
 

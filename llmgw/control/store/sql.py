@@ -17,6 +17,7 @@ import trio
 
 from llmgw.catalog import namespace_conflict
 from llmgw.control.store.base import (
+    AdminTokenRecord,
     ApiKeyRecord,
     AuditEntry,
     ConflictError,
@@ -522,6 +523,46 @@ class SqlStore(EnrolmentStore, Store):
 
         return await self._run(write, write=True, fenced=True, idempotent=True)
 
+    async def create_admin_token(self, token: AdminTokenRecord) -> AdminTokenRecord:
+        now = time.time()
+
+        def write(tx: Tx) -> AdminTokenRecord:
+            rows = tx.execute(
+                "INSERT INTO admin_tokens (id, name, secret_sha256, created_by, created_at, revoked_at) "
+                f"VALUES (?, ?, ?, ?, ?, NULL) ON CONFLICT (id) DO NOTHING RETURNING {_ADMIN_TOKEN_COLUMNS}",
+                (token.id, token.name, token.secret_sha256, token.created_by, now),
+            )
+            if not rows:
+                raise ConflictError(f"an admin token with id {token.id!r} already exists")
+            return AdminTokenRecord(*rows[0])
+
+        return await self._run(write, write=True, fenced=True)
+
+    async def list_admin_tokens(self) -> list[AdminTokenRecord]:
+        def read(tx: Tx) -> list[AdminTokenRecord]:
+            return [AdminTokenRecord(*r) for r in tx.execute(
+                f"SELECT {_ADMIN_TOKEN_COLUMNS} FROM admin_tokens ORDER BY created_at, id"
+            )]
+
+        return await self._run(read, write=False)
+
+    async def get_admin_token(self, token_id: str) -> AdminTokenRecord | None:
+        def read(tx: Tx) -> AdminTokenRecord | None:
+            rows = tx.execute(f"SELECT {_ADMIN_TOKEN_COLUMNS} FROM admin_tokens WHERE id = ?", (token_id,))
+            return AdminTokenRecord(*rows[0]) if rows else None
+
+        return await self._run(read, write=False)
+
+    async def revoke_admin_token(self, token_id: str) -> AdminTokenRecord | None:
+        now = time.time()
+
+        def write(tx: Tx) -> AdminTokenRecord | None:
+            tx.execute("UPDATE admin_tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (now, token_id))
+            rows = tx.execute(f"SELECT {_ADMIN_TOKEN_COLUMNS} FROM admin_tokens WHERE id = ?", (token_id,))
+            return AdminTokenRecord(*rows[0]) if rows else None
+
+        return await self._run(write, write=True, fenced=True, idempotent=True)
+
     async def add_usage(self, rows: list[UsageRecord], *, marks: Mapping[str, int] | None = None) -> None:
         marks = dict(marks or {})
         if not rows and not marks:
@@ -579,6 +620,8 @@ class SqlStore(EnrolmentStore, Store):
 
 _TENANT_COLUMNS = "name, models, max_concurrency, rpm, tpm, created_at, updated_at"
 _KEY_COLUMNS = "id, tenant, name, secret_sha256, created_at, revoked_at"
+#: In the order of AdminTokenRecord's fields.
+_ADMIN_TOKEN_COLUMNS = "id, name, secret_sha256, created_by, created_at, revoked_at"
 
 
 def _tenant(row: Row) -> TenantRecord:

@@ -22,6 +22,8 @@ Each message is a dict whose ``"t"`` names its kind, sent over a
     control -> worker   {"t": "collect", "id", "metrics"}   asks for a report now (metrics: with samples)
     worker  -> control  {"t": "scrape", "id"}               GET /metrics arrived: merge everyone's samples
     control -> worker   {"t": "scraped", "id", "body"}      the merged exposition
+    worker  -> control  {"t": "api", "id", "request"}       an /api/v1/* call (llmgw/router/admin_api.py)
+    control -> worker   {"t": "api_reply", "id", "status", "payload"}   the control plane's answer
     control -> worker   {"t": "stop"}                       shut down gracefully (EOF does the same)
 
 Down (control plane -> worker): the worker's settings (:func:`worker_config`), the

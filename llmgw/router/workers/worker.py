@@ -23,9 +23,11 @@ import socket
 import sys
 from typing import Any, Awaitable, Callable
 
+import attrs
 import trio
 
 from ...gctune import tune_for_serving
+from ..admin_api import ApiRequest, ApiResponse, api_error
 from ..app import Gateway, leader_state
 from ..build import assemble_gateway
 from ..http.serve import serve_gateway
@@ -43,6 +45,11 @@ log = logging.getLogger(__name__)
 REPORT_INTERVAL_S = 0.5
 #: Seconds a GET /metrics waits for the control plane to merge every worker's samples.
 SCRAPE_TIMEOUT_S = 5.0
+#: Seconds an /api/v1/* call waits for the control plane's answer: beyond the admin call's
+#: own deadline (llmgw.client.CALL_TIMEOUT, 30 s), so that one answers first with its reason.
+ADMIN_API_TIMEOUT_S = 35.0
+#: The control plane's answers to what a worker asked, matched by "id".
+ANSWER_KINDS = ("scraped", "api_reply")
 #: Header naming the worker that answered (tests and operators tell workers apart by it).
 WORKER_HEADER = b"x-llmgw-worker"
 #: Message kinds that carry the control plane's KV-cache state (:meth:`Worker.apply_kv`).
@@ -99,8 +106,9 @@ class Worker:
         # /metrics is refused before the merge by the rule a single gateway applies.
         access = MetricsAccess.on_gateway(self.gateway.metrics_config, self.gateway.auth.enabled)
         self.front = MetricsGate(WorkerFront(self.gateway.app, self.index, self.scrape), access)
-        self._scrape_ids = itertools.count()
-        self._scrapes: dict[int, tuple[trio.Event, list[bytes]]] = {}
+        self._ask_ids = itertools.count()
+        self._asks: dict[int, tuple[trio.Event, list[Message]]] = {}
+        self.gateway.admin_api = self.forward_api
 
     def apply(self, state: Message) -> None:
         """Make the gateway's table, keys, ``stopped``, readiness and routing equal to ``state``."""
@@ -149,20 +157,34 @@ class Worker:
             "metrics": encode_metrics(g.metrics.registry) if metrics else None,
         }
 
-    async def scrape(self) -> bytes | None:
-        """Return every worker's metrics merged by the control plane, or None after the deadline."""
-        scrape_id = next(self._scrape_ids)
+    async def _ask(self, message: Message, timeout: float) -> Message | None:
+        """Send ``message`` to the control plane with a fresh "id" and return its answer (one
+        of :data:`ANSWER_KINDS` with that id), or None after ``timeout`` seconds or when the
+        channel closed."""
+        ask_id = next(self._ask_ids)
         done, box = trio.Event(), []
-        self._scrapes[scrape_id] = (done, box)
+        self._asks[ask_id] = (done, box)
         try:
-            await self.channel.send({"t": "scrape", "id": scrape_id})
-            with trio.move_on_after(SCRAPE_TIMEOUT_S):
+            await self.channel.send({**message, "id": ask_id})
+            with trio.move_on_after(timeout):
                 await done.wait()
         except ChannelClosed:
             return None
         finally:
-            del self._scrapes[scrape_id]
+            del self._asks[ask_id]
         return box[0] if box else None
+
+    async def scrape(self) -> bytes | None:
+        """Return every worker's metrics merged by the control plane, or None after the deadline."""
+        answer = await self._ask({"t": "scrape"}, SCRAPE_TIMEOUT_S)
+        return bytes(answer["body"]) if answer is not None else None
+
+    async def forward_api(self, request: ApiRequest) -> ApiResponse:
+        """Answer an /api/v1/* call by the control plane's process (504 if it does not answer in time)."""
+        answer = await self._ask({"t": "api", "request": attrs.asdict(request)}, ADMIN_API_TIMEOUT_S)
+        if answer is None:
+            return api_error(504, f"the control plane did not answer within {ADMIN_API_TIMEOUT_S:g}s", "timeout")
+        return ApiResponse(int(answer["status"]), answer["payload"])
 
     async def read(self, stop: trio.CancelScope) -> None:
         """Handle messages from the control plane; cancel ``stop`` on "stop" or EOF."""
@@ -179,10 +201,10 @@ class Worker:
                     await self.apply_shares(message)
                 elif kind == "collect":
                     await self.channel.send(self.report(message.get("id"), bool(message.get("metrics"))))
-                elif kind == "scraped":
-                    waiting = self._scrapes.get(message["id"])
+                elif kind in ANSWER_KINDS:
+                    waiting = self._asks.get(message["id"])
                     if waiting is not None:
-                        waiting[1].append(bytes(message["body"]))
+                        waiting[1].append(message)
                         waiting[0].set()
                 elif kind == "stop":
                     break
