@@ -28,6 +28,7 @@ from llmgw.control.store import (
     parse_target,
     redact_dsn,
 )
+from llmgw.control.admin_tokens import AdminAuthError, authenticate, new_admin_token
 from llmgw.control.store.base import UsageRecord
 from llmgw.control.store.postgres import PostgresDriver
 from llmgw.spec import Adapter, ModelSpec, Profile
@@ -271,6 +272,29 @@ async def test_settings_history(db_url: str) -> None:
         with pytest.raises(ValueError):
             await store.set_setting("serving.stopped", float("nan"), "dave")
         assert len(await store.setting_history("serving.stopped")) == 3
+
+
+async def test_admin_tokens_are_checked_by_their_hash_and_refused_once_revoked(db_url: str) -> None:
+    async with open_store(db_url) as store:
+        record, token = new_admin_token("ops-bot", "alice")
+        saved = await store.create_admin_token(record)
+        assert (saved.name, saved.created_by, saved.revoked_at) == ("ops-bot", "alice", None) and saved.created_at > 0
+        assert token not in repr(saved) and saved.secret_sha256 != token.split("_")[2]
+        with pytest.raises(ConflictError):
+            await store.create_admin_token(record)
+        assert (await authenticate(store, f"Bearer {token}")).id == saved.id
+        for header, words in [("", "needs `Authorization: Bearer"), (f"Bearer {token}x", "wrong secret"),
+                              ("Bearer llmgw_abc_def", "not an admin token"),
+                              ("Bearer llmgwadmin_000000000000_secret", "unknown admin token")]:
+            with pytest.raises(AdminAuthError, match=words):
+                await authenticate(store, header)
+        revoked = await store.revoke_admin_token(saved.id)
+        assert revoked is not None and revoked.revoked_at is not None
+        assert (await store.revoke_admin_token(saved.id)) == revoked  # idempotent
+        assert await store.revoke_admin_token("nope") is None
+        with pytest.raises(AdminAuthError, match="was revoked"):
+            await authenticate(store, f"Bearer {token}")
+        assert [t.id for t in await store.list_admin_tokens()] == [saved.id]
 
 
 async def test_concurrent_writers_lose_no_updates(db_url: str) -> None:

@@ -104,6 +104,17 @@ async def test_two_workers_share_state_usage_metrics_and_restart(cluster: Cluste
     assert cluster.ctl("config", "set", "routing.policy", "round-robin").returncode == 0
     assert await routing_workers(cluster) == {"round-robin": 2.0}
 
+    # Every worker passes /api/v1/* to the control plane's process.
+    token = cluster.ctl("admin-tokens", "create", "ops").stdout.strip()
+    async with httpx.AsyncClient(base_url=cluster.gateway, timeout=30) as http:
+        answers = [await http.get("/api/v1/settings/routing", headers={"authorization": f"Bearer {token}",
+                                                                       "connection": "close"})
+                   for _ in range(CONNECTIONS)]
+    assert {a.status_code for a in answers} == {200}
+    assert {a.headers.get("x-llmgw-worker") for a in answers} == {"0", "1"}
+    assert answers[0].json() == [{"key": "routing", "value": {"policy": "round-robin"}, "version": 1,
+                                  "updated_at": answers[0].json()[0]["updated_at"], "actor": "admin"}]
+
     # A killed worker is restarted and serves again.
     victim = pids[1]
     psutil.Process(victim).kill()

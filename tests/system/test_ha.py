@@ -154,6 +154,23 @@ async def test_killing_the_leader_hands_the_lead_to_a_standby_with_no_engine_res
         assert cluster.ctl_json("--server", other.rpc, "status")["routing"].startswith("kv (")
         await eventually(lambda: routes_by(http, other.gateway, "kv"), "the standby routes by server.yaml again")
 
+        # The HTTP admin API through a standby: the leader answers, checks and audits.
+        token = cluster.ctl("--server", other.rpc, "admin-tokens", "create", "ops-bot").stdout.strip()
+        bearer = {"authorization": f"Bearer {token}"}
+        answer = await http.get(f"{other.gateway}/api/v1/status", headers=bearer)
+        assert answer.status_code == 200 and answer.json()["leader"] == leader.name, answer.text
+        answer = await http.put(f"{other.gateway}/api/v1/settings/routing.policy", headers=bearer,
+                                content=b'"least-load"')
+        assert answer.status_code == 200 and answer.json()["actor"] == f"token ops-bot (via {other.name})", answer.text
+        await eventually(lambda: routes_by(http, other.gateway, "least-load"), "the standby routes least-load")
+        answer = await http.put(f"{other.gateway}/api/v1/settings/routing.policy", headers=bearer, content=b'"x"')
+        assert answer.status_code == 400 and "routing.policy: expected one of" in answer.json()["error"]["message"]
+        assert (await http.get(f"{other.gateway}/api/v1/status")).status_code == 401
+        token_id = token.split("_")[1]
+        assert cluster.ctl("--server", leader.rpc, "admin-tokens", "revoke", token_id).returncode == 0
+        answer = await http.get(f"{other.gateway}/api/v1/status", headers=bearer)
+        assert answer.status_code == 401 and "was revoked" in answer.json()["error"]["message"]
+
         # ctl stop through a standby: the leader stores it and every gateway answers 503.
         assert cluster.ctl("--server", other.rpc, "stop").returncode == 0
         for gateway in (leader.gateway, other.gateway):
