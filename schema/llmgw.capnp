@@ -417,6 +417,11 @@ interface Admin {
   # A bearer token for the HTTP admin API (/api/v1/*), returned this once; only its SHA-256 is stored.
   listAdminTokens @24 () -> (tokens :List(AdminTokenView));
   revokeAdminToken @25 (id :Text) -> (view :AdminTokenView);
+
+  removeNode @26 (name :Text) -> (removed :Bool, certificatesRevoked :UInt32, tokensRevoked :UInt32);
+  # Forgets node NAME: revokes every certificate it was issued or connected with and its pending join
+  # tokens, ends its session and stops placing there (its replicas are placed elsewhere). Its engines are
+  # not contacted: stop the agent on the machine (`llmgw service stop`) to end them.
 }
 
 struct AdminTokenView {

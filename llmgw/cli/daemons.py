@@ -14,6 +14,7 @@ import trio
 from llmgw.cli.common import setup_logging
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
+from llmgw.cli.agent_join import agent_join
 from llmgw.cli.server_join import server_join
 from llmgw.cli.signals import run_daemon
 from llmgw.config import ConfigError, load_agent_config, load_server_config
@@ -172,16 +173,21 @@ def server_init(ctx: click.Context, name: str | None) -> None:
 server.add_command(server_join)
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--config", "-c", "config_path", type=click.Path(path_type=Path), default=None,
               help="agent.yaml [/etc/llmgw/agent.yaml when present, else defaults].")
-def agent(config_path: Path | None) -> None:
-    """Run the node agent: join the control plane and supervise engines.
+@click.pass_context
+def agent(ctx: click.Context, config_path: Path | None) -> None:
+    """Run the node agent: join the control plane and supervise engines (`llmgw agent join` first on a new node).
 
     SIGTERM or SIGINT closes the session and exits 0, leaving the engines running: the
     next agent adopts them (restart and upgrade cost no request). Only an explicit stop
     from the control plane ends an engine.
     """
+    ctx.ensure_object(dict)
+    ctx.obj["config_path"] = config_path
+    if ctx.invoked_subcommand is not None:
+        return
     config_file = _config_path(config_path, "agent.yaml")
     try:
         config = load_agent_config(config_file)
@@ -263,3 +269,6 @@ def agent(config_path: Path | None) -> None:
     if settings.restart.is_set():
         # The new agent reads its configuration afresh and adopts the engines, which kept running.
         exec_again(f"agent: restarting ({settings.reason})")
+
+
+agent.add_command(agent_join)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import click
 
@@ -33,7 +33,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, empty:
         click.echo(click.style(line, bold=True) if n == 0 and sys.stdout.isatty() else line)
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``message`` as an error on stderr and exit with ``code``."""
     click.echo(click.style("error: ", fg="red", bold=True) + message, err=True)
     sys.exit(code)

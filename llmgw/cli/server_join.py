@@ -19,21 +19,17 @@ What it does, in order, saying each step:
 from __future__ import annotations
 
 import os
-import pwd
-import shutil
-import socket
-import time
 from pathlib import Path
 
 import click
 import yaml
 
+from llmgw.cli.joining import bracket, chown_tree, install_and_start, route_address, unit_user, write_private
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR
-from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR, render_unit
+from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR
 from llmgw.config.defaults import DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
 from llmgw.jointoken import parse_token
-from llmgw.rpc import net
 from llmgw.rpc.tls import (
     CA_CERT_FILE,
     CERT_FILE,
@@ -49,26 +45,6 @@ from llmgw.rpc.tls import (
 SERVER_UNIT = "llmgw-server.service"
 DEFAULT_CONFIG = Path("/etc/llmgw/server.yaml")
 DEFAULT_KEEPALIVED = Path("/etc/keepalived/keepalived.conf")
-
-
-def route_address(server: str) -> str:
-    """Returns this machine's address on its route to ``server`` (host:port): a UDP
-    "connect" picks it; nothing is sent. Raises OSError when there is no route."""
-    host, port = net.split_address(server)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return str(probe.getsockname()[0])
-
-
-def _unit_user(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        pwd.getpwnam("llmgw")
-        return "llmgw"
-    except KeyError:
-        return pwd.getpwuid(os.getuid()).pw_name
 
 
 def _already_joined(state_dir: Path, pin: str) -> str | None:
@@ -152,7 +128,7 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
         fail(f"cannot write the certificates to {state_dir}: {exc}")
     click.echo(f"  wrote the cluster CA, this control plane's certificate and an admin certificate under {state_dir}")
 
-    rpc_listen, http_listen = f"{_bracket(host)}:{rpc_port}", f"{_bracket(host)}:{http_port}"
+    rpc_listen, http_listen = f"{bracket(host)}:{rpc_port}", f"{bracket(host)}:{http_port}"
     config = {
         "state_dir": str(state_dir),
         "rpc_listen": rpc_listen,
@@ -161,42 +137,23 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
         "store": {"url": grant.store_url},
         "leader_lease": f"{grant.leader_lease:g}s",
     }
-    _write_private(config_path, "# Written by `llmgw server join`; see docs/ha.md and docs/config.md.\n"
-                   + yaml.safe_dump(config, sort_keys=False))
+    write_private(config_path, "# Written by `llmgw server join`; see docs/ha.md and docs/config.md.\n"
+                  + yaml.safe_dump(config, sort_keys=False),
+                  hint="run as root, or pass `llmgw server --config PATH join`")
     click.echo(f"  wrote {config_path} (store and lease as the cluster's; listening on {rpc_listen} and {http_listen})")
 
     if vip and vip_interface:
         _write_keepalived(vip, vip_interface, http_listen, keepalived_config)
 
-    unit_user = _unit_user(user)
+    user_name = unit_user(user)
     if os.geteuid() == 0:
-        _chown_tree(state_dir, unit_user)
+        chown_tree(state_dir, user_name)
     if no_start:
         click.echo(f"not started (--no-start): run `llmgw server --config {config_path}`")
         return
-    _install_and_start(config_path, unit_user, state_dir, unit_dir)
+    install_and_start(SERVER_UNIT, daemon="server", config_path=config_path, user=user_name, state_dir=state_dir,
+                      unit_dir=unit_dir, default_state_dir=DEFAULT_STATE_DIR)
     click.echo(f"done: `llmgw ctl servers list` on any control plane shows {grant.name} as a standby shortly")
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (0600: it holds the store's URL), keeping any file there as ``.bak``."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
-            shutil.copy2(path, backup)
-            click.echo(f"  kept the previous {path.name} as {backup}")
-        temporary = path.with_name(f".{path.name}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(temporary, path)
-    except OSError as exc:
-        fail(f"cannot write {path}: {exc} (run as root, or pass `llmgw server --config PATH join`)")
 
 
 def _vip_interface(vip: str, given: str | None, host: str) -> str:
@@ -225,30 +182,5 @@ def _write_keepalived(vip: str, interface: str, http_listen: str, path: Path) ->
         text = render(vip, interface, http_listen)
     except ValueError as exc:
         fail(f"--vip: {exc}")
-    _write_private(path, text)
+    write_private(path, text, hint="run as root, or pass --keepalived-config PATH")
     click.echo(f"  wrote {path}: {vip} on {interface} follows the leader (`systemctl reload keepalived` to apply)")
-
-
-def _chown_tree(root: Path, user: str) -> None:
-    entry = pwd.getpwnam(user)
-    for directory, _, files in os.walk(root):
-        os.chown(directory, entry.pw_uid, entry.pw_gid)
-        for name in files:
-            os.chown(os.path.join(directory, name), entry.pw_uid, entry.pw_gid)
-
-
-def _install_and_start(config_path: Path, user: str, state_dir: Path, unit_dir: Path) -> None:
-    from llmgw.cli.service import require_systemd, systemctl
-
-    require_systemd()  # everything else is written: without systemd, it says how to start by hand
-    unit = unit_dir / SERVER_UNIT
-    try:
-        unit_dir.mkdir(parents=True, exist_ok=True)
-        unit.write_text(render_unit(SERVER_UNIT, daemon="server", config=config_path, user=user, state_dir=state_dir))
-    except OSError as exc:
-        fail(f"cannot write {unit}: {exc} (run as root)")
-    for args in (["daemon-reload"], ["enable", "--now", SERVER_UNIT]):
-        done = systemctl(*args)
-        if done.returncode != 0:
-            fail(f"systemctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
-    click.echo(f"  installed {unit} and started it (as {user})")

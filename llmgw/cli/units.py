@@ -19,10 +19,12 @@ def llmgw_command() -> str:
     return str(script) if script.exists() else f"{sys.executable} -m llmgw"
 
 
-def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: Path) -> str:
+def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: Path,
+                default_state_dir: Path = DEFAULT_STATE_DIR) -> str:
     """Returns the shipped ``unit`` (e.g. ``llmgw-server.service``) running ``llmgw DAEMON
-    --config CONFIG`` as ``user`` with ``state_dir`` writable. Raises FileNotFoundError when
-    the package lacks the unit (an llmgw installed without its package data)."""
+    --config CONFIG`` as ``user`` with ``state_dir`` writable (the unit's ``StateDirectory=``
+    makes ``default_state_dir``; another one is made by the join). Raises FileNotFoundError
+    when the package lacks the unit (an llmgw installed without its package data)."""
     text = (importlib.resources.files("llmgw.systemd") / unit).read_text()
     out = []
     for line in text.splitlines():
@@ -33,7 +35,7 @@ def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: P
             line = f"{key}={user}"
         elif key == "ReadWritePaths":
             line = f"ReadWritePaths={state_dir}"
-        elif key.startswith("StateDirectory") and state_dir != DEFAULT_STATE_DIR:
+        elif key.startswith("StateDirectory") and state_dir != default_state_dir:
             continue  # systemd makes only /var/lib/NAME; another directory is made by the join
         out.append(line)
     return "\n".join(out) + "\n"

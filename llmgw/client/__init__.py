@@ -152,6 +152,16 @@ class NewJoinToken:
 
 
 @attrs.frozen
+class NodeRemoved:
+    """What removing a node did (``removed`` False: the cluster knew nothing of that name)."""
+
+    name: str
+    removed: bool
+    certificates_revoked: int
+    tokens_revoked: int
+
+
+@attrs.frozen
 class AdminTokenRow:
     """A bearer token of the HTTP admin API (never its secret); ``revoked_at`` 0 while active."""
 
@@ -351,6 +361,12 @@ class ClusterClient:
         """Remove control plane ``name`` (its certificate and pending tokens revoked); returns
         whether there was anything to remove. Fails for the leader itself."""
         return bool((await self._call("removeControlPlane", name)).removed)
+
+    async def remove_node(self, name: str) -> NodeRemoved:
+        """Remove node ``name``: its certificates and pending join tokens revoked, its session
+        ended, nothing placed there any more (its replicas are placed elsewhere)."""
+        r = await self._call("removeNode", name)
+        return NodeRemoved(name, bool(r.removed), int(r.certificatesRevoked), int(r.tokensRevoked))
 
     async def create_admin_token(self, name: str) -> tuple[AdminTokenRow, str]:
         """Make a bearer token of the HTTP admin API named ``name``; returns it with the token

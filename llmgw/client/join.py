@@ -1,4 +1,4 @@
-"""Joining a cluster with a one-time token, the network half (``llmgw server join``).
+"""Joining a cluster with a one-time token, the network half (``llmgw server join``, ``llmgw agent join``).
 
 :func:`redeem` dials a control plane without a certificate, fetches the cluster CA, checks
 it against the pin in the token and the server's certificate against it (so the token is
@@ -44,11 +44,13 @@ class Grant:
     control_planes: tuple[str, ...]
 
 
-async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, sans: Sequence[str]) -> Grant:
+async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, sans: Sequence[str],
+                 name: str = "joining") -> Grant:
     """Redeem ``token`` at the first of ``addresses`` that answers; return the :class:`Grant`.
 
     ``key_pem`` is this machine's private key (only a request signed with it is sent),
-    ``sans`` the addresses a control plane's certificate should name. Raises
+    ``sans`` the addresses a control plane's certificate should name, ``name`` the name a
+    node asks for where its token names none (its host name). Raises
     :class:`JoinError` when no control plane could be reached, the server is not the
     cluster the token pins (nothing secret was sent then), or the token was refused.
     """
@@ -68,7 +70,7 @@ async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, san
                         check_pinned_server(stream.getpeercert(binary_form=True), ca, token.ca_sha256)
                     except (PermissionError, ValueError) as exc:
                         raise JoinError(f"{address}: {exc}") from None
-                    request = certificate_request(key_pem, "joining")
+                    request = certificate_request(key_pem, name)
                     grant = (await desk.redeem(str(token), request, list(sans))).grant
             except trio.TooSlowError:
                 raise JoinError(f"{address} did not answer within {JOIN_CALL_TIMEOUT_S:g}s") from None

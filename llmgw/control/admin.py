@@ -107,6 +107,25 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
                 **await services.leadership(),
             }
 
+        async def removeNode(self, name: str, _context: Any, **_: Any) -> None:
+            node_id = str(name)
+            removal = await services.store.remove_node(node_id, actor)
+            try:
+                services.sessions.get(node_id).close()  # it reconnects, and is refused: revoked
+            except LookupError:
+                pass
+            forgotten = services.registry.forget_node(node_id)  # its replicas are placed elsewhere
+            removed = removal.known or forgotten or removal.tokens_revoked > 0
+            if removed:
+                await services.store.audit(actor, "node.remove", node_id, {
+                    "certificates_revoked": removal.certificates_revoked, "tokens_revoked": removal.tokens_revoked})
+                services.catalog_changed()
+                log.info("%s removed node %s (%d certificate(s) revoked)", actor, node_id,
+                         removal.certificates_revoked)
+            _context.results.removed = removed
+            _context.results.certificatesRevoked = removal.certificates_revoked
+            _context.results.tokensRevoked = removal.tokens_revoked
+
         async def listNodes(self, _context: Any, **_: Any) -> None:
             fleet = services.registry.snapshot()
             now = trio.current_time()

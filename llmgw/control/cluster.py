@@ -159,7 +159,7 @@ def _make_cluster(
             nursery.start_soon(_push_engines, session, dict(sessions.wanted_engines))
             nursery.start_soon(_push_planes, services, [session])
             nursery.start_soon(_push_settings, services, session)
-            nursery.start_soon(_record_seen, services, node_id, address)
+            nursery.start_soon(_record_seen, services, node_id, address, identity.serial)
             log.info("node %s joined from %s (%d shards, agent %s)", node_id, address, len(shards), version)
             _context.results.desk = session.desk()
             _context.results.heartbeatIntervalMs = int(services.heartbeat_interval * 1000)
@@ -268,9 +268,11 @@ async def _push_settings(services: ClusterServices, session: NodeSession) -> Non
     await push_to(session, settings)
 
 
-async def _record_seen(services: ClusterServices, node_id: str, address: str) -> None:
+async def _record_seen(services: ClusterServices, node_id: str, address: str, serial: str) -> None:
     try:
         with trio.fail_after(STORE_WRITE_TIMEOUT):
             await services.store.record_node_seen(node_id, address)
+            if serial:  # so that `ctl nodes remove` revokes the certificate it connects with
+                await services.store.record_node_certificate(node_id, serial)
     except Exception as exc:  # noqa: BLE001 - the live view does not depend on this record
         log.warning("could not record node %s in the store: %s", node_id, exc)

@@ -21,13 +21,14 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
+from llmgw.config.values import parse_node_id
 from llmgw.control.refusals import AUDIT_TIMEOUT_S
 from llmgw.control.store import Store
 from llmgw.control.store.base import JoinTokenRefused
 from llmgw.jointoken import parse_token
 from llmgw.logthrottle import LogThrottle
 from llmgw.rpc import schema
-from llmgw.rpc.tls import ClusterCA, Role, check_sans, request_public_key
+from llmgw.rpc.tls import ClusterCA, Role, check_sans, identity_of, request_name, request_public_key
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,17 @@ async def redeem(service: JoinService, token_text: str, request: bytes, sans: li
         await _refused(service, peer, str(exc))
         raise PermissionError(str(exc)) from None
     control = record.role == Role.CONTROL.value
-    certificate = service.ca.sign(record.role, record.name, public_key, sans=sans if control else ())
+    name = record.name or await _node_name(service, request)
+    certificate = service.ca.sign(record.role, name, public_key, sans=sans if control else ())
+    if record.role == Role.NODE.value:  # `ctl nodes remove` revokes it
+        await service.store.record_node_certificate(name, identity_of(certificate).serial)
     with trio.move_on_after(AUDIT_TIMEOUT_S):
-        await service.store.audit(f"join:{peer}", "join.redeem", record.name,
+        await service.store.audit(f"join:{peer}", "join.redeem", name,
                                   {"role": record.role, "token": record.id, "from": peer})
-    log.info("%s %s joined from %s with token %s", record.role, record.name, peer, record.id)
+    log.info("%s %s joined from %s with token %s", record.role, name, peer, record.id)
     return {
         "role": record.role,
-        "name": record.name,
+        "name": name,
         "certificate": certificate,
         "ca": service.ca.cert_pem,
         "caKey": service.ca.key_pem() if control else b"",
@@ -98,6 +102,21 @@ async def redeem(service: JoinService, token_text: str, request: bytes, sans: li
         "leaderLease": service.leader_lease if control else 0.0,
         "controlPlanes": await service.control_planes(),
     }
+
+
+async def _node_name(service: JoinService, request: bytes) -> str:
+    """Returns the name a node asks for in its certificate request (its host name, or
+    ``agent join --name``), for a token that names none; raises ValueError when it cannot
+    name a node or one of that name is in the cluster already."""
+    name = request_name(request)
+    try:
+        parse_node_id(name)
+    except ValueError as exc:
+        raise ValueError(f"{name!r} cannot name a node ({exc}): join with --name NAME") from None
+    if any(node.id == name for node in await service.store.list_known_nodes()):
+        raise ValueError(f"a node named {name!r} is in the cluster already: join with --name NAME, or "
+                         f"`llmgw ctl nodes remove {name}` first to replace it")
+    return name
 
 
 async def _refused(service: JoinService, peer: str, reason: str) -> None:

@@ -1,9 +1,10 @@
-"""The Admin methods for control planes joining and leaving (``llmgw ctl servers``), a mixin.
+"""The Admin methods for machines joining and leaving (``llmgw ctl servers``, ``llmgw ctl
+nodes add``), a mixin.
 
 :func:`llmgw.control.admin.make_admin` calls :meth:`ServersAdminMixin.bind_servers`. A
 token is minted only by a leader that holds the cluster CA's key (it answers the join
-too) and only over a PostgreSQL store (SQLite cannot be shared by two machines). Every
-change is audited.
+too); a control plane's only over a PostgreSQL store (SQLite cannot be shared by two
+machines). Every change is audited.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from llmgw.control.joining import JoinService
 from llmgw.control.peers import FeedTee
 from llmgw.control.store import Store, parse_target
 from llmgw.control.store.base import JoinTokenRecord
+from llmgw.config.values import parse_node_id
 from llmgw.credentials import check_name
 from llmgw.jointoken import MAX_TTL_S, new_token
 from llmgw.rpc.tls import Role, ca_sha256
 
 log = logging.getLogger(__name__)
 
-#: Roles a join token may be minted for (nodes join with their own command: issue 15).
-JOIN_ROLES = (Role.CONTROL.value,)
+#: Roles a join token may be minted for: a control plane (`llmgw server join`), a node (`llmgw agent join`).
+JOIN_ROLES = (Role.CONTROL.value, Role.NODE.value)
 
 
 def token_view(record: JoinTokenRecord, now: float) -> dict[str, Any]:
@@ -56,7 +58,14 @@ class ServersAdminMixin:
         role, name = str(role), str(name)
         if role not in JOIN_ROLES:
             raise ValueError(f"a join token is for one of: {', '.join(JOIN_ROLES)} (got {role!r})")
-        check_name(name)
+        if role == Role.NODE.value:
+            try:
+                if name:  # none: the node's own host name, when it joins
+                    parse_node_id(name)
+            except ValueError as exc:
+                raise ValueError(f"{name!r} cannot name a node: {exc}") from None
+        else:
+            check_name(name)
         if not 0 < ttlSeconds <= MAX_TTL_S:
             raise ValueError(f"a join token's lifetime must be above 0 and at most {MAX_TTL_S / 86400:g} days")
         joins = self._servers_joins
@@ -64,13 +73,18 @@ class ServersAdminMixin:
             raise RuntimeError("the leading control plane holds no cluster CA key, so nothing could sign the new "
                                "certificate: run `ctl servers add` while the control plane made by "
                                "`llmgw server init` (or one that joined with a token) leads")
-        if parse_target(joins.store_url)[0] == "sqlite":
-            raise ValueError("a second control plane needs a PostgreSQL store (store.url in server.yaml): "
-                             "two machines cannot share a SQLite file; see docs/ha.md")
         store = self._servers_store
-        if any(r.name == name for r in await store.list_control_planes()):
-            raise ValueError(f"a control plane named {name!r} is in the cluster already: "
-                             f"`llmgw ctl servers remove {name}` first to replace it")
+        if role == Role.NODE.value:
+            if name and any(n.id == name for n in await store.list_known_nodes()):
+                raise ValueError(f"a node named {name!r} is in the cluster already: "
+                                 f"`llmgw ctl nodes remove {name}` first to replace it")
+        else:
+            if parse_target(joins.store_url)[0] == "sqlite":
+                raise ValueError("a second control plane needs a PostgreSQL store (store.url in server.yaml): "
+                                 "two machines cannot share a SQLite file; see docs/ha.md")
+            if any(r.name == name for r in await store.list_control_planes()):
+                raise ValueError(f"a control plane named {name!r} is in the cluster already: "
+                                 f"`llmgw ctl servers remove {name}` first to replace it")
         token = new_token(ca_sha256(joins.ca.cert_pem))
         now = time.time()
         record = JoinTokenRecord(token.id, role, name, now, self._servers_actor, now + float(ttlSeconds))

@@ -398,6 +398,6 @@ def _describe(exc: capnp.KjException, joined: bool) -> str:
     if not joined and exc.type == "DISCONNECTED":
         return (
             f"the control plane closed the connection on the first call ({reason}): it refused this "
-            "node's certificate (another cluster's CA, expired, or issued for another node id)"
+            "node's certificate (another cluster's CA, expired, issued for another node id, or revoked: the node was removed)"
         )
     return reason

@@ -269,6 +269,18 @@ def request_public_key(csr_pem: bytes) -> ec.EllipticCurvePublicKey:
     return public_key
 
 
+def request_name(csr_pem: bytes) -> str:
+    """Return the common name the certificate signing request ``csr_pem`` asks for ("" for
+    none): the name a node joining with a token that names none wants (its host name).
+    Raises :class:`ValueError` when it is not PEM."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as exc:
+        raise ValueError(f"the certificate request is not valid PEM ({exc})") from None
+    names = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
+
+
 def check_sans(sans: Iterable[str]) -> None:
     """Return None when every one of ``sans`` is an IP address or DNS name a certificate may
     name; raise :class:`ValueError` naming the first that is not."""

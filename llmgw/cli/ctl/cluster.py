@@ -41,17 +41,30 @@ def status(ctx: click.Context, as_json: bool) -> None:
                     [[a.tenant, a.admitted, a.queued, a.shed, a.in_flight] for a in st.admission])
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @json_option
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
-    """Nodes of the cluster with their hardware and engines.
+    """Nodes of the cluster with their hardware and engines (`nodes list`); `nodes add`, `nodes remove`.
 
     Under the table, per node, each engine's version, the llama-server or Python it runs and
     where that comes from ("agent.yaml" when the operator named it, "installed"), or why an
     engine named in agent.yaml is not usable. ``--json`` has them as ``version``, ``path``,
     ``origin``, ``installed`` and ``detail`` of each engine.
     """
+    if ctx.invoked_subcommand is None:
+        _list_nodes(ctx, as_json)
+
+
+@nodes.command("list")
+@json_option
+@click.pass_context
+def nodes_list(ctx: click.Context, as_json: bool) -> None:
+    """Nodes of the cluster with their hardware and engines."""
+    _list_nodes(ctx, as_json)
+
+
+def _list_nodes(ctx: click.Context, as_json: bool) -> None:
     rows = call(ctx, as_json, lambda c: c.nodes())
     table = []
     for n in rows:

@@ -1,9 +1,10 @@
-"""``llmgw ctl servers add|list|remove``: control planes joining and leaving the cluster.
+"""``llmgw ctl servers add|list|remove`` and ``llmgw ctl nodes add|remove``: machines joining
+and leaving the cluster.
 
 ``add NAME`` mints a one-time join token that expires (default 1 h) and prints the one
-command to run on the new machine (``llmgw server join``); ``list`` shows every control
-plane, its role, and the tokens not yet used; ``remove NAME`` revokes its certificate and
-any pending token for it, and ends its session with the leader.
+command to run on the new machine (``llmgw server join``, ``llmgw agent join``); ``servers
+list`` shows every control plane, its role, and the tokens not yet used; ``remove NAME``
+revokes its certificates and any pending token for it, and ends its session with the leader.
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ def servers() -> None:
 @click.pass_context
 def servers_add(ctx: click.Context, name: str, ttl: str, as_json: bool) -> None:
     """Mint a one-time join token for a new control plane NAME and print the command to run on it."""
-    try:
-        seconds = parse_duration(ttl)
-    except ValueError as exc:
-        fail(f"--ttl: {exc}")
+    seconds = _seconds(ttl)
     new = call(ctx, as_json, lambda c: c.create_join_token("control", name, seconds),
                as_data=lambda t: {"name": t.name, "token": t.token, "expires_at": t.expires_at,
                                   "control_planes": list(t.control_planes),
@@ -47,8 +45,51 @@ def servers_add(ctx: click.Context, name: str, ttl: str, as_json: bool) -> None:
                "--vip ADDRESS for a floating address on the leader)")
 
 
-def _join_command(control_planes: Any, token: str) -> str:
-    return f"sudo llmgw server join --server {','.join(control_planes)} --token {token}"
+def _join_command(control_planes: Any, token: str, daemon: str = "server") -> str:
+    return f"sudo llmgw {daemon} join --server {','.join(control_planes)} --token {token}"
+
+
+def _seconds(ttl: str) -> float:
+    try:
+        return parse_duration(ttl)
+    except ValueError as exc:
+        fail(f"--ttl: {exc}")
+
+
+# -- nodes (attached to `ctl nodes` in llmgw/cli/ctl/__init__.py) ----------------------------
+
+
+@click.command("add")
+@click.argument("name", required=False, default="")
+@click.option("--ttl", default=f"{DEFAULT_TTL_S:g}s", show_default=True,
+              help="How long the token stays valid (30m, 2h, ...).")
+@json_option
+@click.pass_context
+def nodes_add(ctx: click.Context, name: str, ttl: str, as_json: bool) -> None:
+    """Mint a one-time join token for a new node (NAME: its host name unless given) and print the command to run on it."""
+    seconds = _seconds(ttl)
+    new = call(ctx, as_json, lambda c: c.create_join_token("node", name, seconds),
+               as_data=lambda t: {"name": name, "token": t.token, "expires_at": t.expires_at,
+                                  "control_planes": list(t.control_planes),
+                                  "command": _join_command(t.control_planes, t.token, "agent")})
+    who = f"node {name}" if name else "a node (named by its host name)"
+    click.echo(f"join token for {who}, valid until {local_time(new.expires_at)} (once):")
+    click.echo(f"  {new.token}")
+    click.echo("On the new machine, run:")
+    click.echo(f"  {_join_command(new.control_planes, new.token, 'agent')}")
+
+
+@click.command("remove")
+@click.argument("name")
+@json_option
+@click.pass_context
+def nodes_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Remove node NAME: its certificates and pending tokens are revoked, nothing is placed there any more."""
+    removal = call(ctx, as_json, lambda c: c.remove_node(name))
+    if not removal.removed:
+        fail(f"no node or pending join token named {name} (see `llmgw ctl nodes` and `llmgw ctl servers list`)")
+    click.echo(f"removed node {name}: {removal.certificates_revoked} certificate(s) refused from now on; its replicas "
+               "are placed elsewhere (stop its agent and engines there: `llmgw service stop` on the machine)")
 
 
 @servers.command("list")

@@ -81,6 +81,16 @@ class ControlPlaneRemoval:
 
 
 @attrs.frozen
+class NodeRemoval:
+    """What removing a node did: whether the store knew it, how many of its certificates and
+    of its join tokens that could still have been used were revoked."""
+
+    known: bool
+    certificates_revoked: int
+    tokens_revoked: int
+
+
+@attrs.frozen
 class JoinTokenRecord:
     """A one-time join token (without its secret). Times are Unix seconds; ``used_at``,
     ``used_by`` (the address it was redeemed from) and ``revoked_at`` are None until then."""
@@ -270,6 +280,17 @@ class Store(abc.ABC):
         """Forget control plane ``name`` (fenced), in one transaction: delete its row, revoke
         the certificate it last ran with and every pending join token for it. Returns what
         was removed (no row where no control plane has that name)."""
+
+    @abc.abstractmethod
+    async def record_node_certificate(self, node_id: str, serial: str) -> None:
+        """Remember that node ``node_id`` holds the certificate ``serial`` (issued to it, or
+        connected with), so that removing the node revokes it. Not fenced: any control plane
+        answers joins."""
+
+    @abc.abstractmethod
+    async def remove_node(self, node_id: str, actor: str) -> NodeRemoval:
+        """Forget node ``node_id`` (fenced), in one transaction: revoke every certificate it
+        was issued or connected with and every pending join token for it, and delete its row."""
 
     @abc.abstractmethod
     async def is_certificate_revoked(self, serial: str) -> bool:

@@ -18,6 +18,7 @@ from llmgw.control.store.base import (
     ControlPlaneRemoval,
     JoinTokenRecord,
     JoinTokenRefused,
+    NodeRemoval,
 )
 
 T = TypeVar("T")
@@ -91,7 +92,7 @@ class EnrolmentStore:
             rows = tx.execute(f"SELECT {_TOKEN_COLUMNS}, secret_sha256 FROM join_tokens WHERE id = ?", (token_id,))
             if not rows or not hmac.compare_digest(str(rows[0][-1]), secret_sha256):
                 raise JoinTokenRefused("the join token is not one this cluster issued (unknown or mistyped): "
-                                       "mint a new one with `llmgw ctl servers add NAME`")
+                                       "mint a new one (`llmgw ctl nodes add` or `llmgw ctl servers add`)")
             token = _token(rows[0][:-1])
             state = token.state(at)
             if state == "used":
@@ -129,6 +130,32 @@ class EnrolmentStore:
                            (record.serial, name, now, actor))
             tx.execute("DELETE FROM control_planes WHERE name = ?", (name,))
             return ControlPlaneRemoval(record, len(revoked))
+
+        return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
+
+    async def record_node_certificate(self, node_id: str, serial: str) -> None:
+        now = time.time()
+
+        def write(tx: Any) -> None:
+            tx.execute("INSERT INTO node_certificates (serial, node, seen_at) VALUES (?, ?, ?) "
+                       "ON CONFLICT (serial) DO NOTHING", (serial, node_id, now))
+
+        await self._run(write, write=True, idempotent=True)
+
+    async def remove_node(self, node_id: str, actor: str) -> NodeRemoval:
+        now = time.time()
+
+        def write(tx: Any) -> NodeRemoval:
+            tokens = [row for row in tx.execute(
+                "UPDATE join_tokens SET revoked_at = ? WHERE role = 'node' AND name = ? "
+                "AND used_at IS NULL AND revoked_at IS NULL RETURNING expires_at", (now, node_id)) if row[0] > now]
+            serials = [row[0] for row in tx.execute("SELECT serial FROM node_certificates WHERE node = ?", (node_id,))]
+            for serial in serials:
+                tx.execute("INSERT INTO revoked_certificates (serial, role, name, revoked_at, actor) "
+                           "VALUES (?, 'node', ?, ?, ?) ON CONFLICT (serial) DO NOTHING", (serial, node_id, now, actor))
+            tx.execute("DELETE FROM node_certificates WHERE node = ?", (node_id,))
+            known = bool(tx.execute("DELETE FROM nodes WHERE id = ? RETURNING id", (node_id,)))
+            return NodeRemoval(known or bool(serials), len(serials), len(tokens))
 
         return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
 

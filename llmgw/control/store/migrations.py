@@ -277,6 +277,21 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=8,
+        name="node certificates",
+        statements=(
+            # Every certificate serial a node was issued (`llmgw agent join`) or connected with,
+            # so `llmgw ctl nodes remove` revokes each of them.
+            """
+            CREATE TABLE node_certificates (
+                serial TEXT PRIMARY KEY,
+                node TEXT NOT NULL,
+                seen_at {ts} NOT NULL
+            )
+            """,
+        ),
+    ),
 )
 
 

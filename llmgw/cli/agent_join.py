@@ -1,0 +1,128 @@
+"""``llmgw agent join --server ADDR --token T``: make this machine a node of a cluster.
+
+What it does, in order, saying each step:
+
+1. checks the token's form and that this machine is not a node already (a second run on a
+   machine that joined this cluster is a no-op that says so);
+2. generates this machine's private key (it never leaves the machine) and redeems the token
+   at the first control plane that answers, after checking that control plane against the
+   CA the token pins (:func:`llmgw.client.join.redeem`); the node's name is the token's, else
+   ``--name``, else this machine's host name;
+3. writes the CA, its certificate and key under ``<state_dir>/tls`` and an agent.yaml naming
+   only the control planes, the TLS files and what differs from the defaults (the node id
+   where it is not the host name, the state directory);
+4. installs and starts ``llmgw-agent.service`` where systemd runs (``--no-start``: not).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import click
+import yaml
+
+from llmgw.cli.joining import install_and_start, write_private
+from llmgw.cli.output import fail
+from llmgw.cli.units import UNIT_DIR
+from llmgw.config.agent import AgentTLS
+from llmgw.config.defaults import DEFAULT_AGENT_STATE_DIR
+from llmgw.config.values import parse_node_id
+from llmgw.jointoken import parse_token
+from llmgw.rpc.tls import CA_CERT_FILE, CERT_FILE, IssuedCert, TLSFileError, ca_sha256, identity_of, new_private_key, \
+    write_credentials
+
+AGENT_UNIT = "llmgw-agent.service"
+DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
+#: Where the node's certificate, key and the CA go, below its state directory (agent.yaml's default).
+TLS_SUBDIR = "tls"
+
+
+def _already_joined(tls_dir: Path, pin: str) -> str | None:
+    """Returns this machine's node name when it joined this cluster already; fails when it
+    belongs to another; None when it is not a node yet."""
+    cert = tls_dir / CERT_FILE
+    if not cert.exists():
+        return None
+    try:
+        same = ca_sha256((tls_dir / CA_CERT_FILE).read_bytes()) == pin
+        name = identity_of(cert.read_bytes()).name
+    except (ValueError, PermissionError, OSError) as exc:
+        fail(f"{cert} exists but cannot be read ({exc}): move {tls_dir} away to join afresh")
+    if not same:
+        fail(f"this machine is a node of another cluster already ({tls_dir}): move that directory away first "
+             "if it should join this one")
+    return name
+
+
+def _wanted_name(given: str | None) -> str:
+    """Returns the node name to ask for where the token names none: ``given``, else the host name."""
+    name = given or socket.gethostname()
+    try:
+        return parse_node_id(name)
+    except ValueError as exc:
+        fail(f"{'--name' if given else 'the host name'} {name!r} cannot name a node ({exc}): give --name NAME")
+
+
+@click.command("join")
+@click.option("--server", "servers", required=True, metavar="ADDR[,ADDR...]",
+              help="RPC address(es) of the cluster's control planes, as `ctl nodes add` printed them.")
+@click.option("--token", envvar="LLMGW_JOIN_TOKEN", required=True, help="The join token (or $LLMGW_JOIN_TOKEN).")
+@click.option("--name", default=None, help="The node's name where the token names none [the host name].")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=DEFAULT_AGENT_STATE_DIR, show_default=True)
+@click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), default=UNIT_DIR, show_default=True,
+              help="Where to install llmgw-agent.service.")
+@click.option("--no-start", is_flag=True, help="Write everything, but do not install or start the unit.")
+@click.pass_context
+def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, state_dir: Path, unit_dir: Path,
+               no_start: bool) -> None:
+    """Join this machine to a cluster as a node, with a token from `llmgw ctl nodes add`."""
+    from llmgw.cli.common import run_trio
+    from llmgw.client.join import JoinError, redeem
+
+    config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_AGENT_CONFIG
+    try:
+        parsed = parse_token(token)
+    except ValueError as exc:
+        fail(f"--token: {exc}")
+    addresses = [a.strip() for a in servers.split(",") if a.strip()]
+    if not addresses:
+        fail("--server: give at least one control plane address (host:port)")
+    tls_dir = state_dir / TLS_SUBDIR
+    joined = _already_joined(tls_dir, parsed.ca_sha256)
+    if joined is not None:
+        click.echo(f"this machine joined this cluster already, as node {joined} ({tls_dir}): nothing to do")
+        return
+    wanted = _wanted_name(name)
+    key_pem = new_private_key()
+    click.echo(f"joining through {', '.join(addresses)} ...")
+    try:
+        grant = run_trio(lambda: redeem(addresses, parsed, key_pem, [], name=wanted))
+    except JoinError as exc:
+        fail(f"join failed: {exc}")
+    if grant.role != "node":
+        fail(f"this token is for a {grant.role}, not a node: run `llmgw server join` with it instead")
+    click.echo(f"  the cluster signed this machine's certificate: node {grant.name}")
+    try:
+        write_credentials(tls_dir, grant.ca, IssuedCert(grant.certificate, key_pem))
+    except (TLSFileError, OSError) as exc:
+        fail(f"cannot write the certificates to {tls_dir}: {exc}")
+    click.echo(f"  wrote the cluster CA, this node's certificate and key under {tls_dir}")
+
+    tls = AgentTLS.in_dir(tls_dir)
+    config: dict[str, object] = {"control_planes": list(grant.control_planes),
+                                 "tls": {"ca": str(tls.ca), "cert": str(tls.cert), "key": str(tls.key)}}
+    if grant.name != socket.gethostname():
+        config["node_id"] = grant.name
+    if state_dir != DEFAULT_AGENT_STATE_DIR:
+        config["state_dir"] = str(state_dir)
+    write_private(config_path, "# Written by `llmgw agent join`; see docs/config.md (agent.yaml).\n"
+                  + yaml.safe_dump(config, sort_keys=False),
+                  hint="run as root, or pass `llmgw agent --config PATH join`")
+    click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)})")
+    if no_start:
+        click.echo(f"not started (--no-start): run `llmgw agent --config {config_path}`")
+        return
+    install_and_start(AGENT_UNIT, daemon="agent", config_path=config_path, user="root", state_dir=state_dir,
+                      unit_dir=unit_dir, default_state_dir=DEFAULT_AGENT_STATE_DIR)
+    click.echo(f"done: `llmgw ctl nodes` on any control plane shows {grant.name} once its agent has joined")

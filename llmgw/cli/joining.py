@@ -1,0 +1,91 @@
+"""What ``llmgw server join`` and ``llmgw agent join`` share: finding this machine's address,
+writing private files, handing the state to the unit's user, installing and starting a unit."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import time
+from pathlib import Path
+
+import click
+
+from llmgw.cli.output import fail
+from llmgw.cli.units import render_unit
+from llmgw.rpc import net
+
+
+def route_address(server: str) -> str:
+    """Returns this machine's address on its route to ``server`` (host:port): a UDP
+    "connect" picks it; nothing is sent. Raises OSError (or ValueError for a malformed
+    address) when there is none."""
+    from llmgw.node.discovery import route_address as address_towards
+
+    host, port = net.split_address(server)
+    return address_towards(host, port)
+
+
+def unit_user(given: str | None) -> str:
+    """Returns the user a unit runs as: ``given``, else ``llmgw`` where it exists, else the caller."""
+    if given:
+        return given
+    try:
+        pwd.getpwnam("llmgw")
+        return "llmgw"
+    except KeyError:
+        return pwd.getpwuid(os.getuid()).pw_name
+
+
+def bracket(host: str) -> str:
+    """Returns ``host`` as it goes before ``:port`` (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
+def write_private(path: Path, text: str, *, hint: str) -> None:
+    """Write ``text`` to ``path`` (mode 0600), keeping any file there as ``.bak``; exits with
+    the reason and ``hint`` (what to do instead) when it cannot."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
+            shutil.copy2(path, backup)
+            click.echo(f"  kept the previous {path.name} as {backup}")
+        temporary = path.with_name(f".{path.name}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc} ({hint})")
+
+
+def chown_tree(root: Path, user: str) -> None:
+    """Give ``root`` and everything below it to ``user`` (and its group)."""
+    entry = pwd.getpwnam(user)
+    for directory, _, files in os.walk(root):
+        os.chown(directory, entry.pw_uid, entry.pw_gid)
+        for name in files:
+            os.chown(os.path.join(directory, name), entry.pw_uid, entry.pw_gid)
+
+
+def install_and_start(unit_name: str, *, daemon: str, config_path: Path, user: str, state_dir: Path,
+                      unit_dir: Path, default_state_dir: Path) -> None:
+    """Install the shipped ``unit_name`` running ``llmgw DAEMON --config CONFIG_PATH`` in
+    ``unit_dir`` and start it (``systemctl daemon-reload``, ``enable --now``); exits with
+    the reason where systemd does not run, or a step fails."""
+    from llmgw.cli.service import require_systemd, systemctl
+
+    require_systemd()  # everything else is written: without systemd, it says how to start by hand
+    unit = unit_dir / unit_name
+    try:
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        unit.write_text(render_unit(unit_name, daemon=daemon, config=config_path, user=user, state_dir=state_dir,
+                                    default_state_dir=default_state_dir))
+    except OSError as exc:
+        fail(f"cannot write {unit}: {exc} (run as root)")
+    for args in (["daemon-reload"], ["enable", "--now", unit_name]):
+        done = systemctl(*args)
+        if done.returncode != 0:
+            fail(f"systemctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    click.echo(f"  installed {unit} and started it (as {user})")
