@@ -398,6 +398,7 @@ def _describe(exc: capnp.KjException, joined: bool) -> str:
     if not joined and exc.type == "DISCONNECTED":
         return (
             f"the control plane closed the connection on the first call ({reason}): it refused this "
-            "node's certificate (another cluster's CA, expired, issued for another node id, or revoked: the node was removed)"
+            "node's certificate (another cluster's CA, expired, issued for another node id, or revoked: "
+            "the node was removed)"
         )
     return reason

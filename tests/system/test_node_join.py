@@ -1,0 +1,97 @@
+"""``llmgw ctl nodes add|remove`` and ``llmgw agent join``, as an operator onboards a node.
+
+A control plane mints a node token; ``llmgw agent join`` (a real process with nothing but
+the control plane's address and the token; a fresh state directory stands for a new machine)
+writes the TLS files and an agent.yaml; the agent started from them joins and serves a
+replica. The token works once; a token naming no node takes ``--name``; removing a node
+revokes its certificate, so its agent is refused from then on, and its replica is placed
+on another node. Without ``--no-start`` the join installs and starts the agent unit (through
+a stand-in systemctl: systemd cannot run here).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, ready_replicas
+from tests.system.test_service import STAND_IN
+
+
+def agent_join(tmp_path: Path, node: str, token: str, server: str, *extra: str,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*LLMGW, "agent", "--config", str(tmp_path / f"{node}.yaml"), "join", "--server", server, "--token", token,
+         "--state-dir", str(tmp_path / node), *extra],
+        capture_output=True, text=True, timeout=WAIT, env={**os.environ, **(env or {})},
+    )
+
+
+def online(cluster: Cluster) -> set[str]:
+    return {n["id"] for n in cluster.ctl_json("nodes") if n["state"] == "online"}
+
+
+async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed(tmp_path: Path) -> None:
+    async with Cluster(tmp_path) as cluster:
+        added = cluster.ctl_json("nodes", "add", "n1", "--ttl", "10m")
+        token = added["token"]
+        assert added["command"] == f"sudo llmgw agent join --server {cluster.rpc} --token {token}"
+        refused = cluster.ctl("nodes", "add", "not a name")
+        assert refused.returncode != 0 and "cannot name a node" in refused.stderr
+
+        out = agent_join(tmp_path, "n1", token, cluster.rpc, "--no-start")
+        assert out.returncode == 0, out.stderr + out.stdout
+        assert "node n1" in out.stdout
+        written = yaml.safe_load((tmp_path / "n1.yaml").read_text())
+        assert written["control_planes"] == [cluster.rpc] and written["node_id"] == "n1"
+        assert written["tls"]["key"] == str(tmp_path / "n1" / "tls" / "key.pem")
+        assert (tmp_path / "n1" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
+        again = agent_join(tmp_path, "n1", token, cluster.rpc, "--no-start")
+        assert again.returncode == 0 and "joined this cluster already, as node n1" in again.stdout, again.stderr
+        reused = agent_join(tmp_path, "n9", token, cluster.rpc, "--no-start")
+        assert reused.returncode != 0 and "used already" in reused.stderr, reused.stderr
+
+        # A token naming no node: the node asks for its name (--name here; the host name by default).
+        unnamed = cluster.ctl_json("nodes", "add")["token"]
+        out = agent_join(tmp_path, "n2", unnamed, cluster.rpc, "--name", "n2", "--no-start")
+        assert out.returncode == 0 and "node n2" in out.stdout, out.stderr
+
+        agents = [Proc([*LLMGW, "agent", "-c", str(tmp_path / f"{n}.yaml")], tmp_path / f"agent-{n}.log")
+                  for n in ("n1", "n2")]
+        cluster.agents.update(zip(("n1", "n2"), agents))
+        await eventually(lambda: online(cluster) == {"n1", "n2"}, "both joined nodes online")
+        assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
+        await ready_replicas(cluster, "m1", 2)
+
+        removed = cluster.ctl_json("nodes", "remove", "n2")
+        assert removed["removed"] and removed["certificates_revoked"] == 1
+        await agents[1].wait_for_line(r"it refused this node's certificate")
+        assert cluster.server is not None
+        await cluster.server.wait_for_line(r"refused connect from node 'n2': .*certificate was revoked")
+        assert "n2" not in online(cluster)
+
+        async def both_on_n1() -> bool:
+            replicas = cluster.ctl_json("replicas")["replicas"]
+            return len(replicas) == 2 and {r["node_id"] for r in replicas} == {"n1"} and \
+                all(r["state"] == "ready" for r in replicas)
+
+        await eventually(both_on_n1, "n2's replica placed on n1")
+        gone = cluster.ctl("nodes", "remove", "n2")
+        assert gone.returncode != 0 and "no node or pending join token named n2" in gone.stderr
+
+        # Without --no-start: the unit is installed and started through systemctl.
+        token = cluster.ctl_json("nodes", "add", "n3")["token"]
+        bin_dir, units, calls = tmp_path / "bin", tmp_path / "units", tmp_path / "systemctl-calls"
+        bin_dir.mkdir()
+        (bin_dir / "systemctl").write_text(STAND_IN)
+        (bin_dir / "systemctl").chmod(0o755)
+        out = agent_join(tmp_path, "n3", token, cluster.rpc, "--unit-dir", str(units),
+                         env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls)})
+        assert out.returncode == 0, out.stderr + out.stdout
+        unit = (units / "llmgw-agent.service").read_text()
+        assert f" agent --config {tmp_path / 'n3.yaml'}\n" in unit and "KillMode=process\n" in unit
+        assert calls.read_text().splitlines() == ["is-system-running", "daemon-reload",
+                                                  "enable --now llmgw-agent.service"]
