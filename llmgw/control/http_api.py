@@ -35,7 +35,7 @@ from llmgw.client import ClientError, ClusterClient
 from llmgw.client.jsonable import to_jsonable
 from llmgw.control.admin_tokens import AdminAuthError, authenticate
 from llmgw.control.store import Store
-from llmgw.router.admin_api import ApiRequest, ApiResponse, api_error
+from llmgw.router.interface import ApiRequest, ApiResponse, api_error
 from llmgw.rpc import schema
 from llmgw.spec import model_to_dict
 

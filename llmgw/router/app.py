@@ -25,12 +25,11 @@ import json
 import logging
 from typing import Any, AsyncIterator, Mapping, Sequence
 
+import attrs
 import httpx
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
-
-import attrs
 
 from llmgw.config import MetricsConfig, RoutingConfig
 from llmgw.config.defaults import DEFAULT_MAX_REQUEST_BYTES

@@ -26,14 +26,15 @@ import trio
 
 from llmgw.spec import KvDelta
 
-from .admin_api import AdminApiHandler
+from .admin_api import NO_ADMIN_API, AdminApiHandler, ApiRequest, ApiResponse, api_error
 from .admission import AdmissionShares, TenantCounters, TenantDemand, TenantShare
 from .auth import KeyEntry, Tenant
 from .replicas import ModelInfo, Replica
 from .usage import UsageBatch, UsageCounts
 
 __all__ = [
-    "AccessState", "AdmissionShares", "GatewayInterface", "GatewayStatus", "KeyEntry", "ModelInfo", "Replica",
+    "NO_ADMIN_API", "AccessState", "AdminApiHandler", "AdmissionShares", "ApiRequest", "ApiResponse", "api_error",
+    "GatewayInterface", "GatewayStatus", "KeyEntry", "ModelInfo", "Replica",
     "Tenant", "TenantCounters", "TenantDemand", "TenantShare", "UsageBatch", "UsageCounts", "UsageCountsByKey",
 ]
 

@@ -45,7 +45,9 @@ RULES: dict[str, Rule] = {
     MAIN: _rule(ANYTHING, why="the entry point"),
     "cli": _rule(ANYTHING, why="the command line assembles every part"),
     "client": _rule(NEUTRAL, "rpc", why="the Cap'n Proto client library"),
-    "control": _rule(NEUTRAL, "rpc", "llmgw.router.interface", why="the gateway only through its one interface"),
+    "control": _rule(NEUTRAL, "rpc", "client", "llmgw.router.interface",
+                     why="the gateway only through its one interface; the HTTP admin API calls the Admin "
+                         "capability through the client library, so it answers what ctl --json prints"),
     "node": _rule(NEUTRAL, "rpc"),
     "router": _rule(NEUTRAL),
     "rpc": _rule(NEUTRAL, except_=("llmgw.catalog",), why="converts values, never judges them"),
