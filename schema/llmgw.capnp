@@ -237,6 +237,9 @@ interface Agent {
   # when it does not load with the node's agent.yaml.
   restart @7 () -> ();
   # Restart the agent (the same command, exec'd once this call has answered); its engines keep serving.
+  logs @8 (source :Text, lines :UInt32) -> (lines :List(Text), sources :List(Text));
+  # The last LINES lines of SOURCE: "agent" (the agent's own log, redacted) or a shard id (its engine's
+  # output), oldest first; sources lists what this node can show ("agent" first, then its shards).
 }
 
 struct KvUpdate {
@@ -418,6 +421,9 @@ interface Admin {
   listAdminTokens @24 () -> (tokens :List(AdminTokenView));
   revokeAdminToken @25 (id :Text) -> (view :AdminTokenView);
 
+  nodeLogs @27 (node :Text, source :Text, lines :UInt32) -> (lines :List(Text), sources :List(Text));
+  # Agent.logs of NODE, over the session it holds; fails saying so for a node not connected or an agent
+  # too old to answer.
   removeNode @26 (name :Text) -> (removed :Bool, certificatesRevoked :UInt32, tokensRevoked :UInt32);
   # Forgets node NAME: revokes every certificate it was issued or connected with and its pending join
   # tokens, ends its session and stops placing there (its replicas are placed elsewhere). Its engines are

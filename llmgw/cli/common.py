@@ -11,6 +11,8 @@ from typing import Any, Awaitable, Callable
 import click
 import trio
 
+from llmgw.logbook import RedactingFormatter
+
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 #: The file `llmgw up` writes into its state directory (its RPC address and admin
 #: certificate) and `llmgw ctl` reads to find that cluster.
@@ -18,7 +20,10 @@ UP_FILE = "up.json"
 
 
 def setup_logging(level: str) -> None:
+    """Log at ``level`` to stderr, every line redacted (llmgw/logbook.py: no secret is written)."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(RedactingFormatter(LOG_FORMAT))
     # httpx logs every request at INFO: far too chatty for health polls.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("hypercorn.access").setLevel(logging.WARNING)

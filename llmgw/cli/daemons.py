@@ -203,6 +203,9 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
         except ConfigError as exc:
             refused, layer = str(exc), {}
     setup_logging(config.log_level)
+    from llmgw.logbook import keep_in_memory
+
+    keep_in_memory()  # the last lines, for `llmgw ctl logs NODE` over the session
     if refused:
         log.error("the cluster settings kept in %s do not load with agent.yaml (%s): running on agent.yaml alone",
                   config.state_dir, refused)

@@ -420,6 +420,12 @@ class ClusterClient:
     async def remove_model(self, name: str) -> bool:
         return bool((await self._call("removeModel", name)).removed)
 
+    async def node_logs(self, node: str, source: str = "agent", lines: int = 100) -> tuple[list[str], list[str]]:
+        """Returns the last ``lines`` lines of ``source`` on ``node`` ("agent": its agent's log,
+        redacted; a replica id: that engine's output), and the sources the node has."""
+        r = await self._call("nodeLogs", node, source, lines)
+        return [str(line) for line in r.lines], [str(s) for s in r.sources]
+
     async def replica_logs(self, replica_id: str, lines: int = 100) -> list[str]:
         return list((await self._call("replicaLogs", replica_id, lines)).lines)
 

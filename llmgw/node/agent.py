@@ -26,7 +26,7 @@ import attrs
 import capnp
 import trio
 
-from llmgw import __version__
+from llmgw import __version__, logbook
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
@@ -61,6 +61,11 @@ REPORT_TIMEOUT = 10.0
 HEARTBEAT_MISSES = 3
 #: An engine's version and device check starts the engine binary once (CUDA init included).
 ENGINE_CHECK_TIMEOUT = 120.0
+#: The log source naming the agent's own log (``llmgw ctl logs NODE --source agent``); a shard
+#: id names that engine's output.
+AGENT_LOG_SOURCE = "agent"
+#: Lines of a log sent when the caller asks for none in particular.
+DEFAULT_LOG_LINES = 100
 #: At most one engine report per this many seconds: install progress changes often,
 #: the operator needs it fresh, the control plane does not need every step.
 ENGINE_REPORT_INTERVAL = 1.0
@@ -144,6 +149,20 @@ def _make_agent_server(
             if not isinstance(layer, dict):
                 raise ValueError("the cluster settings must be a mapping")
             settings.apply(layer)  # ValueError: it does not load with agent.yaml
+
+        async def logs(self, source: str, lines: int, _context: Any, **_: Any) -> None:
+            source, count = str(source) or AGENT_LOG_SOURCE, int(lines) or DEFAULT_LOG_LINES
+            shard_ids = [spec.id for spec, _ in supervisor.shards()]
+            if source == AGENT_LOG_SOURCE:
+                ring = logbook.PROCESS_RING
+                _context.results.lines = ring.lines(count) if ring is not None else [
+                    "(this agent keeps no log in memory: it runs inside `llmgw up`, whose log is its terminal)"]
+            elif source in shard_ids:
+                _context.results.lines = supervisor.logs(source, count)
+            else:
+                known = ", ".join([AGENT_LOG_SOURCE, *shard_ids])
+                raise LookupError(f"no log source {source!r} on this node: it has {known}")
+            _context.results.sources = [AGENT_LOG_SOURCE, *shard_ids]
 
         async def restart(self, **_: Any) -> None:
             if settings is None:

@@ -64,7 +64,18 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         cluster.agents.update(zip(("n1", "n2"), agents))
         await eventually(lambda: online(cluster) == {"n1", "n2"}, "both joined nodes online")
         assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
-        await ready_replicas(cluster, "m1", 2)
+        replicas = await ready_replicas(cluster, "m1", 2)
+
+        # Logs without ssh: the agent's own (kept in memory) and an engine's, over the session.
+        agent_log = cluster.ctl_json("logs", "n1", "-n", "2000")["lines"]
+        assert any("agent: joined" in line and "as node 'n1'" in line for line in agent_log), agent_log
+        on_n1 = next(r for r in replicas if r["node_id"] == "n1")
+        engine_log = cluster.ctl("logs", "n1", "--source", on_n1["id"])
+        assert engine_log.returncode == 0 and engine_log.stdout.strip(), engine_log.stderr
+        assert cluster.ctl("logs", on_n1["id"]).stdout == engine_log.stdout  # by replica id, as before
+        unknown = cluster.ctl("logs", "n1", "--source", "nope")
+        assert unknown.returncode != 0 and "it has agent, " in unknown.stderr, unknown.stderr
+        assert "-----BEGIN" not in "\n".join(agent_log)
 
         removed = cluster.ctl_json("nodes", "remove", "n2")
         assert removed["removed"] and removed["certificates_revoked"] == 1

@@ -9,7 +9,7 @@ import click
 
 from llmgw.cli.ctl.common import call, json_option, mb, target_of
 from llmgw.cli.output import print_table
-from llmgw.client import ClusterClient, ReplicaRow
+from llmgw.client import ClientError, ClusterClient, ReplicaRow
 from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG
 
 
@@ -153,10 +153,25 @@ def engine_check(ctx: click.Context, node: str, engine: str) -> None:
 
 
 @click.command()
-@click.argument("replica")
-@click.option("--lines", "-n", type=int, default=100, show_default=True)
+@click.argument("target")
+@click.option("--source", default=None, metavar="agent|REPLICA",
+              help="With a NODE: its agent's log (the default) or one of its replicas' engine output.")
+@click.option("--lines", "-n", type=click.IntRange(1, 2000), default=100, show_default=True)
+@json_option
 @click.pass_context
-def logs(ctx: click.Context, replica: str, lines: int) -> None:
-    """Last lines an engine printed."""
-    for line in target_of(ctx).run(lambda c: c.replica_logs(replica, lines)):
+def logs(ctx: click.Context, target: str, source: str | None, lines: int, as_json: bool) -> None:
+    """Last lines of NODE's agent log (or of its replica named by --source), or of REPLICA's engine output.
+
+    Read over the session the node's agent holds: no ssh. The agent keeps its last 2,000
+    lines in memory, every secret redacted.
+    """
+
+    async def read(c: ClusterClient) -> list[str]:
+        if target in {n.id for n in await c.nodes()}:
+            return (await c.node_logs(target, source or "agent", lines))[0]
+        if source is not None:
+            raise ClientError(f"no node {target!r} is connected (see `llmgw ctl nodes`)")
+        return await c.replica_logs(target, lines)
+
+    for line in call(ctx, as_json, read, as_data=lambda got: {"target": target, "source": source or "", "lines": got}):
         click.echo(line)
