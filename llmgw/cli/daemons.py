@@ -178,7 +178,9 @@ server.add_command(server_join)
               help="agent.yaml [/etc/llmgw/agent.yaml when present, else defaults].")
 @click.pass_context
 def agent(ctx: click.Context, config_path: Path | None) -> None:
-    """Run the node agent: join the control plane and supervise engines (`llmgw agent join` first on a new node).
+    """Run the node agent: join the control plane and supervise engines.
+
+    On a new node, `llmgw agent join` (with a token from `llmgw ctl nodes add`) first.
 
     SIGTERM or SIGINT closes the session and exits 0, leaving the engines running: the
     next agent adopts them (restart and upgrade cost no request). Only an explicit stop
