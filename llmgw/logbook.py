@@ -18,6 +18,7 @@ import collections
 import logging
 import re
 import threading
+from typing import Sequence
 
 #: Lines the agent keeps in memory for ``llmgw ctl logs NODE --source agent``.
 RING_LINES = 2000
@@ -62,6 +63,8 @@ class LogRing(logging.Handler):
     def __init__(self, capacity: int = RING_LINES) -> None:
         super().__init__()
         self._lines: collections.deque[str] = collections.deque(maxlen=capacity)
+        #: Lines ever added: the cursor a follower passes back (:meth:`after`).
+        self.total = 0
         self._guard = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -70,14 +73,41 @@ class LogRing(logging.Handler):
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
             return
+        added = text.splitlines() or [""]
         with self._guard:
-            self._lines.extend(text.splitlines() or [""])
+            self._lines.extend(added)
+            self.total += len(added)
 
     def lines(self, count: int) -> list[str]:
         """Returns the last ``count`` lines kept, oldest first."""
         with self._guard:
             kept = list(self._lines)
         return kept[-count:] if count > 0 else []
+
+    def after(self, cursor: int, limit: int) -> tuple[list[str], int]:
+        """Returns the lines added since ``cursor`` and the new cursor (:func:`lines_after`)."""
+        with self._guard:
+            kept, total = list(self._lines), self.total
+        return lines_after(kept, total, cursor, limit)
+
+
+def lines_after(kept: Sequence[str], total: int, cursor: int, limit: int) -> tuple[list[str], int]:
+    """Returns the lines added after ``cursor`` (a ``total`` returned earlier; 0: none yet)
+    to a buffer that keeps the last lines ``kept`` of ``total`` ever added, at most the
+    newest ``limit`` of them, and the new cursor. Lines that left the buffer (or were
+    skipped past ``limit``) are said in one line; a cursor beyond ``total`` (the buffer
+    started again: a restarted agent) starts over from what is kept."""
+    first_kept = total - len(kept)
+    if cursor > total:
+        cursor, note = first_kept, ["(the log started again)"]
+    else:
+        note = []
+    start = max(cursor, first_kept, total - limit)
+    skipped = start - cursor
+    new = list(kept)[start - first_kept:]
+    if skipped > 0:
+        note.append(f"({skipped} lines skipped)")
+    return note + new, total
 
 
 #: The ring of this process's log, once :func:`keep_in_memory` installed it (None: not kept).

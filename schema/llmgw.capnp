@@ -237,9 +237,11 @@ interface Agent {
   # when it does not load with the node's agent.yaml.
   restart @7 () -> ();
   # Restart the agent (the same command, exec'd once this call has answered); its engines keep serving.
-  logs @8 (source :Text, lines :UInt32) -> (lines :List(Text), sources :List(Text));
+  logs @8 (source :Text, lines :UInt32, after :UInt64) -> (lines :List(Text), sources :List(Text), cursor :UInt64);
   # The last LINES lines of SOURCE: "agent" (the agent's own log, redacted) or a shard id (its engine's
-  # output), oldest first; sources lists what this node can show ("agent" first, then its shards).
+  # output), oldest first; sources lists what this node can show ("agent" first, then its shards). With
+  # AFTER (a cursor an earlier call returned), only the lines added since (at most LINES, the newest):
+  # how `ctl logs -f` follows, holding nothing on the node between calls.
 }
 
 struct KvUpdate {
@@ -421,7 +423,8 @@ interface Admin {
   listAdminTokens @24 () -> (tokens :List(AdminTokenView));
   revokeAdminToken @25 (id :Text) -> (view :AdminTokenView);
 
-  nodeLogs @27 (node :Text, source :Text, lines :UInt32) -> (lines :List(Text), sources :List(Text));
+  nodeLogs @27 (node :Text, source :Text, lines :UInt32, after :UInt64)
+      -> (lines :List(Text), sources :List(Text), cursor :UInt64);
   # Agent.logs of NODE, over the session it holds; fails saying so for a node not connected or an agent
   # too old to answer.
   removeNode @26 (name :Text) -> (removed :Bool, certificatesRevoked :UInt32, tokensRevoked :UInt32);

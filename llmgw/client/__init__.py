@@ -420,11 +420,13 @@ class ClusterClient:
     async def remove_model(self, name: str) -> bool:
         return bool((await self._call("removeModel", name)).removed)
 
-    async def node_logs(self, node: str, source: str = "agent", lines: int = 100) -> tuple[list[str], list[str]]:
+    async def node_logs(self, node: str, source: str = "agent", lines: int = 100,
+                        after: int = 0) -> tuple[list[str], list[str], int]:
         """Returns the last ``lines`` lines of ``source`` on ``node`` ("agent": its agent's log,
-        redacted; a replica id: that engine's output), and the sources the node has."""
-        r = await self._call("nodeLogs", node, source, lines)
-        return [str(line) for line in r.lines], [str(s) for s in r.sources]
+        redacted; a replica id: that engine's output), the sources the node has, and a cursor:
+        passed back as ``after``, the next call returns only the lines added since."""
+        r = await self._call("nodeLogs", node, source, lines, after)
+        return [str(line) for line in r.lines], [str(s) for s in r.sources], int(r.cursor)
 
     async def replica_logs(self, replica_id: str, lines: int = 100) -> list[str]:
         return list((await self._call("replicaLogs", replica_id, lines)).lines)

@@ -208,13 +208,14 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
                 ) from None
             _context.results.lines = await session.logs(shard_id, count)
 
-        async def nodeLogs(self, node: str, source: str, lines: int, _context: Any, **_: Any) -> None:
+        async def nodeLogs(self, node: str, source: str, lines: int, after: int, _context: Any, **_: Any) -> None:
             node_id = str(node)
             try:
                 session = services.sessions.get(node_id)
             except LookupError:
                 raise LookupError(f"node {node_id!r} is not connected (see `llmgw ctl nodes`)") from None
-            _context.results.lines, _context.results.sources = await session.node_logs(str(source), int(lines))
+            got, sources, cursor = await session.node_logs(str(source), int(lines), int(after))
+            _context.results.lines, _context.results.sources, _context.results.cursor = got, sources, cursor
 
         async def restartCluster(self, _context: Any, **_: Any) -> None:
             await services.store.audit(actor, "cluster.restart", "cluster", {})

@@ -241,19 +241,20 @@ class NodeSession:
             result = await shard.drain(max(0, min(int(timeout * 1000), 2**32 - 1)))
         return bool(result.idle), int(result.inFlight)
 
-    async def node_logs(self, source: str, lines: int) -> tuple[list[str], list[str]]:
-        """Returns the agent's last ``lines`` lines of ``source`` ("agent" or a shard id) and
-        the sources it has. Raises LookupError for an unknown source, RuntimeError for an
-        agent too old to answer, TooSlowError after :data:`LOGS_TIMEOUT`."""
+    async def node_logs(self, source: str, lines: int, after: int = 0) -> tuple[list[str], list[str], int]:
+        """Returns the agent's last ``lines`` lines of ``source`` ("agent" or a shard id; with
+        ``after``, a cursor it returned, only the lines since), the sources it has and the new
+        cursor. Raises LookupError for an unknown source, RuntimeError for an agent too old
+        to answer, TooSlowError after :data:`LOGS_TIMEOUT`."""
         with trio.fail_after(LOGS_TIMEOUT):
             try:
-                result = await self.agent.logs(source, lines)
+                result = await self.agent.logs(source, lines, after)
             except capnp.KjException as exc:
                 if exc.type == "UNIMPLEMENTED":
                     raise RuntimeError(f"the agent on {self.node_id} is too old to send its logs: upgrade it, "
                                        "or read them on the machine") from None
                 raise LookupError(remote_reason(exc)) from None
-        return list(result.lines), list(result.sources)
+        return list(result.lines), list(result.sources), int(result.cursor)
 
     async def logs(self, shard_id: str, lines: int) -> list[str]:
         shard = self.shards.get(shard_id)

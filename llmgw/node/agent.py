@@ -150,18 +150,25 @@ def _make_agent_server(
                 raise ValueError("the cluster settings must be a mapping")
             settings.apply(layer)  # ValueError: it does not load with agent.yaml
 
-        async def logs(self, source: str, lines: int, _context: Any, **_: Any) -> None:
-            source, count = str(source) or AGENT_LOG_SOURCE, int(lines) or DEFAULT_LOG_LINES
+        async def logs(self, source: str, lines: int, after: int, _context: Any, **_: Any) -> None:
+            source, count, cursor = str(source) or AGENT_LOG_SOURCE, int(lines) or DEFAULT_LOG_LINES, int(after)
             shard_ids = [spec.id for spec, _ in supervisor.shards()]
             if source == AGENT_LOG_SOURCE:
                 ring = logbook.PROCESS_RING
-                _context.results.lines = ring.lines(count) if ring is not None else [
-                    "(this agent keeps no log in memory: it runs inside `llmgw up`, whose log is its terminal)"]
+                if ring is None:
+                    got, cursor = ["(this agent keeps no log in memory: it runs inside `llmgw up`, whose log is "
+                                   "its terminal)"], 0
+                elif cursor == 0:
+                    got, cursor = ring.lines(count), ring.total
+                else:
+                    got, cursor = ring.after(cursor, count)
             elif source in shard_ids:
-                _context.results.lines = supervisor.logs(source, count)
+                got, cursor = supervisor.logs_after(source, cursor, count)
             else:
                 known = ", ".join([AGENT_LOG_SOURCE, *shard_ids])
                 raise LookupError(f"no log source {source!r} on this node: it has {known}")
+            _context.results.lines = got
+            _context.results.cursor = cursor
             _context.results.sources = [AGENT_LOG_SOURCE, *shard_ids]
 
         async def restart(self, **_: Any) -> None:

@@ -312,6 +312,8 @@ class OutputTail:
         self.path = path
         self.on_line = on_line
         self.lines: collections.deque[str] = collections.deque(maxlen=maxlen)
+        #: Lines ever added (the cursor ``llmgw ctl logs -f`` follows with: llmgw/logbook.py).
+        self.total = 0
         self._offset = 0
         self._partial = b""
         self._run_lines = 0  # lines read since mark_run_start()
@@ -341,6 +343,7 @@ class OutputTail:
         self._partial = chunks.pop()  # b"" if the file ends with a newline
         for raw in chunks:
             self.lines.append(self._decode(raw))
+        self.total += len(chunks)
         self._offset = size
         self._run_lines = len(self.lines)  # an adopted run's output so far counts as this run's
 
@@ -393,6 +396,7 @@ class OutputTail:
         for raw in chunks:
             line = self._decode(raw)
             self.lines.append(line)
+            self.total += 1
             self._run_lines += 1
             if self.on_line is not None:
                 try:

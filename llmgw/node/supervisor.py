@@ -30,6 +30,7 @@ from typing import Mapping
 
 import trio
 
+from llmgw.logbook import lines_after
 from llmgw.node import markers, shard_state
 from llmgw.node.drain import DrainResult
 from llmgw.node.engines import ENGINES, Engine, get_engine
@@ -231,6 +232,15 @@ class Supervisor:
     def status(self, shard_id: str) -> ShardStatus:
         """Returns the shard's latest status. Raises :class:`~llmgw.spec.UnknownShard` if unknown."""
         return self._shard(shard_id).status
+
+    def logs_after(self, shard_id: str, cursor: int, limit: int) -> tuple[list[str], int]:
+        """Returns the engine's output lines added since ``cursor`` (0: its last ``limit``
+        lines) and the new cursor (:func:`llmgw.logbook.lines_after`). Raises
+        :class:`~llmgw.spec.UnknownShard` if unknown."""
+        tail = self._shard(shard_id).tail
+        if cursor == 0:
+            return tail.last(limit), tail.total
+        return lines_after(tail.lines, tail.total, cursor, limit)
 
     def logs(self, shard_id: str, lines: int) -> list[str]:
         """Returns up to ``lines`` of the engine's last output lines, oldest first.

@@ -77,6 +77,10 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         assert unknown.returncode != 0 and "it has agent, " in unknown.stderr, unknown.stderr
         assert "-----BEGIN" not in "\n".join(agent_log)
 
+        follower = Proc([*LLMGW, "ctl", "--server", cluster.rpc, "--tls-dir", str(cluster.admin_dir), "logs", "n1",
+                         "-f", "-n", "1"], tmp_path / "follow-n1.log")
+        await follower.wait_for_line(r"\S")  # following: the last line, then what comes
+
         removed = cluster.ctl_json("nodes", "remove", "n2")
         assert removed["removed"] and removed["certificates_revoked"] == 1
         await agents[1].wait_for_line(r"it refused this node's certificate")
@@ -90,6 +94,9 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
                 all(r["state"] == "ready" for r in replicas)
 
         await eventually(both_on_n1, "n2's replica placed on n1")
+        [moved] = [r["id"] for r in cluster.ctl_json("replicas")["replicas"] if r["id"] != on_n1["id"]]
+        await follower.wait_for_line(rf"shard {moved}: ready")  # written after the follow began
+        follower.kill()
         gone = cluster.ctl("nodes", "remove", "n2")
         assert gone.returncode != 0 and "no node or pending join token named n2" in gone.stderr
 

@@ -72,3 +72,23 @@ def test_the_daemons_log_setup_redacts_what_any_logger_writes() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert "pw-123" not in out.stderr and API_KEY.key not in out.stderr
     assert f"llmgw_{API_KEY.key_id}_{REDACTED}" in out.stderr and "postgresql://u:" in out.stderr
+
+
+def test_a_follower_gets_each_new_line_once_and_is_told_what_it_missed() -> None:
+    ring = LogRing(capacity=5)
+    ring.setFormatter(logging.Formatter("%(message)s"))
+
+    def add(*messages: str) -> None:
+        for message in messages:
+            ring.emit(logging.makeLogRecord({"msg": message}))
+
+    add("a", "b")
+    assert ring.after(0, 10) == (["a", "b"], 2)
+    assert ring.after(2, 10) == ([], 2)
+    add("c")
+    assert ring.after(2, 10) == (["c"], 3)
+    add("d", "e", "f", "g", "h")  # 8 lines in all; "d".."h" are kept
+    assert ring.after(3, 10) == (["d", "e", "f", "g", "h"], 8)
+    assert ring.after(2, 10) == (["(1 lines skipped)", "d", "e", "f", "g", "h"], 8)  # "c" left the ring
+    assert ring.after(3, 2) == (["(3 lines skipped)", "g", "h"], 8)  # at most the newest 2
+    assert ring.after(99, 2) == (["(the log started again)", "(3 lines skipped)", "g", "h"], 8)

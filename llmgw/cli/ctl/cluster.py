@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import click
+import trio
 
 from llmgw.cli.ctl.common import call, json_option, mb, target_of
-from llmgw.cli.output import print_table
+from llmgw.cli.output import fail, print_table
 from llmgw.client import ClientError, ClusterClient, ReplicaRow
 from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG
 
@@ -152,26 +154,57 @@ def engine_check(ctx: click.Context, node: str, engine: str) -> None:
     click.echo(target_of(ctx).run(lambda c: c.engine_check(node, engine)).rstrip("\n"))
 
 
+#: Seconds between a followed log's reads: fresh enough to watch, one small call per node.
+FOLLOW_POLL_S = 0.5
+
+
 @click.command()
 @click.argument("target")
 @click.option("--source", default=None, metavar="agent|REPLICA",
               help="With a NODE: its agent's log (the default) or one of its replicas' engine output.")
 @click.option("--lines", "-n", type=click.IntRange(1, 2000), default=100, show_default=True)
+@click.option("--follow", "-f", is_flag=True, help="Then print new lines as they are written, until Ctrl-C.")
 @json_option
 @click.pass_context
-def logs(ctx: click.Context, target: str, source: str | None, lines: int, as_json: bool) -> None:
+def logs(ctx: click.Context, target: str, source: str | None, lines: int, follow: bool, as_json: bool) -> None:
     """Last lines of NODE's agent log (or of its replica named by --source), or of REPLICA's engine output.
 
     Read over the session the node's agent holds: no ssh. The agent keeps its last 2,000
-    lines in memory, every secret redacted.
+    lines in memory, every secret redacted. -f asks every half second for what was added
+    since (the node holds nothing for a follower; more than -n lines in between are
+    skipped, and say so).
     """
 
-    async def read(c: ClusterClient) -> list[str]:
+    async def located(c: ClusterClient) -> tuple[str, str]:
         if target in {n.id for n in await c.nodes()}:
-            return (await c.node_logs(target, source or "agent", lines))[0]
+            return target, source or "agent"
         if source is not None:
             raise ClientError(f"no node {target!r} is connected (see `llmgw ctl nodes`)")
-        return await c.replica_logs(target, lines)
+        rows, _ = await c.replicas()
+        node = next((r.node_id for r in rows if r.id == target), None)
+        if node is None:
+            raise ClientError(f"no node or replica {target!r} (see `llmgw ctl nodes` and `llmgw ctl replicas`)")
+        return node, target
+
+    async def read(c: ClusterClient) -> list[str]:
+        node, where = await located(c)
+        return (await c.node_logs(node, where, lines))[0]
+
+    async def follow_log(c: ClusterClient) -> None:
+        node, where = await located(c)
+        cursor = 0
+        while True:
+            got, _, cursor = await c.node_logs(node, where, lines, cursor)
+            if got:
+                click.echo("\n".join(got))
+                sys.stdout.flush()  # a pipe or file sees each batch as it comes
+            await trio.sleep(FOLLOW_POLL_S)
+
+    if follow:
+        if as_json or target_of(ctx).json:
+            fail("-f prints lines as they come; --json is for one read")
+        target_of(ctx).run(follow_log)
+        return
 
     for line in call(ctx, as_json, read, as_data=lambda got: {"target": target, "source": source or "", "lines": got}):
         click.echo(line)
