@@ -22,13 +22,12 @@ from pathlib import Path
 import click
 import yaml
 
-from llmgw.cli.joining import install_and_start, write_private
+from llmgw.cli.joining import install_and_start, join_arguments, write_private
 from llmgw.cli.output import fail
 from llmgw.cli.units import UNIT_DIR
 from llmgw.config.agent import AgentTLS
 from llmgw.config.defaults import DEFAULT_AGENT_STATE_DIR
 from llmgw.config.values import parse_node_id
-from llmgw.jointoken import parse_token
 from llmgw.rpc.tls import CA_CERT_FILE, CERT_FILE, IssuedCert, TLSFileError, ca_sha256, identity_of, new_private_key, \
     write_credentials
 
@@ -81,13 +80,7 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
     from llmgw.client.join import JoinError, redeem
 
     config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_AGENT_CONFIG
-    try:
-        parsed = parse_token(token)
-    except ValueError as exc:
-        fail(f"--token: {exc}")
-    addresses = [a.strip() for a in servers.split(",") if a.strip()]
-    if not addresses:
-        fail("--server: give at least one control plane address (host:port)")
+    parsed, addresses = join_arguments(token, servers)
     tls_dir = state_dir / TLS_SUBDIR
     joined = _already_joined(tls_dir, parsed.ca_sha256)
     if joined is not None:

@@ -13,7 +13,20 @@ import click
 
 from llmgw.cli.output import fail
 from llmgw.cli.units import render_unit
+from llmgw.jointoken import JoinToken, parse_token
 from llmgw.rpc import net
+
+
+def join_arguments(token: str, servers: str) -> tuple[JoinToken, list[str]]:
+    """Returns ``--token`` parsed and ``--server``'s addresses; exits saying which is wrong."""
+    try:
+        parsed = parse_token(token)
+    except ValueError as exc:
+        fail(f"--token: {exc}")
+    addresses = [a.strip() for a in servers.split(",") if a.strip()]
+    if not addresses:
+        fail("--server: give at least one control plane address (host:port)")
+    return parsed, addresses
 
 
 def route_address(server: str) -> str:

@@ -24,12 +24,13 @@ from pathlib import Path
 import click
 import yaml
 
-from llmgw.cli.joining import bracket, chown_tree, install_and_start, route_address, unit_user, write_private
+from llmgw.cli.joining import (
+    bracket, chown_tree, install_and_start, join_arguments, route_address, unit_user, write_private,
+)
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR
 from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR
 from llmgw.config.defaults import DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
-from llmgw.jointoken import parse_token
 from llmgw.rpc.tls import (
     CA_CERT_FILE,
     CERT_FILE,
@@ -92,13 +93,7 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
     from llmgw.client.join import JoinError, redeem
 
     config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_CONFIG
-    try:
-        parsed = parse_token(token)
-    except ValueError as exc:
-        fail(f"--token: {exc}")
-    addresses = [a.strip() for a in servers.split(",") if a.strip()]
-    if not addresses:
-        fail("--server: give at least one control plane address (host:port)")
+    parsed, addresses = join_arguments(token, servers)
     joined = _already_joined(state_dir, parsed.ca_sha256)
     if joined is not None:
         click.echo(f"this machine joined this cluster already, as control plane {joined} "
