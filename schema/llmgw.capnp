@@ -476,6 +476,7 @@ interface JoinDesk {
   # The bootstrap of an RPC connection that presented no certificate: joining with a token, nothing else.
   caCertificate @0 () -> (pem :Data);
   # The cluster CA certificate: the joiner checks it against the pin in its token before sending the token.
-  redeem @1 (token :Text, request :Data, sans :List(Text)) -> (grant :JoinGrant);
-  # request: a PEM certificate signing request (the joiner's key); sans: addresses a control plane is reached by.
+  redeem @1 (token :Text, request :Data, sans :List(Text), role :Text) -> (grant :JoinGrant);
+  # request: a PEM certificate signing request (the joiner's key); sans: addresses a control plane is reached by;
+  # role: what the joiner will run ("control", "node"; "": any): a token for another role is refused unspent.
 }

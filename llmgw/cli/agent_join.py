@@ -90,11 +90,9 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
     key_pem = new_private_key()
     click.echo(f"joining through {', '.join(addresses)} ...")
     try:
-        grant = run_trio(lambda: redeem(addresses, parsed, key_pem, [], name=wanted))
+        grant = run_trio(lambda: redeem(addresses, parsed, key_pem, [], name=wanted, role="node"))
     except JoinError as exc:
         fail(f"join failed: {exc}")
-    if grant.role != "node":
-        fail(f"this token is for a {grant.role}, not a node: run `llmgw server join` with it instead")
     click.echo(f"  the cluster signed this machine's certificate: node {grant.name}")
     try:
         write_credentials(tls_dir, grant.ca, IssuedCert(grant.certificate, key_pem))

@@ -108,7 +108,7 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
     key_pem = new_private_key()
     click.echo(f"joining through {', '.join(addresses)} as a control plane reached at {host} ...")
     try:
-        grant = run_trio(lambda: redeem(addresses, parsed, key_pem, [host]))
+        grant = run_trio(lambda: redeem(addresses, parsed, key_pem, [host], role="control"))
     except JoinError as exc:
         fail(f"join failed: {exc}")
     click.echo(f"  the cluster signed this machine's certificate: control plane {grant.name}")

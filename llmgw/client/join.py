@@ -45,12 +45,13 @@ class Grant:
 
 
 async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, sans: Sequence[str],
-                 name: str = "joining") -> Grant:
+                 name: str = "joining", role: str = "") -> Grant:
     """Redeem ``token`` at the first of ``addresses`` that answers; return the :class:`Grant`.
 
     ``key_pem`` is this machine's private key (only a request signed with it is sent),
     ``sans`` the addresses a control plane's certificate should name, ``name`` the name a
-    node asks for where its token names none (its host name). Raises
+    node asks for where its token names none (its host name), ``role`` what this machine
+    will run (a token for another role is refused unspent; "": any). Raises
     :class:`JoinError` when no control plane could be reached, the server is not the
     cluster the token pins (nothing secret was sent then), or the token was refused.
     """
@@ -71,7 +72,7 @@ async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, san
                     except (PermissionError, ValueError) as exc:
                         raise JoinError(f"{address}: {exc}") from None
                     request = certificate_request(key_pem, name)
-                    grant = (await desk.redeem(str(token), request, list(sans))).grant
+                    grant = (await desk.redeem(str(token), request, list(sans), role)).grant
             except trio.TooSlowError:
                 raise JoinError(f"{address} did not answer within {JOIN_CALL_TIMEOUT_S:g}s") from None
             except capnp.KjException as exc:

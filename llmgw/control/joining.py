@@ -56,16 +56,18 @@ def make_join_desk(service: JoinService, peer: str | None) -> Any:
         async def caCertificate(self, _context: Any, **_: Any) -> None:
             _context.results.pem = service.ca.cert_pem
 
-        async def redeem(self, token: str, request: bytes, sans: Any, _context: Any, **_: Any) -> None:
+        async def redeem(self, token: str, request: bytes, sans: Any, role: str, _context: Any, **_: Any) -> None:
             _context.results.grant = await redeem(service, str(token), bytes(request), [str(s) for s in sans],
-                                                  peer or "?")
+                                                  peer or "?", role=str(role))
 
     return JoinDeskServer()
 
 
-async def redeem(service: JoinService, token_text: str, request: bytes, sans: list[str], peer: str) -> dict[str, Any]:
+async def redeem(service: JoinService, token_text: str, request: bytes, sans: list[str], peer: str,
+                 *, role: str = "") -> dict[str, Any]:
     """Redeem ``token_text`` for a certificate over ``request``'s key; return the grant (a
-    capnp ``JoinGrant`` dict). Raises PermissionError when the token is refused (the reason
+    capnp ``JoinGrant`` dict). ``role`` ("": any) is what the joiner runs: a token for
+    another role is refused before it is spent. Raises PermissionError when the token is refused (the reason
     logged, throttled, and audited) and ValueError for a bad request or SANs."""
     try:
         token = parse_token(token_text)
@@ -79,7 +81,7 @@ async def redeem(service: JoinService, token_text: str, request: bytes, sans: li
     public_key = request_public_key(request)
     check_sans(sans)
     try:
-        record = await service.store.redeem_join_token(token.id, token.secret_sha256, peer)
+        record = await service.store.redeem_join_token(token.id, token.secret_sha256, peer, role=role)
     except JoinTokenRefused as exc:
         await _refused(service, peer, str(exc))
         raise PermissionError(str(exc)) from None

@@ -100,8 +100,14 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         gone = cluster.ctl("nodes", "remove", "n2")
         assert gone.returncode != 0 and "no node or pending join token named n2" in gone.stderr
 
-        # Without --no-start: the unit is installed and started through systemctl.
+        # Without --no-start: the unit is installed and started through systemctl. A node's token
+        # given to `server join` is refused before it is spent.
         token = cluster.ctl_json("nodes", "add", "n3")["token"]
+        wrong = subprocess.run(
+            [*LLMGW, "server", "--config", str(tmp_path / "cp.yaml"), "join", "--server", cluster.rpc, "--token", token,
+             "--state-dir", str(tmp_path / "cp"), "--no-start"], capture_output=True, text=True, timeout=WAIT)
+        assert wrong.returncode != 0 and "is for a node (n3), not a control" in wrong.stderr, wrong.stderr
+        assert "llmgw agent join" in wrong.stderr
         bin_dir, units, calls = tmp_path / "bin", tmp_path / "units", tmp_path / "systemctl-calls"
         bin_dir.mkdir()
         (bin_dir / "systemctl").write_text(STAND_IN)

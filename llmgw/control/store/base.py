@@ -268,12 +268,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def redeem_join_token(self, token_id: str, secret_sha256: str, used_by: str,
-                                now: float | None = None) -> JoinTokenRecord:
+                                now: float | None = None, role: str = "") -> JoinTokenRecord:
         """Mark token ``token_id`` used by ``used_by`` if its secret hashes to
-        ``secret_sha256`` and it is pending at ``now`` (default: the clock), in one
-        transaction, so a token is redeemed at most once even by racing control planes.
-        Returns it as used. Raises :class:`JoinTokenRefused` saying why otherwise. Not fenced:
-        any control plane may answer a join."""
+        ``secret_sha256``, it is for ``role`` ("": any) and it is pending at ``now``
+        (default: the clock), in one transaction, so a token is redeemed at most once even
+        by racing control planes. Returns it as used. Raises :class:`JoinTokenRefused`
+        saying why otherwise (a token for another role stays unused). Not fenced: any
+        control plane may answer a join."""
 
     @abc.abstractmethod
     async def remove_control_plane(self, name: str, actor: str) -> ControlPlaneRemoval:

@@ -85,7 +85,7 @@ class EnrolmentStore:
         return await self._run(read, write=False)  # type: ignore[no-any-return]
 
     async def redeem_join_token(self, token_id: str, secret_sha256: str, used_by: str,
-                                now: float | None = None) -> JoinTokenRecord:
+                                now: float | None = None, role: str = "") -> JoinTokenRecord:
         at = time.time() if now is None else now
 
         def write(tx: Any) -> JoinTokenRecord:
@@ -94,6 +94,11 @@ class EnrolmentStore:
                 raise JoinTokenRefused("the join token is not one this cluster issued (unknown or mistyped): "
                                        "mint a new one (`llmgw ctl nodes add` or `llmgw ctl servers add`)")
             token = _token(rows[0][:-1])
+            if role and token.role != role:
+                joins = {"control": "llmgw server join", "node": "llmgw agent join"}
+                raise JoinTokenRefused(f"the join token is for a {token.role} ({token.name or 'unnamed'}), not a "
+                                       f"{role}: run `{joins.get(token.role, 'the matching join')}` with it instead "
+                                       "(the token is still unused)")
             state = token.state(at)
             if state == "used":
                 raise JoinTokenRefused(f"the join token for {token.name!r} was used already (from {token.used_by}): "
