@@ -14,8 +14,9 @@ is reached: :data:`AGENT_KEYS_REFUSED`. It is checked by loading it as agent.yam
 so a bad value is refused with its key path and the reason, before anything is stored.
 
 A dotted key below a mapping's key edits one entry of it: ``routing.policy`` sets ``policy``
-in ``routing``, ``agents.default.log_level`` sets ``log_level`` in ``agents.default``; ``agents.nodes.gpu-7.engines.vllm.python``
-a nested one. :func:`edit` returns the whole new value of the stored key.
+in ``routing``, ``agents.default.log_level`` sets ``log_level`` in ``agents.default``;
+``agents.nodes.gpu-7.engines.vllm.python`` a nested one. :func:`edit` returns the whole new
+value of the stored key.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def parse_key(key: str) -> SettingKey:
             raise SettingError(f"{key}: not a node id: {exc}") from None
         return SettingKey(AGENTS_NODES + node, _path(key, rest))
     raise SettingError(
-        f"unknown setting {key!r}: the settings are {SERVING_STOPPED}, {ROUTING}[.KEY], {AGENTS_DEFAULT}[.KEY...] and "
+        f"unknown setting {key!r}: the settings are {SERVING_STOPPED}, {ROUTING}[.KEY], "
+        f"{AGENTS_DEFAULT}[.KEY...] and "
         f"{AGENTS_NODES}NODE_ID[.KEY...]"
     )
 

@@ -199,7 +199,8 @@ class Gateway:
         app.add_url_rule("/healthz", "healthz", self._healthz, methods=["GET"])
         app.add_url_rule("/readyz", "readyz", self._readyz, methods=["GET"])
         app.add_url_rule("/leader", "leader", self._leader, methods=["GET"])
-        app.add_url_rule(ADMIN_API_PREFIX + "<path:path>", "admin_api", self._admin_api, methods=list(ADMIN_API_METHODS))
+        app.add_url_rule(ADMIN_API_PREFIX + "<path:path>", "admin_api", self._admin_api,
+                         methods=list(ADMIN_API_METHODS))
         app.add_url_rule("/metrics", "metrics", self._metrics, methods=["GET"])
         app.add_url_rule("/v1/models", "models", self._list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model>", "model", self._get_model, methods=["GET"])

@@ -67,7 +67,8 @@ def assemble_gateway(
     load = LoadTracker()
     journal = UsageJournal(settings.usage_journal) if settings.usage_journal is not None else None
     gateway = Gateway(
-        table, load=load, policy=make_policy(settings.routing, load), routing=settings.routing, timeouts=upstream_timeouts(settings),
+        table, load=load, policy=make_policy(settings.routing, load), routing=settings.routing,
+        timeouts=upstream_timeouts(settings),
         tracer=create_tracer(settings.tracing), auth=auth, admission=admission, usage=UsageMeter(journal),
         max_request_bytes=settings.serving.max_request_bytes, metrics_config=settings.metrics,
     )

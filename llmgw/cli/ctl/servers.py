@@ -66,7 +66,10 @@ def _seconds(ttl: str) -> float:
 @json_option
 @click.pass_context
 def nodes_add(ctx: click.Context, name: str, ttl: str, as_json: bool) -> None:
-    """Mint a one-time join token for a new node (NAME: its host name unless given) and print the command to run on it."""
+    """Mint a one-time join token for a new node and print the command to run on it.
+
+    NAME is the node's name; without it the node takes its host name (or `agent join --name`).
+    """
     seconds = _seconds(ttl)
     new = call(ctx, as_json, lambda c: c.create_join_token("node", name, seconds),
                as_data=lambda t: {"name": name, "token": t.token, "expires_at": t.expires_at,
