@@ -78,6 +78,8 @@ COMMANDS = {
     "agent": LazyCommand("llmgw.cli.daemons", "agent",
                          "Run the node agent: join the control plane and supervise engines."),
     "ctl": LazyCommand("llmgw.cli.ctl", "ctl", "Operate a cluster: nodes, replicas, models, logs."),
+    "wipe": LazyCommand("llmgw.cli.wipe", "wipe",
+                        "Remove llmgw from this machine, after listing exactly what goes and asking for the..."),
     "service": LazyCommand("llmgw.cli.service", "service",
                            "This machine's llmgw units (systemd): status, start, stop, restart."),
 }

@@ -1,0 +1,109 @@
+"""``llmgw wipe`` on a scratch root: it lists exactly what goes, asks for the machine's name,
+removes that and nothing else, keeps the store and the weights unless asked, and stops the
+engines the agent supervises (a real process recorded as a shard's engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmgw.node import process, shard_state
+from llmgw.spec import ShardSpec
+from tests.system.harness import LLMGW, WAIT, alive
+
+OURS = [
+    "etc/llmgw/server.yaml", "etc/llmgw/agent.yaml",
+    "var/lib/llmgw/ca/ca.pem", "var/lib/llmgw/server/key.pem",
+    "var/lib/llmgw-agent/tls/key.pem", "var/lib/llmgw-agent/cluster_settings.json",
+    "etc/systemd/system/llmgw-agent.service", "etc/systemd/system/llmgw-server.service",
+    "usr/local/share/ca-certificates/llmgw-cluster.crt",
+]
+STORE = ["var/lib/llmgw/llmgw.db", "var/lib/llmgw/llmgw.db-wal"]
+WEIGHTS = ["var/lib/llmgw-agent/weights/qwen/model.gguf"]
+THEIRS = [
+    "etc/other.conf", "etc/systemd/system/postgresql.service", "var/lib/other/data",
+    "usr/local/share/ca-certificates/corp-root.crt", "etc/keepalived/notes.txt",
+]
+
+
+def scratch(root: Path, *, keepalived_ours: bool) -> None:
+    for rel in OURS + STORE + WEIGHTS + THEIRS:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{rel}\n")
+    mark = "# Written by `llmgw server join --vip`: 10.0.0.9/32 follows the leader.\n" if keepalived_ours else ""
+    (root / "etc/keepalived/keepalived.conf").write_text(mark + "vrrp_instance x {}\n")
+
+
+def files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def wipe(root: Path, *args: str, answer: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LLMGW, "wipe", "--root", str(root), *args], input=answer, capture_output=True, text=True,
+                          timeout=WAIT)
+
+
+@pytest.fixture
+def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A process in its own group, recorded as the agent's shard m1-1, as a started engine is."""
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    yield proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def record_engine(root: Path, pid: int) -> None:
+    identity = process.identity_of(pid)
+    assert identity is not None
+    spec = ShardSpec(id="m1-1", model="m1", engine="llama.cpp", source="/models/x.gguf")
+    shard_state.save(root / "var/lib/llmgw-agent" / "shards", shard_state.ShardRecord(spec=spec, port=1, identity=identity))
+
+
+def test_wipe_removes_what_it_lists_and_nothing_else(tmp_path: Path, engine: subprocess.Popen[bytes]) -> None:
+    root = tmp_path / "root"
+    scratch(root, keepalived_ours=True)
+    record_engine(root, engine.pid)
+    before = files(root)
+
+    refused = wipe(root, answer="not-this-machine\n")
+    assert refused.returncode != 0 and "nothing was removed" in refused.stderr
+    assert files(root) == before and engine.poll() is None
+
+    out = wipe(root, answer=f"{socket.gethostname()}\n")
+    assert out.returncode == 0, out.stderr + out.stdout
+    listed = out.stdout.split("Type this machine's name")[0]
+    for rel in ("etc/llmgw", "etc/systemd/system/llmgw-agent.service", "etc/keepalived/keepalived.conf",
+                "usr/local/share/ca-certificates/llmgw-cluster.crt", "var/lib/llmgw-agent/tls"):
+        assert str(root / rel) in listed, listed
+    assert f"stop engine m1-1 (llama.cpp) (pid {engine.pid}" in listed
+    assert "keeps " + str(root / STORE[0]) in listed and "keeps " + str(root / WEIGHTS[0]).rsplit("/", 2)[0] in listed
+    engine.wait(timeout=WAIT)  # stopped: SIGTERM to its group
+    assert not alive(engine.pid)
+    assert files(root) == set(THEIRS + STORE + WEIGHTS) | {"etc/keepalived/notes.txt"}
+
+    again = wipe(root, "--all", "--yes")
+    assert again.returncode == 0, again.stderr
+    assert files(root) == set(THEIRS) | {"etc/keepalived/notes.txt"}
+    assert wipe(root, "--all", "--yes").stdout.startswith("nothing of llmgw under")
+
+
+def test_a_keepalived_configuration_llmgw_did_not_write_stays_and_moved_state_is_found(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    scratch(root, keepalived_ours=False)
+    (root / "srv/agent/weights").mkdir(parents=True)
+    (root / "srv/agent/weights/w.gguf").write_text("w")
+    (root / "srv/agent/tls").mkdir(parents=True)
+    (root / "srv/agent/tls/key.pem").write_text("k")
+    (root / "etc/llmgw/agent.yaml").write_text("state_dir: /srv/agent\n")
+    out = wipe(root, "--yes")
+    assert out.returncode == 0, out.stderr
+    assert "keeps " + str(root / "etc/keepalived/keepalived.conf") + ": not written by llmgw" in out.stdout
+    assert (root / "etc/keepalived/keepalived.conf").exists()
+    assert not (root / "srv/agent/tls").exists() and (root / "srv/agent/weights/w.gguf").exists()
