@@ -63,7 +63,8 @@ def record_engine(root: Path, pid: int) -> None:
     identity = process.identity_of(pid)
     assert identity is not None
     spec = ShardSpec(id="m1-1", model="m1", engine="llama.cpp", source="/models/x.gguf")
-    shard_state.save(root / "var/lib/llmgw-agent" / "shards", shard_state.ShardRecord(spec=spec, port=1, identity=identity))
+    record = shard_state.ShardRecord(spec=spec, port=1, identity=identity)
+    shard_state.save(root / "var/lib/llmgw-agent" / "shards", record)
 
 
 def test_wipe_removes_what_it_lists_and_nothing_else(tmp_path: Path, engine: subprocess.Popen[bytes]) -> None:
