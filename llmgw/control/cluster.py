@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import attrs
 import trio
 
+from llmgw import __version__
 from llmgw.control import refusals
 from llmgw.control.admission_shares import demand_from
 from llmgw.control.joining import JoinService, make_join_desk
@@ -29,6 +30,7 @@ from llmgw.control.reports import endpoint_hosts, screen_shards
 from llmgw.control.sessions import NodeSession, NodeSessions, SessionConflict, watch_heartbeats
 from llmgw.control.store import Store
 from llmgw.logthrottle import LogThrottle
+from llmgw.nodeprotocol import refusal
 from llmgw.rpc import convert, schema
 from llmgw.rpc.connection import serve_stream
 from llmgw.rpc.tls import Identity, Role
@@ -130,6 +132,11 @@ def _make_cluster(
             ]
             agent = registration.agent
             version = str(registration.version)
+            features = frozenset(str(f) for f in registration.features)
+            refused = refusal(node_id, version, features, __version__)
+            if refused is not None:
+                _conflicts.failure(("protocol", node_id), logging.WARNING, "refused a join: %s", refused)
+                raise RuntimeError(refused)
             term = services.term()
             if term is None:
                 raise NotLeaderError(services.not_leader())
@@ -150,6 +157,7 @@ def _make_cluster(
             shards = screen_shards(node_id, hosts, shards, registry.shard_owner)
             epoch = registry.node_joined(node_id, address, hardware, engines, shards)
             session = NodeSession(registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
+            session.features = features
             state["session"] = session
             state["sessions"] = sessions
             sessions.attach(session)

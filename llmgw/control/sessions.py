@@ -25,6 +25,7 @@ import trio
 
 from llmgw.control.registry import Registry
 from llmgw.control.reports import endpoint_refusal, log_refusal
+from llmgw.nodeprotocol import LOGS
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardSpec, UnknownShard
@@ -102,6 +103,8 @@ class NodeSession:
         self.endpoint_hosts = frozenset(endpoint_hosts)
         self.last_heartbeat = trio.current_time()
         self.closed = False
+        #: What the agent said it can do (llmgw/nodeprotocol.py); calls beyond its protocol check it.
+        self.features: frozenset[str] = frozenset()
         #: Why the node refused the cluster settings last pushed ("": it took them).
         self.settings_problem = ""
         #: What the agent reported about its own configuration (an agent.yaml that does not load).
@@ -246,6 +249,9 @@ class NodeSession:
         ``after``, a cursor it returned, only the lines since), the sources it has and the new
         cursor. Raises LookupError for an unknown source, RuntimeError for an agent too old
         to answer, TooSlowError after :data:`LOGS_TIMEOUT`."""
+        if LOGS not in self.features:
+            raise RuntimeError(f"the agent on {self.node_id} is too old to send its logs: upgrade it, "
+                               "or read them on the machine")
         with trio.fail_after(LOGS_TIMEOUT):
             try:
                 result = await self.agent.logs(source, lines, after)

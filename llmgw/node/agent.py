@@ -27,6 +27,7 @@ import capnp
 import trio
 
 from llmgw import __version__, logbook
+from llmgw.nodeprotocol import AGENT_FEATURES
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
@@ -373,7 +374,7 @@ class Agent:
                     "hardware": hardware,
                     "shards": shards,
                     "engines": engines,
-                    "features": ["adopt", "stop-grace"],
+                    "features": list(AGENT_FEATURES),
                     "agent": _make_agent_server(self.supervisor, self.converger, self._planes,
                                                 self.cluster_settings),
                     "version": __version__,

@@ -109,3 +109,26 @@ async def _found(cluster: Cluster, text: str) -> str | None:
     assert cluster.server is not None
     output = cluster.server.output()
     return output if text in output else None
+
+
+async def test_an_agent_of_another_node_protocol_is_refused_with_both_releases_named(tmp_path: Path) -> None:
+    async with Cluster(tmp_path) as cluster:
+        creds = issue_to(cluster.ca(), "node", "future", tmp_path / "future-tls")
+        context = client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem)
+        async with capnp_runtime():
+            stream = await net.connect(cluster.rpc, context)
+            async with open_client(stream) as client:
+                cluster_cap = client.bootstrap().cast_as(schema.load().Cluster)
+                registration = {
+                    "nodeId": "future", "address": "127.0.0.1", "version": "9.0.0",
+                    "hardware": convert.hardware_dict(Hardware(cpu_count=1, memory_total_mb=1024,
+                                                               memory_available_mb=1024)),
+                    "engines": [], "features": ["protocol:2", "adopt"], "shards": [],
+                    "agent": rogue_agent({}, trio.Event()),
+                }
+                with pytest.raises(capnp.KjException, match=r"node future runs llmgw 9\.0\.0, whose node protocol 2 "
+                                                             r"this control plane \(llmgw .*, protocol 1\) cannot speak: "
+                                                             r"upgrade the control planes to llmgw 9\.0\.0 or later"):
+                    with trio.fail_after(WAIT):
+                        await cluster_cap.join(registration)
+        assert "future" not in {n["id"] for n in cluster.ctl_json("nodes")}
