@@ -372,6 +372,7 @@ struct TenantAdmission {
   queued @2 :UInt64;
   shed @3 :UInt64;
   inFlight @4 :UInt32;
+  share @5 :Float64;  # this gateway's fraction of the tenant's limits (concurrency; 1 with one gateway)
 }
 
 interface Admin {

@@ -203,6 +203,7 @@ class TenantAdmission:
     queued: int
     shed: int
     in_flight: int
+    share: float = 1.0  # this gateway's fraction of the tenant's limits (several control planes: docs/ha.md)
 
 
 @attrs.frozen
@@ -272,7 +273,8 @@ class ClusterClient:
         return ClusterStatus(
             r.version, r.nodesOnline, r.nodesLost, r.replicasReady, r.replicasTotal, r.models, r.gatewayUrl,
             tuple(r.unplaceable), r.servingStopped,
-            tuple(TenantAdmission(a.tenant, a.admitted, a.queued, a.shed, a.inFlight) for a in r.admission),
+            tuple(TenantAdmission(a.tenant, a.admitted, a.queued, a.shed, a.inFlight, float(a.share))
+                  for a in r.admission),
             tuple(r.kvAlarms),
             str(r.leader), int(r.epoch), float(r.leaderSince),
             tuple(ControlPlaneRow(str(p.name), str(p.rpcAddress), str(p.httpAddress), str(p.role), float(p.lastSeen))

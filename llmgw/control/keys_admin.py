@@ -151,8 +151,10 @@ class AccessAdminMixin:
 
 
 def admission_rows(status: GatewayStatus) -> list[dict[str, Any]]:
-    """Return the gateway's per-tenant admission counts as capnp ``TenantAdmission``s."""
+    """Return the gateway's per-tenant admission counts, with its share of each tenant's
+    concurrency limit, as capnp ``TenantAdmission``s."""
     return [
-        {"tenant": name, "admitted": c.admitted, "queued": c.queued, "shed": c.shed, "inFlight": max(0, c.in_flight)}
+        {"tenant": name, "admitted": c.admitted, "queued": c.queued, "shed": c.shed, "inFlight": max(0, c.in_flight),
+         "share": status.shares.of(name).concurrency}
         for name, c in sorted(status.admission.items())
     ]

@@ -66,6 +66,8 @@ class GatewayStatus:
     kv_alarms: tuple[str, ...]
     #: The routing in effect (server.yaml's ``routing:`` with the cluster setting over it), in words.
     routing: str = ""
+    #: This gateway's shares of the tenants' limits (all 1 with one gateway; docs/ha.md).
+    shares: AdmissionShares = AdmissionShares()
 
 
 class GatewayInterface(abc.ABC):

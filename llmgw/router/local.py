@@ -83,6 +83,7 @@ class GatewayState(GatewayInterface):
             admission=self.gateway.admission.snapshot(),
             kv_alarms=tuple(sorted(set(self.gateway.policy.alarms()))),
             routing=describe_routing(self.gateway.routing),
+            shares=self.gateway.admission.shares,
         )
 
     async def scrape(self) -> bytes | None:

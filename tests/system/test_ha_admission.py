@@ -127,3 +127,10 @@ async def test_a_tenant_concurrency_limit_holds_across_two_gateways_and_follows_
             return burst.admitted == LIMIT
 
         await eventually(all_four_through_the_standby, "cp-2 admits acme's whole limit")
+
+        # ctl status (the leader's gateway) shows its own share, now shrunk for acme.
+        def leader_share() -> float | None:
+            rows = [a for a in cluster.ctl_json("status")["admission"] if a["tenant"] == "acme"]
+            return rows[0]["share"] if rows and rows[0]["share"] < 0.5 else None
+
+        await eventually(leader_share, "ctl status shows the leader's shrunk share of acme's limit")

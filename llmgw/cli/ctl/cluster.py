@@ -39,8 +39,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo("serving: STOPPED (every request is answered 503; `llmgw ctl start` resumes)")
     if st.admission:
         click.echo("")
-        print_table(["TENANT", "ADMITTED", "QUEUED", "SHED", "IN FLIGHT"],
-                    [[a.tenant, a.admitted, a.queued, a.shed, a.in_flight] for a in st.admission])
+        print_table(["TENANT", "ADMITTED", "QUEUED", "SHED", "IN FLIGHT", "SHARE"],
+                    [[a.tenant, a.admitted, a.queued, a.shed, a.in_flight, f"{a.share:.2f}"] for a in st.admission])
 
 
 @click.group(invoke_without_command=True)
