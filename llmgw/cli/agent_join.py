@@ -63,6 +63,17 @@ def _wanted_name(given: str | None) -> str:
         fail(f"{'--name' if given else 'the host name'} {name!r} cannot name a node ({exc}): give --name NAME")
 
 
+def _hardware_line() -> str:
+    """Returns what the agent will report of this machine, in words (CPUs, memory, GPUs or why none)."""
+    from llmgw.node.discovery import read_hardware
+
+    hw = read_hardware()
+    gpus = (", ".join(f"GPU {g.index} {g.name} ({g.memory_total_mb / 1024:.0f} GiB)" for g in hw.gpus)
+            if hw.gpus else hw.gpu_note or "no GPUs")
+    return (f"{hw.cpu_count} CPUs, {hw.memory_total_mb / 1024:.1f} GiB memory "
+            f"({hw.memory_available_mb / 1024:.1f} GiB available); {gpus}")
+
+
 @click.command("join")
 @click.option("--server", "servers", required=True, metavar="ADDR[,ADDR...]",
               help="RPC address(es) of the cluster's control planes, as `ctl nodes add` printed them.")
@@ -111,6 +122,7 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
                   + yaml.safe_dump(config, sort_keys=False),
                   hint="run as root, or pass `llmgw agent --config PATH join`")
     click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)})")
+    click.echo(f"  this node has {_hardware_line()}")
     if no_start:
         click.echo(f"not started (--no-start): run `llmgw agent --config {config_path}`")
         return

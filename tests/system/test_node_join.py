@@ -44,7 +44,7 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
 
         out = agent_join(tmp_path, "n1", token, cluster.rpc, "--no-start")
         assert out.returncode == 0, out.stderr + out.stdout
-        assert "node n1" in out.stdout
+        assert "node n1" in out.stdout and "this node has " in out.stdout and " CPUs, " in out.stdout
         written = yaml.safe_load((tmp_path / "n1.yaml").read_text())
         assert written["control_planes"] == [cluster.rpc] and written["node_id"] == "n1"
         assert written["tls"]["key"] == str(tmp_path / "n1" / "tls" / "key.pem")
