@@ -78,12 +78,6 @@ class LogRing(logging.Handler):
             self._lines.extend(added)
             self.total += len(added)
 
-    def lines(self, count: int) -> list[str]:
-        """Returns the last ``count`` lines kept, oldest first."""
-        with self._guard:
-            kept = list(self._lines)
-        return kept[-count:] if count > 0 else []
-
     def after(self, cursor: int, limit: int) -> tuple[list[str], int]:
         """Returns the lines added since ``cursor`` and the new cursor (:func:`lines_after`)."""
         with self._guard:
@@ -92,11 +86,14 @@ class LogRing(logging.Handler):
 
 
 def lines_after(kept: Sequence[str], total: int, cursor: int, limit: int) -> tuple[list[str], int]:
-    """Returns the lines added after ``cursor`` (a ``total`` returned earlier; 0: none yet)
-    to a buffer that keeps the last lines ``kept`` of ``total`` ever added, at most the
-    newest ``limit`` of them, and the new cursor. Lines that left the buffer (or were
-    skipped past ``limit``) are said in one line; a cursor beyond ``total`` (the buffer
-    started again: a restarted agent) starts over from what is kept."""
+    """Returns the lines added after ``cursor`` (a ``total`` returned earlier) to a buffer that
+    keeps the last lines ``kept`` of ``total`` ever added, at most the newest ``limit`` of
+    them, and the new cursor. Cursor 0 (a first read) gets the last ``limit`` lines kept.
+    Lines that left the buffer (or were skipped past ``limit``) are said in one line; a
+    cursor beyond ``total`` (the buffer started again: a restarted agent) starts over from
+    what is kept."""
+    if cursor == 0:
+        return list(kept)[-limit:] if limit > 0 else [], total
     first_kept = total - len(kept)
     if cursor > total:
         cursor, note = first_kept, ["(the log started again)"]

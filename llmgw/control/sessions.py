@@ -249,16 +249,13 @@ class NodeSession:
         ``after``, a cursor it returned, only the lines since), the sources it has and the new
         cursor. Raises LookupError for an unknown source, RuntimeError for an agent too old
         to answer, TooSlowError after :data:`LOGS_TIMEOUT`."""
-        if LOGS not in self.features:
+        if LOGS not in self.features:  # its registration did not list the call
             raise RuntimeError(f"the agent on {self.node_id} is too old to send its logs: upgrade it, "
                                "or read them on the machine")
         with trio.fail_after(LOGS_TIMEOUT):
             try:
                 result = await self.agent.logs(source, lines, after)
             except capnp.KjException as exc:
-                if exc.type == "UNIMPLEMENTED":
-                    raise RuntimeError(f"the agent on {self.node_id} is too old to send its logs: upgrade it, "
-                                       "or read them on the machine") from None
                 raise LookupError(remote_reason(exc)) from None
         return list(result.lines), list(result.sources), int(result.cursor)
 

@@ -159,8 +159,6 @@ def _make_agent_server(
                 if ring is None:
                     got, cursor = ["(this agent keeps no log in memory: it runs inside `llmgw up`, whose log is "
                                    "its terminal)"], 0
-                elif cursor == 0:
-                    got, cursor = ring.lines(count), ring.total
                 else:
                     got, cursor = ring.after(cursor, count)
             elif source in shard_ids:

@@ -238,8 +238,6 @@ class Supervisor:
         lines) and the new cursor (:func:`llmgw.logbook.lines_after`). Raises
         :class:`~llmgw.spec.UnknownShard` if unknown."""
         tail = self._shard(shard_id).tail
-        if cursor == 0:
-            return tail.last(limit), tail.total
         return lines_after(tail.lines, tail.total, cursor, limit)
 
     def logs(self, shard_id: str, lines: int) -> list[str]:

@@ -99,9 +99,9 @@ def describe_routing(routing: RoutingConfig) -> str:
 class Gateway:
     """The gateway's state (replica table, load, policy, upstream client) and its app.
 
-    ``table`` is shared with whoever updates it (the control plane). ``load`` and
-    ``policy`` default to a fresh :class:`LoadTracker` and :class:`LeastOutstanding` on
-    it. The upstream client is created when the app starts serving and closed when it
+    ``table`` is shared with whoever updates it (the control plane). ``load`` defaults to a
+    fresh :class:`LoadTracker`; ``policy`` to the one ``routing`` (server.yaml's ``routing:``)
+    names, or :class:`LeastOutstanding` without either. The upstream client is created when the app starts serving and closed when it
     stops.
     """
 
@@ -137,10 +137,12 @@ class Gateway:
         #: Who answers ``/api/v1/*`` (llmgw/router/admin_api.py; the control plane sets it).
         self.admin_api: AdminApiHandler | None = None
         self.load = load if load is not None else LoadTracker()
-        self.policy = policy if policy is not None else LeastOutstanding(self.load)
+        if policy is None:
+            policy = make_policy(routing, self.load) if routing is not None else LeastOutstanding(self.load)
+        self.policy = policy
         #: server.yaml's ``routing:`` (None: the one naming ``policy``); the cluster setting
         #: ``routing`` is laid over it by :meth:`apply_routing`, giving :attr:`routing`.
-        self.routing_base = routing if routing is not None else RoutingConfig(policy=self.policy.name)
+        self.routing_base = routing if routing is not None else RoutingConfig(policy=policy.name)
         self.routing = self.routing_base
         # KV-cache blocks per replica, fed by the control plane (kv_update/kv_forget); a
         # KV-aware policy (llmgw/router/kvrouting.py) brings its own index and reads it.

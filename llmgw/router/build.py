@@ -16,7 +16,6 @@ from .admission import Admission, AdmissionLimits
 from .app import Gateway
 from .auth import AuthTable
 from .http.upstream import UpstreamTimeouts
-from .kvrouting import make_policy
 from .local import GatewayState, LocalGateway
 from .replicas import LoadTracker, ReplicaTable
 from .settings import GatewaySettings
@@ -67,8 +66,7 @@ def assemble_gateway(
     load = LoadTracker()
     journal = UsageJournal(settings.usage_journal) if settings.usage_journal is not None else None
     gateway = Gateway(
-        table, load=load, policy=make_policy(settings.routing, load), routing=settings.routing,
-        timeouts=upstream_timeouts(settings),
+        table, load=load, routing=settings.routing, timeouts=upstream_timeouts(settings),
         tracer=create_tracer(settings.tracing), auth=auth, admission=admission, usage=UsageMeter(journal),
         max_request_bytes=settings.serving.max_request_bytes, metrics_config=settings.metrics,
     )

@@ -60,8 +60,9 @@ def test_a_record_with_secret_arguments_and_traceback_is_written_redacted() -> N
     for secret in (API_KEY.key, ADMIN_TOKEN.key):
         assert secret.split("_")[2] not in written
     assert "ValueError: bad key llmgw_" in written
-    assert ring.lines(10) == ["line 0", "line 1", "line 2"]  # the oldest lines make room
-    assert ring.lines(2) == ["line 1", "line 2"] and ring.lines(0) == []
+    # the traceback's lines came first and made room: the last three lines are kept
+    assert ring.after(0, 10) == (["line 0", "line 1", "line 2"], ring.total)
+    assert ring.after(0, 2) == (["line 1", "line 2"], ring.total) and ring.after(0, 0) == ([], ring.total)
 
 
 def test_the_daemons_log_setup_redacts_what_any_logger_writes() -> None:

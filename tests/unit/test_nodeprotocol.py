@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from llmgw.control.registry import Registry
+from llmgw.control.sessions import NodeSession
 from llmgw.nodeprotocol import AGENT_FEATURES, NODE_PROTOCOL, protocol_of, refusal
 
 
@@ -18,3 +22,11 @@ def test_another_protocol_is_refused_saying_what_to_upgrade() -> None:
     older = refusal("gpu-1", "0.0.1", ["protocol:0"], "0.1.0")
     assert older is not None and "upgrade llmgw on gpu-1 to 0.1.0" in older
     assert protocol_of(["protocol:x"]) == 0 and refusal("gpu-1", "", ["protocol:x"], "0.1.0") is not None
+
+
+async def test_logs_are_asked_only_of_an_agent_that_lists_them() -> None:
+    # an agent object without a logs method: any call to it would fail differently
+    session = NodeSession(Registry(), "old-node", 1, agent=object(), close=lambda: None)
+    session.features = frozenset({"adopt", "stop-grace"})
+    with pytest.raises(RuntimeError, match="the agent on old-node is too old to send its logs"):
+        await session.node_logs("agent", 10)

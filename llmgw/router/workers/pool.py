@@ -45,7 +45,7 @@ import trio
 from llmgw.spec import KvDelta, split_delta
 from llmgw.trioutil import unwrap_single_group
 
-from ..admin_api import NO_ADMIN_API, AdminApiHandler, ApiRequest, api_error
+from ..admin_api import NO_ADMIN_API, ApiRequest, api_error
 from ..admission import Admission, AdmissionLimits, AdmissionShares, TenantCounters
 from ..app import Gateway, describe_routing, leader_state
 from ..auth import AuthTable, KeyEntry
@@ -220,8 +220,6 @@ class GatewayPool(GatewayState):
         self.alarms: dict[int, list[str]] = {}  # KV hash-agreement alarms per worker, as last reported
         #: The cluster setting ``routing`` the workers route by (over ``settings.routing``).
         self.routing: dict[str, Any] = {}
-        #: Who answers the /api/v1/* calls the workers forward (None: 404).
-        self.admin_api: AdminApiHandler | None = None
         self._version = 0
         self._shares_version = 0
         self._changed = trio.Event()
@@ -524,18 +522,15 @@ class GatewayPool(GatewayState):
         except ChannelClosed:
             pass
 
-    def set_admin_api(self, handler: AdminApiHandler | None) -> None:
-        """Answer the workers' forwarded /api/v1/* calls with ``handler``."""
-        self.admin_api = handler
-
     async def _serve_api(self, slot: _Slot, message: Message) -> None:
-        """Answer one /api/v1/* call a worker forwarded (a malformed one: 400)."""
+        """Answer one /api/v1/* call a worker forwarded with the master's handler (a malformed one: 400)."""
         try:
             request = ApiRequest(**message["request"])
         except (KeyError, TypeError) as exc:
             answer = api_error(400, f"malformed forwarded request: {exc}", "invalid_request")
         else:
-            answer = await self.admin_api(request) if self.admin_api is not None else NO_ADMIN_API
+            handler = self.master.admin_api
+            answer = await handler(request) if handler is not None else NO_ADMIN_API
         try:
             await slot.channel.send({"t": "api_reply", "id": message.get("id"), "status": answer.status,
                                      "payload": answer.payload})
