@@ -29,6 +29,7 @@ __all__ = [
     "LIMIT_MAX",
     "AccessError",
     "NewKey",
+    "bearer_credential",
     "TenantSpec",
     "check_key_name",
     "generate_key",
@@ -40,6 +41,7 @@ __all__ = [
 
 #: Every key starts with this, so a leaked key is recognisable (secret scanners, logs).
 KEY_PREFIX = "llmgw"
+_BEARER = "bearer "
 #: Bytes of randomness in a key's id (hex in the key) and in its secret.
 KEY_ID_BYTES = 6
 KEY_SECRET_BYTES = 32  # 256 bits
@@ -124,6 +126,14 @@ def generate_key(prefix: str = KEY_PREFIX) -> NewKey:
     key_id = secrets.token_hex(KEY_ID_BYTES)
     secret = secrets.token_urlsafe(KEY_SECRET_BYTES)
     return NewKey(key_id, f"{prefix}_{key_id}_{secret}", hash_secret(secret))
+
+
+def bearer_credential(authorization: str | None) -> str | None:
+    """Returns what an ``Authorization: Bearer X`` header value carries (X), or None when it
+    is missing or not a bearer credential."""
+    if not authorization or authorization[:len(_BEARER)].lower() != _BEARER:
+        return None
+    return authorization[len(_BEARER):].strip()
 
 
 def split_key(key: str, prefix: str = KEY_PREFIX) -> tuple[str, str] | None:

@@ -22,36 +22,18 @@ from pathlib import Path
 import click
 import yaml
 
-from llmgw.cli.joining import install_and_start, join_arguments, write_private
+from llmgw.cli.joining import install_and_start, join_arguments, joined_as, write_private
 from llmgw.cli.output import fail
 from llmgw.cli.units import UNIT_DIR
 from llmgw.config.agent import AgentTLS
 from llmgw.config.defaults import DEFAULT_AGENT_STATE_DIR
 from llmgw.config.values import parse_node_id
-from llmgw.rpc.tls import CA_CERT_FILE, CERT_FILE, IssuedCert, TLSFileError, ca_sha256, identity_of, new_private_key, \
-    write_credentials
+from llmgw.rpc.tls import IssuedCert, TLSFileError, new_private_key, write_credentials
 
 AGENT_UNIT = "llmgw-agent.service"
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
 #: Where the node's certificate, key and the CA go, below its state directory (agent.yaml's default).
 TLS_SUBDIR = "tls"
-
-
-def _already_joined(tls_dir: Path, pin: str) -> str | None:
-    """Returns this machine's node name when it joined this cluster already; fails when it
-    belongs to another; None when it is not a node yet."""
-    cert = tls_dir / CERT_FILE
-    if not cert.exists():
-        return None
-    try:
-        same = ca_sha256((tls_dir / CA_CERT_FILE).read_bytes()) == pin
-        name = identity_of(cert.read_bytes()).name
-    except (ValueError, PermissionError, OSError) as exc:
-        fail(f"{cert} exists but cannot be read ({exc}): move {tls_dir} away to join afresh")
-    if not same:
-        fail(f"this machine is a node of another cluster already ({tls_dir}): move that directory away first "
-             "if it should join this one")
-    return name
 
 
 def _wanted_name(given: str | None) -> str:
@@ -93,7 +75,7 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
     config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_AGENT_CONFIG
     parsed, addresses = join_arguments(token, servers)
     tls_dir = state_dir / TLS_SUBDIR
-    joined = _already_joined(tls_dir, parsed.ca_sha256)
+    joined = joined_as(tls_dir, parsed.ca_sha256, "node")
     if joined is not None:
         click.echo(f"this machine joined this cluster already, as node {joined} ({tls_dir}): nothing to do")
         return

@@ -15,6 +15,7 @@ from llmgw.cli.output import fail
 from llmgw.cli.units import render_unit
 from llmgw.jointoken import JoinToken, parse_token
 from llmgw.rpc import net
+from llmgw.rpc.tls import CA_CERT_FILE, CERT_FILE, ca_sha256, identity_of
 
 
 def join_arguments(token: str, servers: str) -> tuple[JoinToken, list[str]]:
@@ -27,6 +28,25 @@ def join_arguments(token: str, servers: str) -> tuple[JoinToken, list[str]]:
     if not addresses:
         fail("--server: give at least one control plane address (host:port)")
     return parsed, addresses
+
+
+def joined_as(tls_dir: Path, pin: str, role: str) -> str | None:
+    """Returns this machine's name when the credentials in ``tls_dir`` are of the cluster
+    whose CA hashes to ``pin`` (it joined already); None when there are none; exits when
+    they are another cluster's or cannot be read. ``role`` words the message ("node")."""
+    cert = tls_dir / CERT_FILE
+    if not cert.exists():
+        return None
+    ca = tls_dir / CA_CERT_FILE
+    try:
+        same = ca.exists() and ca_sha256(ca.read_bytes()) == pin
+        name = identity_of(cert.read_bytes()).name
+    except (ValueError, PermissionError, OSError) as exc:
+        fail(f"{cert} exists but cannot be read ({exc}): move {tls_dir} away to join afresh")
+    if not same:
+        fail(f"this machine is a {role} of another cluster already ({tls_dir}): move that directory away first "
+             "if it should join this one")
+    return name
 
 
 def route_address(server: str) -> str:
@@ -87,7 +107,7 @@ def install_and_start(unit_name: str, *, daemon: str, config_path: Path, user: s
     """Install the shipped ``unit_name`` running ``llmgw DAEMON --config CONFIG_PATH`` in
     ``unit_dir`` and start it (``systemctl daemon-reload``, ``enable --now``); exits with
     the reason where systemd does not run, or a step fails."""
-    from llmgw.cli.service import require_systemd, systemctl
+    from llmgw.cli.service import require_systemd, systemctl_or_fail
 
     require_systemd()  # everything else is written: without systemd, it says how to start by hand
     unit = unit_dir / unit_name
@@ -97,8 +117,6 @@ def install_and_start(unit_name: str, *, daemon: str, config_path: Path, user: s
                                     default_state_dir=default_state_dir))
     except OSError as exc:
         fail(f"cannot write {unit}: {exc} (run as root)")
-    for args in (["daemon-reload"], ["enable", "--now", unit_name]):
-        done = systemctl(*args)
-        if done.returncode != 0:
-            fail(f"systemctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    systemctl_or_fail("daemon-reload")
+    systemctl_or_fail("enable", "--now", unit_name)
     click.echo(f"  installed {unit} and started it (as {user})")

@@ -21,6 +21,8 @@ CHECK_RISE = 1
 #: The VRRP router id every control plane of one cluster shares (1-255; pick another with
 #: --vip-router-id where this one is taken on the network segment).
 DEFAULT_ROUTER_ID = 51
+#: How every configuration this module writes begins (``llmgw wipe`` removes only such a one).
+WRITTEN_BY = "# Written by `llmgw server join --vip`"
 #: Linux's IFF_LOOPBACK in /sys/class/net/NAME/flags: keepalived runs no VRRP there.
 IFF_LOOPBACK = 0x8
 
@@ -70,7 +72,7 @@ def render(vip: str, interface: str, http_address: str, *, router_id: int = DEFA
     network = parse_vip(vip)
     if not 1 <= router_id <= 255:
         raise ValueError(f"the VRRP router id must be 1-255, got {router_id}")
-    return f"""# Written by `llmgw server join --vip`: {network} follows the leading llmgw control plane.
+    return f"""{WRITTEN_BY}: {network} follows the leading llmgw control plane.
 global_defs {{
     enable_script_security
     script_user nobody

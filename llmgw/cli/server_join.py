@@ -25,45 +25,17 @@ import click
 import yaml
 
 from llmgw.cli.joining import (
-    bracket, chown_tree, install_and_start, join_arguments, route_address, unit_user, write_private,
+    bracket, chown_tree, install_and_start, join_arguments, joined_as, route_address, unit_user, write_private,
 )
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR
 from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR
 from llmgw.config.defaults import DEFAULT_HTTP_PORT, DEFAULT_RPC_PORT
-from llmgw.rpc.tls import (
-    CA_CERT_FILE,
-    CERT_FILE,
-    ClusterCA,
-    IssuedCert,
-    TLSFileError,
-    ca_sha256,
-    identity_of,
-    new_private_key,
-    write_credentials,
-)
+from llmgw.rpc.tls import CERT_FILE, ClusterCA, IssuedCert, TLSFileError, new_private_key, write_credentials
 
 SERVER_UNIT = "llmgw-server.service"
 DEFAULT_CONFIG = Path("/etc/llmgw/server.yaml")
 DEFAULT_KEEPALIVED = Path("/etc/keepalived/keepalived.conf")
-
-
-def _already_joined(state_dir: Path, pin: str) -> str | None:
-    """Returns this machine's control plane name when it joined this cluster already;
-    fails when it belongs to another; None when it is not a control plane yet."""
-    cert = state_dir / SERVER_DIR / CERT_FILE
-    if not cert.exists():
-        return None
-    ca = state_dir / SERVER_DIR / CA_CERT_FILE
-    try:
-        same = ca.exists() and ca_sha256(ca.read_bytes()) == pin
-        name = identity_of(cert.read_bytes()).name
-    except (ValueError, PermissionError, OSError) as exc:
-        fail(f"{cert} exists but cannot be read ({exc}): move {state_dir / SERVER_DIR} away to join afresh")
-    if not same:
-        fail(f"this machine is a control plane of another cluster already ({state_dir / SERVER_DIR}): "
-             "move that directory away first if it should join this one")
-    return name
 
 
 @click.command("join")
@@ -94,7 +66,7 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
 
     config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_CONFIG
     parsed, addresses = join_arguments(token, servers)
-    joined = _already_joined(state_dir, parsed.ca_sha256)
+    joined = joined_as(state_dir / SERVER_DIR, parsed.ca_sha256, "control plane")
     if joined is not None:
         click.echo(f"this machine joined this cluster already, as control plane {joined} "
                    f"({state_dir / SERVER_DIR}): nothing to do")

@@ -36,6 +36,13 @@ def systemctl(*args: str) -> subprocess.CompletedProcess[str]:
         fail(f"systemctl {' '.join(args)} did not finish within {SYSTEMCTL_TIMEOUT_S:g}s")
 
 
+def systemctl_or_fail(*args: str, hint: str = "") -> None:
+    """Run ``systemctl ARGS`` (:func:`systemctl`); exit with its error (and ``hint``) when it fails."""
+    done = systemctl(*args)
+    if done.returncode != 0:
+        fail(f"systemctl {' '.join(args)} failed: {(done.stderr or done.stdout).strip()}{hint}")
+
+
 def require_systemd() -> None:
     """Return when systemd runs this machine; exit with a clear error saying what to do otherwise."""
     running = systemctl("is-system-running")
@@ -84,10 +91,7 @@ def _act(action: str, only: str | None) -> None:
     units = _installed_units(only)
     ordered = list(reversed(units)) if action == "stop" else units
     for unit in ordered:
-        done = systemctl(action, unit)
-        if done.returncode != 0:
-            fail(f"systemctl {action} {unit} failed: {(done.stderr or done.stdout).strip()} "
-                 f"(see `journalctl -u {unit}`)")
+        systemctl_or_fail(action, unit, hint=f" (see `journalctl -u {unit}`)")
         click.echo(f"{unit}: {action} done")
 
 

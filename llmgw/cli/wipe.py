@@ -25,7 +25,9 @@ import attrs
 import click
 import yaml
 
+from llmgw.cli.keepalived import WRITTEN_BY
 from llmgw.cli.output import fail
+from llmgw.cli.service import systemctl_or_fail
 from llmgw.config.defaults import DEFAULT_AGENT_STATE_DIR, DEFAULT_SQLITE_NAME
 
 #: Paths as on a machine set up by llmgw's own commands, relative to the root.
@@ -35,8 +37,6 @@ AGENT_STATE_DIR = DEFAULT_AGENT_STATE_DIR.relative_to("/")
 UNIT_DIR = Path("etc/systemd/system")
 UNIT_GLOB = "llmgw-*"
 KEEPALIVED_CONFIG = Path("etc/keepalived/keepalived.conf")
-#: The first line `llmgw server join --vip` writes: only such a keepalived configuration goes.
-KEEPALIVED_MARK = "# Written by `llmgw server join --vip`"
 TRUST_DIR = Path("usr/local/share/ca-certificates")
 TRUST_GLOB = "llmgw*.crt"
 #: The agent keeps downloaded model weights here (agent.yaml weights_dir's default).
@@ -48,10 +48,10 @@ ENGINE_STOP_GRACE_S = 10.0
 
 @attrs.frozen
 class Step:
-    """One thing the wipe does: what it says, and the action (None: only said, nothing to do)."""
+    """One thing the wipe does: what it says, and the action doing it."""
 
     what: str
-    action: Callable[[], None] | None = attrs.field(default=None, eq=False)
+    action: Callable[[], None] = attrs.field(eq=False)
 
 
 @attrs.define
@@ -68,7 +68,7 @@ def plan_wipe(root: Path, *, models: bool, store: bool) -> WipePlan:
     if units and live and shutil.which("systemctl"):
         names = [u.name for u in units]
         plan.steps.append(Step(f"stop and disable {', '.join(names)}",
-                               lambda: _run(["systemctl", "disable", "--now", *names])))
+                               lambda: systemctl_or_fail("disable", "--now", *names)))
     for unit in units:
         plan.steps.append(Step(f"remove {unit}", _remover(unit)))
     server_state = _configured(root, "server.yaml", "state_dir", SERVER_STATE_DIR)
@@ -95,7 +95,7 @@ def plan_wipe(root: Path, *, models: bool, store: bool) -> WipePlan:
                                lambda: _run(["update-ca-certificates", "--fresh"])))
     keepalived = root / KEEPALIVED_CONFIG
     if keepalived.is_file():
-        if _first_line(keepalived).startswith(KEEPALIVED_MARK):
+        if _first_line(keepalived).startswith(WRITTEN_BY):  # only what `server join --vip` wrote goes
             plan.steps.append(Step(f"remove {keepalived} (written by llmgw server join --vip)", _remover(keepalived)))
         else:
             plan.kept.append(f"{keepalived}: not written by llmgw")
@@ -212,8 +212,7 @@ def wipe(root: Path, models: bool, store: bool, everything: bool, yes: bool) -> 
     failed = 0
     for step in plan.steps:
         try:
-            if step.action is not None:
-                step.action()
+            step.action()
         except OSError as exc:
             failed += 1
             click.echo(f"FAILED: {step.what}: {exc}", err=True)

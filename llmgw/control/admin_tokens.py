@@ -12,13 +12,12 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from llmgw.catalog.access import check_key_name, generate_key, secret_digest, split_key
+from llmgw.catalog.access import bearer_credential, check_key_name, generate_key, secret_digest, split_key
 from llmgw.control.store import Store
 from llmgw.control.store.base import AdminTokenRecord
 
 #: The first part of every admin token; an API key (``llmgw_...``) is never one.
 ADMIN_TOKEN_PREFIX = "llmgwadmin"
-_BEARER = "bearer "
 
 
 class AdminAuthError(Exception):
@@ -41,10 +40,11 @@ async def authenticate(store: Store, authorization: str) -> AdminTokenRecord:
 
     Raises :class:`AdminAuthError` saying what is wrong (no token, not an admin token,
     unknown, wrong secret, revoked), or the store's error."""
-    if not authorization.lower().startswith(_BEARER):
+    credential = bearer_credential(authorization)
+    if credential is None:
         raise AdminAuthError("the admin API needs `Authorization: Bearer <admin token>` "
                              "(make one with `llmgw ctl admin-tokens create NAME`)")
-    parts = split_key(authorization[len(_BEARER):].strip(), ADMIN_TOKEN_PREFIX)
+    parts = split_key(credential, ADMIN_TOKEN_PREFIX)
     if parts is None:
         raise AdminAuthError(f"not an admin token (they start with {ADMIN_TOKEN_PREFIX}_; "
                              "an API key does not open the admin API)")

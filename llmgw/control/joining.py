@@ -106,18 +106,26 @@ async def redeem(service: JoinService, token_text: str, request: bytes, sans: li
     }
 
 
-async def _node_name(service: JoinService, request: bytes) -> str:
-    """Returns the name a node asks for in its certificate request (its host name, or
-    ``agent join --name``), for a token that names none; raises ValueError when it cannot
-    name a node or one of that name is in the cluster already."""
-    name = request_name(request)
+async def check_new_node_name(store: Store, name: str) -> None:
+    """Raises ValueError when ``name`` cannot name a node, or a node of that name is in the cluster."""
     try:
         parse_node_id(name)
     except ValueError as exc:
-        raise ValueError(f"{name!r} cannot name a node ({exc}): join with --name NAME") from None
-    if any(node.id == name for node in await service.store.list_known_nodes()):
-        raise ValueError(f"a node named {name!r} is in the cluster already: join with --name NAME, or "
+        raise ValueError(f"{name!r} cannot name a node: {exc}") from None
+    if any(node.id == name for node in await store.list_known_nodes()):
+        raise ValueError(f"a node named {name!r} is in the cluster already: "
                          f"`llmgw ctl nodes remove {name}` first to replace it")
+
+
+async def _node_name(service: JoinService, request: bytes) -> str:
+    """Returns the name a node asks for in its certificate request (its host name, or
+    ``agent join --name``), for a token that names none; raises ValueError as
+    :func:`check_new_node_name`, saying to join with another name."""
+    name = request_name(request)
+    try:
+        await check_new_node_name(service.store, name)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or join with --name NAME)") from None
     return name
 
 

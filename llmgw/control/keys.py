@@ -28,6 +28,7 @@ from llmgw.control.settings import ROUTING, SERVING_STOPPED, SettingError, routi
 from llmgw.control.store import Store
 from llmgw.control.store.base import ApiKeyRecord, TenantRecord, UsageRecord
 from llmgw.control.usage_replay import replay_usage_journals
+from llmgw.logthrottle import LogThrottle
 from llmgw.router.interface import AccessState, GatewayInterface, KeyEntry, Tenant
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 RELOAD_INTERVAL_S = 5.0
 #: Bound on one reload or flush: the store's own statement timeouts are shorter.
 STORE_CALL_TIMEOUT_S = 30.0
+#: A stored setting this release refuses is read at every reload: said once per interval.
+_refused_settings = LogThrottle(log)
+
 
 def tenant_record(spec: TenantSpec) -> TenantRecord:
     """Returns the store's record of a validated tenant (timestamps are the store's to set)."""
@@ -70,13 +74,16 @@ def key_entries(tenants: Iterable[TenantRecord], keys: Iterable[ApiKeyRecord]) -
 
 def _routing(stored: Any) -> dict[str, Any]:
     """Returns the stored ``routing`` setting's overrides; a value this release refuses (stored
-    by another one) is logged and left out, so the gateway keeps server.yaml's routing."""
+    by another one) is logged (once per interval: every reload reads it) and left out, so the
+    gateway keeps server.yaml's routing."""
     if stored is None:
         return {}
     try:
         return routing_overrides(stored)
     except SettingError as exc:
-        log.warning("ignoring the cluster setting %s: %s (fix it with `llmgw ctl config set`)", ROUTING, exc)
+        _refused_settings.failure((ROUTING, str(exc)), logging.WARNING,
+                                  "ignoring the cluster setting %s: %s (fix it with `llmgw ctl config set`)",
+                                  ROUTING, exc)
         return {}
 
 

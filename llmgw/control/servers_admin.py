@@ -13,11 +13,10 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from llmgw.control.joining import JoinService
+from llmgw.control.joining import JoinService, check_new_node_name
 from llmgw.control.peers import FeedTee
 from llmgw.control.store import Store, parse_target
 from llmgw.control.store.base import JoinTokenRecord
-from llmgw.config.values import parse_node_id
 from llmgw.credentials import check_name
 from llmgw.jointoken import MAX_TTL_S, new_token
 from llmgw.rpc.tls import Role, ca_sha256
@@ -58,14 +57,6 @@ class ServersAdminMixin:
         role, name = str(role), str(name)
         if role not in JOIN_ROLES:
             raise ValueError(f"a join token is for one of: {', '.join(JOIN_ROLES)} (got {role!r})")
-        if role == Role.NODE.value:
-            try:
-                if name:  # none: the node's own host name, when it joins
-                    parse_node_id(name)
-            except ValueError as exc:
-                raise ValueError(f"{name!r} cannot name a node: {exc}") from None
-        else:
-            check_name(name)
         if not 0 < ttlSeconds <= MAX_TTL_S:
             raise ValueError(f"a join token's lifetime must be above 0 and at most {MAX_TTL_S / 86400:g} days")
         joins = self._servers_joins
@@ -75,10 +66,10 @@ class ServersAdminMixin:
                                "`llmgw server init` (or one that joined with a token) leads")
         store = self._servers_store
         if role == Role.NODE.value:
-            if name and any(n.id == name for n in await store.list_known_nodes()):
-                raise ValueError(f"a node named {name!r} is in the cluster already: "
-                                 f"`llmgw ctl nodes remove {name}` first to replace it")
+            if name:  # none: the node's own host name, when it joins
+                await check_new_node_name(store, name)
         else:
+            check_name(name)
             if parse_target(joins.store_url)[0] == "sqlite":
                 raise ValueError("a second control plane needs a PostgreSQL store (store.url in server.yaml): "
                                  "two machines cannot share a SQLite file; see docs/ha.md")

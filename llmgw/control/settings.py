@@ -65,10 +65,9 @@ def parse_key(key: str) -> SettingKey:
     """Returns where ``key`` lives; raises SettingError for a key that does not exist."""
     if key == SERVING_STOPPED:
         return SettingKey(SERVING_STOPPED)
-    if key == ROUTING or key.startswith(ROUTING + "."):
-        return SettingKey(ROUTING, _path(key, key[len(ROUTING) + 1:]))
-    if key == AGENTS_DEFAULT or key.startswith(AGENTS_DEFAULT + "."):
-        return SettingKey(AGENTS_DEFAULT, _path(key, key[len(AGENTS_DEFAULT) + 1:]))
+    for mapping in (ROUTING, AGENTS_DEFAULT):
+        if key == mapping or key.startswith(mapping + "."):
+            return SettingKey(mapping, _path(key, key[len(mapping) + 1:]))
     if key.startswith(AGENTS_NODES):
         node, _, rest = key[len(AGENTS_NODES):].partition(".")
         try:

@@ -18,14 +18,12 @@ from typing import Iterable, Mapping
 
 import attrs
 
-from llmgw.catalog.access import secret_digest, split_key
+from llmgw.catalog.access import bearer_credential, secret_digest, split_key
 
 from .errors import GatewayError, echo
 
 #: The tenant requests are accounted to when authentication is off.
 ANONYMOUS_TENANT = "anonymous"
-
-_BEARER = "bearer "
 
 
 @attrs.frozen
@@ -119,9 +117,7 @@ class AuthTable:
         raise unauthorized("Incorrect API key provided (unknown, malformed or revoked).")
 
     def _lookup(self, authorization: str | None) -> KeyEntry | None:
-        if not authorization or authorization[:7].lower() != _BEARER:
-            return None
-        parts = split_key(authorization[7:].strip())
+        parts = split_key(bearer_credential(authorization) or "")
         if parts is None:
             return None
         entry = self._keys.get(parts[0])

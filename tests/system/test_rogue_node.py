@@ -46,6 +46,16 @@ def rogue_agent(reporters: dict[str, Any], adopted: trio.Event) -> Any:
     return Agent()
 
 
+def registration(node_id: str, version: str, features: list[str], shards: list[dict[str, Any]],
+                 agent: Any) -> dict[str, Any]:
+    """A capnp ``Registration`` of a one-CPU node at 127.0.0.1 with no engines."""
+    return {
+        "nodeId": node_id, "address": "127.0.0.1", "version": version,
+        "hardware": convert.hardware_dict(Hardware(cpu_count=1, memory_total_mb=1024, memory_available_mb=1024)),
+        "engines": [], "features": features, "shards": shards, "agent": agent,
+    }
+
+
 def shard(sid: str, state: ShardState, endpoint: str) -> dict[str, Any]:
     spec = ShardSpec(id=sid, model="m1", engine="sim", source="sim://m1")
     return {"spec": convert.shard_spec_dict(spec),
@@ -66,20 +76,14 @@ async def test_a_rogue_node_cannot_route_elsewhere_or_claim_shards(tmp_path: Pat
             stream = await net.connect(cluster.rpc, context)
             async with open_client(stream) as client:
                 cluster_cap = client.bootstrap().cast_as(schema.load().Cluster)
-                registration = {
-                    "nodeId": "rogue", "address": "127.0.0.1", "version": "0",
-                    "hardware": convert.hardware_dict(Hardware(cpu_count=1, memory_total_mb=1024,
-                                                               memory_available_mb=1024)),
-                    "engines": [], "features": ["adopt"],
-                    "shards": [
-                        shard("m1-elsewhere", ShardState.READY, ELSEWHERE),  # another host
-                        shard(legit["id"], ShardState.READY, "http://127.0.0.1:1"),  # node-a's shard id
-                        shard("m1-own", ShardState.STARTING, ""),  # its own: accepted
-                    ],
-                    "agent": rogue_agent(reporters, adopted),
-                }
+                shards = [
+                    shard("m1-elsewhere", ShardState.READY, ELSEWHERE),  # another host
+                    shard(legit["id"], ShardState.READY, "http://127.0.0.1:1"),  # node-a's shard id
+                    shard("m1-own", ShardState.STARTING, ""),  # its own: accepted
+                ]
                 with trio.fail_after(WAIT):
-                    await cluster_cap.join(registration)
+                    await cluster_cap.join(registration("rogue", "0", ["adopt"], shards,
+                                                        rogue_agent(reporters, adopted)))
                     await adopted.wait()
                 assert sorted(reporters) == ["m1-own"], "refused shards are not adopted"
 
@@ -119,16 +123,10 @@ async def test_an_agent_of_another_node_protocol_is_refused_with_both_releases_n
             stream = await net.connect(cluster.rpc, context)
             async with open_client(stream) as client:
                 cluster_cap = client.bootstrap().cast_as(schema.load().Cluster)
-                registration = {
-                    "nodeId": "future", "address": "127.0.0.1", "version": "9.0.0",
-                    "hardware": convert.hardware_dict(Hardware(cpu_count=1, memory_total_mb=1024,
-                                                               memory_available_mb=1024)),
-                    "engines": [], "features": ["protocol:2", "adopt"], "shards": [],
-                    "agent": rogue_agent({}, trio.Event()),
-                }
+                future = registration("future", "9.0.0", ["protocol:2", "adopt"], [], rogue_agent({}, trio.Event()))
                 with pytest.raises(capnp.KjException, match=r"node future runs llmgw 9\.0\.0, whose node protocol 2 "
                                                              r"this control plane \(llmgw .*, protocol 1\) cannot speak: "
                                                              r"upgrade the control planes to llmgw 9\.0\.0 or later"):
                     with trio.fail_after(WAIT):
-                        await cluster_cap.join(registration)
+                        await cluster_cap.join(future)
         assert "future" not in {n["id"] for n in cluster.ctl_json("nodes")}

@@ -84,7 +84,8 @@ def test_wipe_removes_what_it_lists_and_nothing_else(tmp_path: Path, engine: sub
                 "usr/local/share/ca-certificates/llmgw-cluster.crt", "var/lib/llmgw-agent/tls"):
         assert str(root / rel) in listed, listed
     assert f"stop engine m1-1 (llama.cpp) (pid {engine.pid}" in listed
-    assert "keeps " + str(root / STORE[0]) in listed and "keeps " + str(root / WEIGHTS[0]).rsplit("/", 2)[0] in listed
+    assert f"keeps {root / STORE[0]}: the store" in listed
+    assert f"keeps {root / 'var/lib/llmgw-agent/weights'}: model weights" in listed
     engine.wait(timeout=WAIT)  # stopped: SIGTERM to its group
     assert not alive(engine.pid)
     assert files(root) == set(THEIRS + STORE + WEIGHTS) | {"etc/keepalived/notes.txt"}
