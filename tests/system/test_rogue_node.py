@@ -123,7 +123,8 @@ async def test_an_agent_of_another_node_protocol_is_refused_with_both_releases_n
             stream = await net.connect(cluster.rpc, context)
             async with open_client(stream) as client:
                 cluster_cap = client.bootstrap().cast_as(schema.load().Cluster)
-                future = registration("future", "9.0.0", ["protocol:2", "adopt"], [], rogue_agent({}, trio.Event()))
+                future = registration("future", "9.0.0", ["protocol:2", "adopt"], [],
+                                      rogue_agent({}, trio.Event()))
                 with pytest.raises(capnp.KjException, match=r"node future runs llmgw 9\.0\.0, whose node protocol 2 "
                                                              r"this control plane \(llmgw .*, protocol 1\) cannot speak: "
                                                              r"upgrade the control planes to llmgw 9\.0\.0 or later"):
