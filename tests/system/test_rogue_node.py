@@ -126,7 +126,8 @@ async def test_an_agent_of_another_node_protocol_is_refused_with_both_releases_n
                 future = registration("future", "9.0.0", ["protocol:2", "adopt"], [],
                                       rogue_agent({}, trio.Event()))
                 refused = (r"node future runs llmgw 9\.0\.0, whose node protocol 2 this control plane "
-                           r"\(llmgw .*, protocol 1\) cannot speak: upgrade the control planes to llmgw 9\.0\.0 or later")
+                           r"\(llmgw .*, protocol 1\) cannot speak: "
+                           r"upgrade the control planes to llmgw 9\.0\.0 or later")
                 with pytest.raises(capnp.KjException, match=refused):
                     with trio.fail_after(WAIT):
                         await cluster_cap.join(future)
