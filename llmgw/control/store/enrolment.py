@@ -31,6 +31,20 @@ def _token(row: Any) -> JoinTokenRecord:
     return JoinTokenRecord(*row)
 
 
+def _revoke_pending_tokens(tx: Any, role: str, name: str, now: float) -> int:
+    """Revoke every unused, unrevoked join token for ``role`` ``name``; returns how many of
+    them could still have been used (not expired at ``now``)."""
+    return sum(1 for row in tx.execute(
+        "UPDATE join_tokens SET revoked_at = ? WHERE role = ? AND name = ? "
+        "AND used_at IS NULL AND revoked_at IS NULL RETURNING expires_at", (now, role, name)) if row[0] > now)
+
+
+def _revoke_certificate(tx: Any, serial: str, role: str, name: str, now: float, actor: str) -> None:
+    """Refuse the certificate ``serial`` (of ``role`` ``name``) from now on."""
+    tx.execute("INSERT INTO revoked_certificates (serial, role, name, revoked_at, actor) "
+               "VALUES (?, ?, ?, ?, ?) ON CONFLICT (serial) DO NOTHING", (serial, role, name, now, actor))
+
+
 class EnrolmentStore:
     """Join tokens, certificate revocation and control plane rows, on a SQL store."""
 
@@ -122,19 +136,15 @@ class EnrolmentStore:
         now = time.time()
 
         def write(tx: Any) -> ControlPlaneRemoval:
-            revoked = [row for row in tx.execute(
-                "UPDATE join_tokens SET revoked_at = ? WHERE role = 'control' AND name = ? "
-                "AND used_at IS NULL AND revoked_at IS NULL RETURNING expires_at", (now, name)) if row[0] > now]
+            revoked = _revoke_pending_tokens(tx, "control", name, now)
             rows = tx.execute(f"SELECT {CONTROL_PLANE_COLUMNS} FROM control_planes WHERE name = ?", (name,))
             if not rows:
-                return ControlPlaneRemoval(None, len(revoked))
+                return ControlPlaneRemoval(None, revoked)
             record = ControlPlaneRecord(*rows[0])
             if record.serial:
-                tx.execute("INSERT INTO revoked_certificates (serial, role, name, revoked_at, actor) "
-                           "VALUES (?, 'control', ?, ?, ?) ON CONFLICT (serial) DO NOTHING",
-                           (record.serial, name, now, actor))
+                _revoke_certificate(tx, record.serial, "control", name, now, actor)
             tx.execute("DELETE FROM control_planes WHERE name = ?", (name,))
-            return ControlPlaneRemoval(record, len(revoked))
+            return ControlPlaneRemoval(record, revoked)
 
         return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
 
@@ -151,16 +161,13 @@ class EnrolmentStore:
         now = time.time()
 
         def write(tx: Any) -> NodeRemoval:
-            tokens = [row for row in tx.execute(
-                "UPDATE join_tokens SET revoked_at = ? WHERE role = 'node' AND name = ? "
-                "AND used_at IS NULL AND revoked_at IS NULL RETURNING expires_at", (now, node_id)) if row[0] > now]
+            tokens = _revoke_pending_tokens(tx, "node", node_id, now)
             serials = [row[0] for row in tx.execute("SELECT serial FROM node_certificates WHERE node = ?", (node_id,))]
             for serial in serials:
-                tx.execute("INSERT INTO revoked_certificates (serial, role, name, revoked_at, actor) "
-                           "VALUES (?, 'node', ?, ?, ?) ON CONFLICT (serial) DO NOTHING", (serial, node_id, now, actor))
+                _revoke_certificate(tx, serial, "node", node_id, now, actor)
             tx.execute("DELETE FROM node_certificates WHERE node = ?", (node_id,))
             known = bool(tx.execute("DELETE FROM nodes WHERE id = ? RETURNING id", (node_id,)))
-            return NodeRemoval(known or bool(serials), len(serials), len(tokens))
+            return NodeRemoval(known or bool(serials), len(serials), tokens)
 
         return await self._run(write, write=True, fenced=True)  # type: ignore[no-any-return]
 
