@@ -177,7 +177,10 @@ async def test_ctl_reports_clear_errors(cluster: Cluster) -> None:
     assert out.returncode == 1 and "no model 'nope'" in out.stderr
     out = cluster.ctl("models", "add", "m2", "--engine", "sim", "--gpus", "1")
     assert out.returncode == 0
-    status = cluster.ctl_json("status")
-    assert any("m2" in reason and "GPU" in reason for reason in status["unplaceable"])
+
+    def gpu_reason() -> bool:  # the reconciler's next pass says why m2 cannot be placed
+        return any("m2" in reason and "GPU" in reason for reason in cluster.ctl_json("status")["unplaceable"])
+
+    await eventually(gpu_reason, "status says m2 needs a GPU")
     out = cluster.ctl("nodes", tls_dir=cluster.root / "missing")
     assert out.returncode == 1 and "missing" in out.stderr
