@@ -70,6 +70,7 @@ from llmgw import kvhash
 from llmgw.node.kvevents import KvSubscriber
 from llmgw.router.http.upstream import UpstreamClient
 from llmgw.router.kvindex import KvIndex
+from llmgw.router.tokens import TokenHasher
 from llmgw.router.kvrouting import KvAwarePolicy, RoundRobin
 from llmgw.router.prefixtree import path_hashes, prompt_text
 from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, Route, RoutingObserver, RoutingPolicy
@@ -543,15 +544,12 @@ def ratio(a: float | None, b: float | None, digits: int = 4) -> float:
 # -- router cost -------------------------------------------------------------------------
 
 
-class CachedHasher:
+class CachedHasher(TokenHasher):
     """Hands back precomputed hashes: the decision's cost without the /tokenize round trip."""
 
     def __init__(self, hashes: tuple[int, ...]) -> None:
+        super().__init__()
         self.value = hashes
-        self.calls = self.failures = 0
-
-    def bind(self, client: Any) -> None:
-        pass
 
     async def hashes(self, replica: Replica, request: RequestInfo, block_size: int, lora: Any) -> tuple[int, ...]:
         return self.value

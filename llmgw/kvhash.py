@@ -184,17 +184,42 @@ class BlockHashMemo:
 
         Raises ValueError if ``block_size`` is not positive.
         """
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
+        out: list[int] = []
+        self.extend(out, self.root(seed), token_ids, block_size, lora=lora, cache_salt=cache_salt)
+        return out
+
+    def root(self, seed: str | None) -> bytes:
+        """Return the parent digest of a chain's first block (:func:`none_hash` of ``seed``)."""
         parent = self._roots.get(seed)
         if parent is None:
             parent = self._roots[seed] = none_hash(seed)
+        return parent
+
+    def extend(
+        self,
+        out: list[int],
+        parent: bytes,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
+    ) -> bytes:
+        """Append to ``out`` the event hashes of the full blocks of ``token_ids``, which follow
+        the ``len(out)`` blocks already chained to ``parent`` (:meth:`root` for none); return
+        the digest of the last block (``parent`` when no block is full).
+
+        Raises ValueError if ``block_size`` is not positive.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         first_extra = block_extra_keys(0, lora=lora, cache_salt=cache_salt)
         extra = block_extra_keys(1, lora=lora, cache_salt=cache_salt)
         known = self._known
-        out: list[int] = []
+        first = not out
         for start in range(0, len(token_ids) - block_size + 1, block_size):
-            key = (parent, tuple(token_ids[start:start + block_size]), extra if start else first_extra)
+            key = (parent, tuple(token_ids[start:start + block_size]), first_extra if first else extra)
+            first = False
             found = known.get(key)
             if found is None:
                 digest = sha256_cbor(key)
@@ -208,4 +233,4 @@ class BlockHashMemo:
                 self.remembered += 1
             parent = found[0]
             out.append(found[1])
-        return out
+        return parent

@@ -227,7 +227,7 @@ class Gateway:
         else:
             policy = make_policy(routing, self.load, index=self.kv_index)
             policy.attach_observer(self.metrics)
-            policy.bind_upstream(self.upstream)
+            policy.bind_upstream(self.upstream, self.app.nursery if self.upstream is not None else None)
             old, self.policy = self.policy, policy
             old.bind_upstream(None)
             old.close()
@@ -237,7 +237,7 @@ class Gateway:
 
     async def _start(self) -> None:
         self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)
-        self.policy.bind_upstream(self.upstream)  # a KV-aware policy tokenizes through it
+        self.policy.bind_upstream(self.upstream, self.app.nursery)  # a KV-aware policy tokenizes through it
         # The relayed streams' read deadlines, kept by one task instead of a cancel scope
         # per chunk (llmgw/router/http/drain.py); it runs in the app's lifespan nursery.
         await self.app.nursery.start(self.streams.watch)

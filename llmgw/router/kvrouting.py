@@ -359,14 +359,16 @@ class KvAwarePolicy(RoutingPolicy):
 
     # -- gateway hooks ------------------------------------------------------------------
 
-    def bind_upstream(self, client: Any) -> None:
-        """Use the gateway's upstream client for ``/tokenize`` (None when it stops)."""
-        self.hasher.bind(client)
+    def bind_upstream(self, client: Any, nursery: Any = None) -> None:
+        """Use the gateway's upstream client for ``/tokenize`` and tokenizer files (None when
+        it stops), fetching and checking tokenizers in ``nursery``."""
+        self.hasher.bind(client, nursery)
 
     def attach_observer(self, observer: RoutingObserver) -> None:
         """Send decisions, mismatches and alarms to ``observer`` (the gateway's metrics)."""
         self.observer = observer
         self.agreement.observer = observer
+        self.hasher.attach_observer(observer)
 
     def kv_applied(self, replica_id: str, delta: KvDelta) -> None:
         """A delta from ``replica_id`` was applied to the index: check hash agreement, and stop
@@ -381,23 +383,25 @@ class KvAwarePolicy(RoutingPolicy):
         """``replica_id``'s KV state is gone (shard stopped, session ended)."""
         self.unconfirmed.forget(replica_id)
         self.agreement.forget(replica_id)
+        self.hasher.forget(replica_id)
 
     def alarms(self) -> list[str]:
-        """Return the hash-agreement alarms in words (for ``ctl status``)."""
-        return self.agreement.alarms()
+        """Return the hash-agreement and tokenizer alarms in words (for ``ctl status``)."""
+        return self.agreement.alarms() + self.hasher.alarms()
 
     def retune(self, settings: RoutingConfig) -> None:
         """Use ``settings``' deadlines and thresholds from the next request on; the index,
         prefix tree, unconfirmed blocks and agreement states stay."""
         self.settings = settings
-        self.hasher.timeout = settings.tokenize_timeout
+        self.hasher.retime(settings.tokenize_timeout)
         self.unconfirmed.ttl = settings.unconfirmed_ttl
         self.agreement.window = settings.agreement_window
         self.agreement.threshold = settings.mismatch_alarm_after
 
     def close(self) -> None:
-        """Clear every raised hash-agreement alarm (the gateway routes by another policy now)."""
+        """Clear every raised hash-agreement and tokenizer alarm (the gateway routes by another policy now)."""
         self.agreement.forget_all()
+        self.hasher.forget_all()
 
     # -- choosing -----------------------------------------------------------------------
 

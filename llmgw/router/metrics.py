@@ -212,6 +212,11 @@ class GatewayMetrics:
             KV_HASH_ALARM, "1 while router and engine block hashes disagree for a replica "
             "(seed, block size, tokenizer or template), by model and replica.", ("model", "replica"), registry=r,
         )
+        self.tokenizer_alarm_gauge = Gauge(
+            f"{PREFIX}_tokenizer_alarm", "1 while the gateway's own tokenization of a replica's prompts "
+            "disagrees with the engine's /tokenize (the replica is then tokenized by the engine), by model "
+            "and replica.", ("model", "replica"), registry=r,
+        )
         self._kv_index: Any = None
         r.register(_KvIndexCollector(lambda: self._kv_index))
         # LoRA adapters, labelled by adapter name (catalog-bounded, like models).
@@ -274,6 +279,10 @@ class GatewayMetrics:
     def alarm(self, model: str, replica_id: str, raised: bool) -> None:
         """Set the hash-agreement alarm gauge of ``replica_id`` (1 raised, 0 cleared)."""
         self.kv_alarm.labels(self.model_label(model), replica_id or UNKNOWN).set(1 if raised else 0)
+
+    def tokenizer_alarm(self, model: str, replica_id: str, raised: bool) -> None:
+        """Set the tokenizer alarm gauge of ``replica_id`` (1 raised, 0 cleared)."""
+        self.tokenizer_alarm_gauge.labels(self.model_label(model), replica_id or UNKNOWN).set(1 if raised else 0)
 
     # -- labels -------------------------------------------------------------------------
 

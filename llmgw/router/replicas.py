@@ -320,6 +320,9 @@ class RoutingObserver:
     def alarm(self, model: str, replica_id: str, raised: bool) -> None:
         """The hash-agreement alarm of ``replica_id`` was raised or cleared."""
 
+    def tokenizer_alarm(self, model: str, replica_id: str, raised: bool) -> None:
+        """The gateway's tokenizer for ``replica_id`` disagreed with its engine's (raised) or agrees again."""
+
 
 class RoutingPolicy(abc.ABC):
     """Picks the replica for one request; the base of every routing policy.
@@ -355,8 +358,9 @@ class RoutingPolicy(abc.ABC):
     def attach_observer(self, observer: RoutingObserver) -> None:
         """Send routing decisions, mismatches and alarms to ``observer`` (the gateway's metrics)."""
 
-    def bind_upstream(self, client: Any) -> None:
-        """Use the gateway's upstream client for calls to engines (None: the gateway stopped)."""
+    def bind_upstream(self, client: Any, nursery: Any = None) -> None:
+        """Use the gateway's upstream client for calls to engines (None: the gateway stopped),
+        and ``nursery`` (the gateway's) for background work such as fetching tokenizers."""
 
     def kv_applied(self, replica_id: str, delta: KvDelta) -> None:
         """A KV-cache delta from ``replica_id`` was applied to the gateway's KV index."""

@@ -1,13 +1,17 @@
 """A request's KV block hashes, computed as vLLM computes them, from the replica's own tokenizer.
 
-Tokens come from the replica's ``POST /tokenize`` (vLLM and ``llmgw.sim`` serve it):
-for chat ``{"model", "messages", "add_generation_prompt": true, ...}`` with the chat
-template applied, giving exactly the ids the engine then caches; for completions
-``{"model", "prompt"}``. A completions prompt given as token ids needs no call. Why the
-engine's endpoint rather than a tokenizer loaded in the gateway: it is exact by
-construction (same tokenizer files, same chat template, same special tokens), adds no
-heavy dependency, and costs one loopback/LAN round trip (bench/README.md has the
-measured figures).
+Tokens come, in order of preference:
+
+- from the request itself (a completions prompt given as token ids);
+- from the model's own tokenizer loaded in the gateway (llmgw/hftokenizer.py), where
+  the replica's engine hands out its tokenizer files (llmgw/router/tokenizer_shelf.py, which
+  also checks a sample of requests against the engine and falls back on a mismatch); a
+  conversation's next turn tokenizes and hashes only its new segments
+  (llmgw/router/turnhash.py);
+- from the replica's ``POST /tokenize`` (vLLM and ``llmgw.sim`` serve it): for chat
+  ``{"model", "messages", "add_generation_prompt": true, ...}`` with the chat template
+  applied; for completions ``{"model", "prompt"}``. Exact by construction, at the price of
+  a round trip per request (bench/README.md has the measured figures).
 
 The ids are hashed with :mod:`llmgw.kvhash` (seed :data:`~llmgw.kvhash.KV_HASH_SEED`,
 the block size the replica reported, the LoRA key ``("lora", name, path)`` and the
@@ -34,8 +38,10 @@ import trio
 from llmgw import kvhash
 from llmgw.config.defaults import DEFAULT_TOKENIZE_TIMEOUT
 
-from .replicas import Replica, RequestInfo
+from .replicas import Replica, RequestInfo, RoutingObserver
 from .http.upstream import UpstreamClient
+from .tokenizer_shelf import TokenizerShelf
+from .turnhash import TurnHashMemo
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +101,9 @@ class TokenHasher:
 
     ``client`` is the gateway's upstream client (set with :meth:`bind` when the gateway
     starts serving; None: every call returns None). ``seed`` is the hash seed engines run
-    with. Counters: ``calls`` (``/tokenize`` requests made), ``cache_hits``, ``failures``;
-    ``memo`` counts the blocks hashed and the blocks found remembered.
+    with. Counters: ``calls`` (``/tokenize`` requests made), ``local`` (prompts tokenized in
+    the gateway), ``cache_hits``, ``failures``; ``memo`` counts the blocks hashed and the
+    blocks found remembered; ``shelf`` holds the local tokenizers, ``turns`` the chains.
     """
 
     def __init__(self, *, seed: str | None = kvhash.KV_HASH_SEED, timeout: float = DEFAULT_TOKENIZE_TIMEOUT,
@@ -107,27 +114,64 @@ class TokenHasher:
         self.client: UpstreamClient | None = None
         self._cache: collections.OrderedDict[tuple[Any, ...], tuple[int, ...]] = collections.OrderedDict()
         self.memo = kvhash.BlockHashMemo()
+        self.shelf = TokenizerShelf()
+        self.shelf.timeout = timeout
+        self.turns = TurnHashMemo()
         self._cached = 0
+        self.local = 0
         self.calls = 0
         self.cache_hits = 0
         self.failures = 0
 
-    def bind(self, client: UpstreamClient | None) -> None:
-        """Use ``client`` for ``/tokenize`` calls from now on (None: stop calling)."""
+    def bind(self, client: UpstreamClient | None, nursery: trio.Nursery | None = None) -> None:
+        """Use ``client`` for ``/tokenize`` calls from now on (None: stop calling), and fetch
+        and check local tokenizers in ``nursery`` (None: use only those already here)."""
         self.client = client
+        self.shelf.bind(client, nursery if client is not None else None)
+
+    def retime(self, timeout: float) -> None:
+        """Give ``/tokenize`` calls (and tokenizer checks) ``timeout`` seconds from now on."""
+        self.timeout = self.shelf.timeout = timeout
+
+    def attach_observer(self, observer: RoutingObserver) -> None:
+        """Send tokenizer alarms to ``observer`` (the gateway's metrics)."""
+        self.shelf.observer = observer
+
+    def forget(self, replica_id: str) -> None:
+        """``replica_id`` is gone: drop its local tokenizer state and clear its alarm."""
+        self.shelf.forget(replica_id)
+
+    def forget_all(self) -> None:
+        """Drop every replica's local tokenizer state and clear every alarm."""
+        self.shelf.forget_all()
+
+    def alarms(self) -> list[str]:
+        """Return the raised tokenizer alarms in words."""
+        return self.shelf.alarms()
 
     async def hashes(
         self, replica: Replica, request: RequestInfo, block_size: int, lora: tuple[str, str] | None,
     ) -> tuple[int, ...] | None:
         """Return ``request``'s full-block event hashes as ``replica`` would compute them, or None.
 
-        Tokenizes on ``replica`` (under :attr:`timeout`) unless cached or given as ids.
+        Tokenizes in the gateway where ``replica``'s tokenizer is here, else on ``replica``
+        (under :attr:`timeout`) unless cached or given as ids.
         ``lora`` is (adapter name, adapter path on that replica) or None. Returns None on
         any failure (logged at debug level, counted in ``failures``). Cancellation
         propagates.
         """
         salt = cache_salt(request.body)
         ids = token_ids_given(request)
+        if ids is None:
+            tokenizer = self.shelf.tokenizer_for(replica)
+            if tokenizer is not None:
+                parts = self.shelf.parts(tokenizer, request)
+                if parts is not None:
+                    self.local += 1
+                    result = self.turns.event_hashes(tokenizer, parts, block_size, self.memo, seed=self.seed,
+                                                     lora=lora, cache_salt=salt)
+                    self.shelf.maybe_check(replica, tokenizer, parts, tokenize_request(request, replica.model))
+                    return tuple(result)
         payload = None if ids is not None else tokenize_request(request, replica.model)
         if ids is None and payload is None:
             return None

@@ -100,7 +100,7 @@ async def chat_completions(engine: Engine, req: Request, resp: Responder) -> Non
     lora = engine.resolve_model(body.get("model"))
     stream, include_usage = _stream_flags(body)
     try:
-        prompt = tokenizer.encode_chat(body.get("messages"), add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+        prompt = engine.prompts.chat(body)
     except ValueError as exc:
         raise EngineError(400, str(exc), param="messages") from None
     _check_n(body)
@@ -165,18 +165,18 @@ async def _stream_pieces(run: Run, resp: Responder, out: Output, head: bytes, de
         await resp.chunk(head + _dumps([choice]).encode() + b"}\n\n")
 
 
-def _completion_prompts(prompt: object) -> list[list[int]]:
+def _completion_prompts(engine: Engine, prompt: object) -> list[list[int]]:
     """Return the token ids of each prompt in a completions request; raises EngineError(400)."""
     def is_ids(x: object) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in x)
 
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [engine.prompts.text(prompt)]
     if is_ids(prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [tokenizer.encode(p) for p in prompt]
+            return [engine.prompts.text(p) for p in prompt]
         if all(is_ids(p) for p in prompt):
             return [list(p) for p in prompt]
     raise EngineError(400, "'prompt' must be a string, a list of strings, a list of token ids, or a list of lists of token ids", param="prompt")
@@ -186,7 +186,7 @@ async def completions(engine: Engine, req: Request, resp: Responder) -> None:
     body = _json_body(req)
     lora = engine.resolve_model(body.get("model"))
     stream, include_usage = _stream_flags(body)
-    prompts = _completion_prompts(body.get("prompt"))
+    prompts = _completion_prompts(engine, body.get("prompt"))
     if any(not p for p in prompts):
         raise EngineError(400, "the prompt is empty", param="prompt")
     _check_n(body)
@@ -230,7 +230,7 @@ async def completions(engine: Engine, req: Request, resp: Responder) -> None:
 async def embeddings(engine: Engine, req: Request, resp: Responder) -> None:
     body = _json_body(req)
     engine.resolve_model(body.get("model"))
-    inputs = _completion_prompts(body.get("input"))
+    inputs = _completion_prompts(engine, body.get("input"))
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise EngineError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
@@ -282,15 +282,24 @@ async def tokenize(engine: Engine, req: Request, resp: Responder) -> None:
     engine.resolve_model(body.get("model"))
     if "messages" in body:
         try:
-            tokens = tokenizer.encode_chat(body["messages"], add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+            tokens = engine.prompts.chat(body)
         except ValueError as exc:
             raise EngineError(400, str(exc), param="messages") from None
     elif isinstance(body.get("prompt"), str):
-        tokens = tokenizer.encode(body["prompt"])
+        tokens = engine.prompts.text(body["prompt"])
     else:
         raise EngineError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
     strs = [tokenizer.decode([t]) for t in tokens] if body.get("return_token_strs") is True else None
     await resp.send_json(200, {"count": len(tokens), "max_model_len": engine.cfg.max_model_len, "tokens": tokens, "token_strs": strs})
+
+
+async def tokenizer_files(engine: Engine, req: Request, resp: Responder) -> None:
+    """The tokenizer files a gateway loads (``--tokenizer``/``--served-tokenizer``), as llmgw's vLLM guard serves them."""
+    body = engine.prompts.served_body
+    if body is None:
+        raise EngineError(404, "this engine serves no tokenizer files (start it with --tokenizer DIR)",
+                          err_type="NotFoundError")
+    await resp.send(200, body)
 
 
 async def detokenize(engine: Engine, req: Request, resp: Responder) -> None:
@@ -410,6 +419,7 @@ ROUTES: dict[str, tuple[str, Route]] = {
     "/reset_prefix_cache": ("POST", reset_prefix_cache),
     "/kv_event_sources": ("GET", kv_event_sources),
     "/debug/cached_blocks": ("POST", debug_cached_blocks),
+    "/llmgw/tokenizer": ("GET", tokenizer_files),
 }
 
 

@@ -43,6 +43,8 @@ class SimConfig:
     fail_after: int | None = None
     startup_delay_s: float = 0.0
     embedding_dim: int = 16
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory: prompts tokenized with it
+    served_tokenizer: str | None = None  # the directory served at GET /llmgw/tokenizer (default: tokenizer)
     api_key: str = attrs.field(default="", repr=False)  # from $LLMGW_SIM_API_KEY ("" = no check)
 
 
@@ -82,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-after", type=int, default=None, metavar="N", help="exit with status 1 after N requests")
     p.add_argument("--startup-delay", type=float, default=0.0, help="seconds to wait before listening")
     p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenize prompts with the Hugging Face tokenizer and chat template in DIR (as vLLM "
+                        "does) and serve its files at GET /llmgw/tokenizer; default: the built-in word tokenizer")
+    p.add_argument("--served-tokenizer", default=None, metavar="DIR",
+                   help="serve DIR's tokenizer files instead of --tokenizer's (a gateway given the wrong files)")
     return p
 
 
@@ -129,5 +136,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         fail_after=a.fail_after,
         startup_delay_s=a.startup_delay,
         embedding_dim=a.embedding_dim,
+        tokenizer=a.tokenizer,
+        served_tokenizer=a.served_tokenizer if a.served_tokenizer is not None else a.tokenizer,
         api_key=env.get(API_KEY_ENV, ""),
     )

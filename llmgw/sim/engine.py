@@ -24,6 +24,7 @@ from llmgw.sim import tokenizer
 from llmgw.sim.cache import LoraRef, PrefixCache
 from llmgw.sim.config import SimConfig
 from llmgw.sim.echo import echo
+from llmgw.sim.prompts import PromptTokenizer
 from llmgw.sim.publisher import KvEventPublisher
 
 #: Shortest and longest "natural" answer (before max_tokens); the length is derived from the prompt.
@@ -139,6 +140,7 @@ class Engine:
         self.cfg = cfg
         self.publisher = publisher
         self.cache = PrefixCache(cfg.block_size, cfg.num_blocks, seed=cfg.hash_seed, emit=publisher.emit)
+        self.prompts = PromptTokenizer(cfg.tokenizer, cfg.served_tokenizer)
         self.prefill_s_per_token = cfg.prefill_us_per_token / 1e6
         self.decode_s_per_token = cfg.decode_us_per_token / 1e6
         self.started_at = int(time.time())

@@ -51,7 +51,9 @@ RULES: dict[str, Rule] = {
     "node": _rule(NEUTRAL, "rpc"),
     "router": _rule(NEUTRAL),
     "rpc": _rule(NEUTRAL, except_=("llmgw.catalog",), why="converts values, never judges them"),
-    "sim": _rule("llmgw.spec", "llmgw.kvhash", "llmgw.kvwire", why="a stand-in engine, runnable on its own"),
+    "sim": _rule("llmgw.spec", "llmgw.kvhash", "llmgw.kvwire", "llmgw.hftokenizer", "llmgw.chattemplate",
+                 why="a stand-in engine, runnable on its own; with --tokenizer it tokenizes as vLLM does, "
+                     "with the code the gateway runs"),
     "testing": _rule(NEUTRAL),
     NEUTRAL: _rule(NEUTRAL, why="neutral modules import only neutral modules"),
 }

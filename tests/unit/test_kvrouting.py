@@ -11,6 +11,7 @@ from llmgw.router.kvrouting import (
     ALARM_TEXT, APPROXIMATE, MISS, PRECISE, HashAgreement, KvAwarePolicy, RoundRobin, make_policy,
 )
 from llmgw.router.kvindex import KvIndex
+from llmgw.router.tokens import TokenHasher
 from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver
 from llmgw.spec import KvDelta
 
@@ -27,15 +28,12 @@ class Clock:
         return self.now
 
 
-class FixedHasher:
+class FixedHasher(TokenHasher):
     """Stands in for TokenHasher: every request hashes to HASHES."""
 
     def __init__(self, hashes: tuple[int, ...] | None = HASHES) -> None:
+        super().__init__()
         self.value = hashes
-        self.calls = 0
-
-    def bind(self, client: Any) -> None:
-        pass
 
     async def hashes(self, replica: Replica, request: RequestInfo, block_size: int, lora: Any) -> Any:
         self.calls += 1

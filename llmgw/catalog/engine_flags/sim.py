@@ -38,6 +38,8 @@ OPTIONS = (
     opt("--fail-after"),
     opt("--startup-delay"),
     opt("--embedding-dim"),
+    opt("--tokenizer"),  # tests drive the gateway's own tokenization (and a wrong one) through these
+    opt("--served-tokenizer"),
 )
 
 TABLE = Table("sim", VERSION, "argparse", OPTIONS)

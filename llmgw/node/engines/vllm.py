@@ -107,6 +107,8 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 GUARD_PATH = ENGINE_PATH
 #: What ``--middleware`` names for a keyed shard (a pure ASGI class, added outermost).
 GUARD_MIDDLEWARE = "llmgw_vllm_guard.Guard"
+#: The variable naming the model's directory for the guard's ``GET /llmgw/tokenizer``.
+TOKENIZER_DIR_ENV = "LLMGW_TOKENIZER_DIR"
 #: vLLM takes 45-100 s to become healthy on a CPU; a large model on GPUs loads and
 #: compiles for many minutes. The shared 30-minute default covers both.
 VLLM_STARTUP_TIMEOUT = DEFAULT_STARTUP_TIMEOUT
@@ -252,6 +254,7 @@ def vllm_env(spec: ShardSpec) -> dict[str, str]:
         env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"  # the uint64 form the router hashes to
     if spec.api_key:
         env["PYTHONPATH"] = GUARD_PATH  # finds llmgw_vllm_guard (GUARD_MIDDLEWARE), nothing else
+        env[TOKENIZER_DIR_ENV] = spec.source  # the guard serves its tokenizer files to the gateway
     return {**env, **spec.env}
 
 
