@@ -77,6 +77,7 @@ from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, Reques
 from llmgw.sim.launch import DEFAULT_START_TIMEOUT_S, SimProcess, free_tcp_port, start_sim
 from llmgw.spec import KvDelta
 
+from bench import localtokens
 from bench.rpc import percentile
 
 MODEL = "bench-routing"
@@ -629,6 +630,8 @@ async def router_cost(quick: bool, replicas: list[Replica], http: httpx.AsyncCli
             r.raise_for_status()
             samples.append(time.perf_counter() - t0)
         figures[f"tokenize_{label}_ms"] = round(statistics.median(samples) * 1e3, 2)
+    # The gateway tokenizing itself (bench/localtokens.py): a 4k-token conversation's next turn.
+    figures["local_tokenizer"] = localtokens.measure(runs)
     return figures
 
 

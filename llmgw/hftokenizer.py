@@ -227,5 +227,6 @@ class LocalTokenizer:
         raise TokenizerFilesError("the post-processor changes a prompt's own tokens; cannot add special tokens locally")
 
     def encode_plain(self, text: str) -> Sequence[int]:
-        """Return ``text``'s ids in one call, without the segment memory (for checks)."""
+        """Return ``text``'s ids in one call, without the segment memory (what tokenizing a
+        whole prompt costs: bench/localtokens.py's baseline)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -217,6 +217,15 @@ class GatewayMetrics:
             "disagrees with the engine's /tokenize (the replica is then tokenized by the engine), by model "
             "and replica.", ("model", "replica"), registry=r,
         )
+        self.prompts_tokenized = Counter(
+            f"{PREFIX}_prompts_tokenized", "Prompts the router tokenized to hash their KV blocks, by model and "
+            "by whom: 'gateway' (the model's own tokenizer files, loaded in the gateway) or 'engine' (a /tokenize "
+            "call).", ("model", "by"), registry=r,
+        )
+        self.tokenizer_checks = Counter(
+            f"{PREFIX}_tokenizer_checks", "Sampled comparisons of the gateway's token ids with the engine's "
+            "/tokenize, by model and result ('agreed', 'disagreed').", ("model", "result"), registry=r,
+        )
         self._kv_index: Any = None
         r.register(_KvIndexCollector(lambda: self._kv_index))
         # LoRA adapters, labelled by adapter name (catalog-bounded, like models).
@@ -283,6 +292,14 @@ class GatewayMetrics:
     def tokenizer_alarm(self, model: str, replica_id: str, raised: bool) -> None:
         """Set the tokenizer alarm gauge of ``replica_id`` (1 raised, 0 cleared)."""
         self.tokenizer_alarm_gauge.labels(self.model_label(model), replica_id or UNKNOWN).set(1 if raised else 0)
+
+    def tokenized(self, model: str, by: str) -> None:
+        """Count one prompt tokenized ``by`` "gateway" or "engine"."""
+        self.prompts_tokenized.labels(self.model_label(model), by).inc()
+
+    def tokenizer_check(self, model: str, agreed: bool) -> None:
+        """Count one sampled tokenizer comparison."""
+        self.tokenizer_checks.labels(self.model_label(model), "agreed" if agreed else "disagreed").inc()
 
     # -- labels -------------------------------------------------------------------------
 

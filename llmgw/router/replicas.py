@@ -323,6 +323,12 @@ class RoutingObserver:
     def tokenizer_alarm(self, model: str, replica_id: str, raised: bool) -> None:
         """The gateway's tokenizer for ``replica_id`` disagreed with its engine's (raised) or agrees again."""
 
+    def tokenized(self, model: str, by: str) -> None:
+        """One prompt of ``model`` tokenized ``by`` "gateway" (its own tokenizer) or "engine" (``/tokenize``)."""
+
+    def tokenizer_check(self, model: str, agreed: bool) -> None:
+        """One sampled comparison of the gateway's ids with the engine's ``/tokenize``."""
+
 
 class RoutingPolicy(abc.ABC):
     """Picks the replica for one request; the base of every routing policy.

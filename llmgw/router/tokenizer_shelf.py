@@ -144,16 +144,21 @@ class TokenizerShelf:
                 return tokenizer.completion_parts(prompt)
         return None
 
-    def maybe_check(self, replica: Replica, tokenizer: LocalTokenizer, parts: Parts, payload: bytes | None) -> None:
-        """Compare ``parts``' ids with ``replica``'s ``/tokenize`` of ``payload`` in the
-        background, for the first requests of the replica and a sample after."""
+    def maybe_check(self, replica: Replica, tokenizer: LocalTokenizer, parts: Parts,
+                    payload: Callable[[], bytes | None]) -> None:
+        """Compare ``parts``' ids with ``replica``'s ``/tokenize`` of ``payload()`` (the
+        request's ``/tokenize`` body, made only when checked) in the background, for the first
+        requests of the replica and a sample after."""
         state = self._replicas.get(replica.id)
-        if state is None or state.checking or payload is None or self.nursery is None or self.client is None:
+        if state is None or state.checking or self.nursery is None or self.client is None:
             return
         if state.checked >= CHECK_FIRST and self._rng.random() * CHECK_EVERY >= 1.0:
             return
+        body = payload()
+        if body is None:
+            return
         state.checking = True
-        self.nursery.start_soon(self._check, replica, state, tokenizer, parts, payload)
+        self.nursery.start_soon(self._check, replica, state, tokenizer, parts, body)
 
     # -- background ------------------------------------------------------------------------
 
@@ -208,7 +213,9 @@ class TokenizerShelf:
     def _compare(self, replica: Replica, state: _ReplicaState, local: Sequence[int], engine: Sequence[int]) -> None:
         self.checks += 1
         state.checked += 1
-        if list(local) == list(engine):
+        agreed = list(local) == list(engine)
+        self.observer.tokenizer_check(state.model, agreed)
+        if agreed:
             self.agreed += 1
             if state.alarm is not None:
                 state.alarm = None

@@ -114,6 +114,7 @@ class TokenHasher:
         self.client: UpstreamClient | None = None
         self._cache: collections.OrderedDict[tuple[Any, ...], tuple[int, ...]] = collections.OrderedDict()
         self.memo = kvhash.BlockHashMemo()
+        self.observer = RoutingObserver()
         self.shelf = TokenizerShelf()
         self.shelf.timeout = timeout
         self.turns = TurnHashMemo()
@@ -134,8 +135,8 @@ class TokenHasher:
         self.timeout = self.shelf.timeout = timeout
 
     def attach_observer(self, observer: RoutingObserver) -> None:
-        """Send tokenizer alarms to ``observer`` (the gateway's metrics)."""
-        self.shelf.observer = observer
+        """Send tokenization counts, checks and alarms to ``observer`` (the gateway's metrics)."""
+        self.observer = self.shelf.observer = observer
 
     def forget(self, replica_id: str) -> None:
         """``replica_id`` is gone: drop its local tokenizer state and clear its alarm."""
@@ -168,9 +169,10 @@ class TokenHasher:
                 parts = self.shelf.parts(tokenizer, request)
                 if parts is not None:
                     self.local += 1
+                    self.observer.tokenized(replica.model, "gateway")
                     result = self.turns.event_hashes(tokenizer, parts, block_size, self.memo, seed=self.seed,
                                                      lora=lora, cache_salt=salt)
-                    self.shelf.maybe_check(replica, tokenizer, parts, tokenize_request(request, replica.model))
+                    self.shelf.maybe_check(replica, tokenizer, parts, lambda: tokenize_request(request, replica.model))
                     return tuple(result)
         payload = None if ids is not None else tokenize_request(request, replica.model)
         if ids is None and payload is None:
@@ -197,6 +199,7 @@ class TokenHasher:
         if client is None:
             return None
         self.calls += 1
+        self.observer.tokenized(replica.model, "engine")
         try:
             with trio.move_on_after(self.timeout) as scope:
                 status, body = await client.call(replica, "POST", "/tokenize", payload, "llmgw-tokenize")

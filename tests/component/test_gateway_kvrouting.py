@@ -3,13 +3,16 @@ events reach the gateway's index through real ZMQ sockets and the agent's KvSubs
 
 Proves: repeated-prefix requests land on the replica holding the prefix (the engine reports
 the prompt as cached); a warm replica with a long prefill queue is bypassed; engines hashing with
-another seed raise the hash-agreement alarm (metric and words), not a silent 0% hit rate.
+another seed raise the hash-agreement alarm (metric and words), not a silent 0% hit rate; the
+gateway tokenizes with the engines' own tokenizer files once it has them, and files that
+disagree with the engine's /tokenize raise the tokenizer alarm and send the replica back to it.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import attrs
@@ -31,6 +34,7 @@ MODEL = "m"
 BS = 16
 DEADLINE_S = 30.0
 AGREEMENT_WINDOW_S = 10.0
+TOKENIZERS = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer"
 
 
 @attrs.define
@@ -54,9 +58,11 @@ class ManualClock:
 
 
 @asynccontextmanager
-async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED,
-                  clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Cluster]:
-    """Run ``n`` sims with KV events, their subscribers feeding the gateway, and the gateway."""
+async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED, clock: Callable[[], float] = time.monotonic,
+                  tokenizer: Path | None = None, served: Path | None = None) -> AsyncIterator[Cluster]:
+    """Run ``n`` sims with KV events, their subscribers feeding the gateway, and the gateway.
+
+    ``tokenizer``: the sims tokenize with it and serve its files (``served``'s instead, if given)."""
     async with trio.open_nursery() as nursery:
         load = LoadTracker()
         settings = RoutingConfig(agreement_window=AGREEMENT_WINDOW_S, mismatch_alarm_after=2)
@@ -76,7 +82,9 @@ async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED,
             await nursery.start(sub.run, send)
             gateway.kv_update(rid, sub.full_copy())  # what the agent sends when its session starts
             cfg = SimConfig(model=MODEL, port=0, block_size=BS, num_blocks=512, hash_seed=seed,
-                            prefill_us_per_token=0, kv_events_endpoint=events, kv_replay_endpoint=replay)
+                            prefill_us_per_token=0, kv_events_endpoint=events, kv_replay_endpoint=replay,
+                            tokenizer=str(tokenizer) if tokenizer else None,
+                            served_tokenizer=str(served or tokenizer) if tokenizer else None)
             engine, port = await nursery.start(serve, cfg)
             engines.append(engine)
             replicas.append(Replica(rid, MODEL, f"http://127.0.0.1:{port}", "node", engine="sim"))
@@ -211,3 +219,44 @@ async def test_routing_settings_apply_live_without_losing_the_index() -> None:
         assert kv.agreement.threshold == 7 and kv.hasher.timeout == 0.25
         c.gateway.apply_routing({})  # the setting removed: server.yaml's routing again
         assert c.gateway.policy is kv and kv.agreement.threshold == c.gateway.routing_base.mismatch_alarm_after
+
+
+async def test_the_gateway_tokenizes_with_the_engines_own_tokenizer() -> None:
+    async with cluster(2, tokenizer=TOKENIZERS / "chatml") as c:
+        hasher = c.policy.hasher
+        with trio.fail_after(DEADLINE_S):
+            tenant = 0
+            while hasher.shelf.agreed < 2:  # both replicas' files fetched, then checked against /tokenize
+                await cached_tokens(c, conversation(tenant, 0))
+                tenant += 1
+        await held_everywhere(c)
+        local_before = hasher.local
+        for turn in (1, 2):
+            for t in range(tenant):
+                hit = await cached_tokens(c, conversation(t, turn))
+                assert hit >= 4 * BS, f"tenant {t} turn {turn}: only {hit} tokens were cached"
+            await held_everywhere(c)
+        assert hasher.local - local_before == 2 * tenant  # every later request tokenized in the gateway
+        assert hasher.turns.resumed > 0  # turn 2 resumed turn 1's chain
+        assert hasher.shelf.mismatches == 0 and c.policy.alarms() == []
+
+
+async def test_tokenizer_files_that_disagree_raise_the_alarm_and_fall_back_to_tokenize() -> None:
+    # the engines tokenize without a BOS; the files they hand out add one to completions
+    async with cluster(2, tokenizer=TOKENIZERS / "chatml", served=TOKENIZERS / "bos") as c:
+        hasher = c.policy.hasher
+        body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 2}
+        with trio.fail_after(DEADLINE_S):
+            while not hasher.alarms():
+                response = await c.http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+        assert "disagrees with the engine's /tokenize at token 0" in hasher.alarms()[0]
+        assert hasher.alarms()[0] in c.policy.alarms()  # what ctl status shows
+        metrics = (await c.http.get("/metrics")).text
+        assert any(line.startswith("llmgw_gateway_tokenizer_alarm{") and line.endswith(" 1.0")
+                   for line in metrics.splitlines())
+        local, calls = hasher.local, hasher.calls
+        for i in range(3):
+            response = await c.http.post("/v1/completions", json={**body, "prompt": f"again {i} " + body["prompt"]})
+            assert response.status_code == 200
+        assert hasher.local == local and hasher.calls == calls + 3  # the engine's /tokenize again

@@ -2,6 +2,9 @@
 
 - Repeated-prefix chat requests land on the replica whose KV events show the prefix, and
   that replica's own ``vllm:prefix_cache_hits_total`` rises.
+- The gateway fetches the model's tokenizer files from vLLM (through llmgw's guard) and
+  tokenizes chat and completions prompts itself; every sampled comparison with vLLM's own
+  ``/tokenize`` agrees, over varied requests (turns, names, text parts, Unicode).
 - A model whose profile sets another ``PYTHONHASHSEED`` raises the router's hash-mismatch
   alarm (metric and ``ctl status``) instead of a silent 0% hit rate.
 
@@ -84,6 +87,18 @@ async def chat(http: httpx.AsyncClient, gateway: str, model: str, question: str)
     assert r.status_code == 200, r.text
 
 
+#: Requests whose prompts the gateway tokenizes itself; each is compared with vLLM's /tokenize.
+VARIED: list[dict[str, Any]] = [
+    {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "hello world"}]},
+    {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": " two, three. "},
+                  {"role": "user", "content": "  four\nfive  "}]},
+    {"messages": [{"role": "user", "name": "ann", "content": "The quick brown fox"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}, {"type": "text", "text": "joined"}]}]},
+    {"messages": [{"role": "user", "content": "héllo wörld ✓ 日本 </s> <s>"}], "add_generation_prompt": False},
+    {"prompt": "Engines serve models; gateways route requests."},
+]
+
+
 async def test_repeated_prefix_lands_on_the_replica_whose_events_show_it(cluster: tuple[Cluster, Path]) -> None:
     c, model_dir = cluster
     replicas = await serve(c, model_dir, "kv-good")
@@ -121,6 +136,25 @@ async def test_repeated_prefix_lands_on_the_replica_whose_events_show_it(cluster
             assert hits >= 4 * 2 * CPU_BLOCK_SIZE, "the warm replica served the shared prefix from its cache"
             gw = await scrape(http, c.gateway)
             assert metric_sum(gw, "llmgw_gateway_kv_hash_alarm") == 0
+
+            sent = 0
+
+            async def checked() -> float | None:
+                nonlocal sent
+                body = VARIED[sent % len(VARIED)]
+                sent += 1
+                path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+                r = await http.post(c.gateway + path, json={"model": "kv-good", "max_tokens": 2, **body})
+                assert r.status_code == 200, r.text
+                text = await scrape(http, c.gateway)
+                agreed = metric_sum(text, "llmgw_gateway_tokenizer_checks_total", result="agreed")
+                return agreed if agreed >= len(VARIED) else None
+
+            await eventually(checked, "the gateway's own tokenization checked against vLLM's", timeout=120)
+            gw = await scrape(http, c.gateway)
+            assert metric_sum(gw, "llmgw_gateway_tokenizer_checks_total", result="disagreed") == 0
+            assert metric_sum(gw, "llmgw_gateway_prompts_tokenized_total", by="gateway") >= len(VARIED)
+            assert metric_sum(gw, "llmgw_gateway_tokenizer_alarm") == 0
     finally:
         await retire(c, "kv-good")
 
