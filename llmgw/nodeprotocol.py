@@ -18,8 +18,9 @@ NODE_PROTOCOL = 1
 SUPPORTED_PROTOCOLS = frozenset({1})
 #: A feature naming one call an agent answers, beyond its protocol's baseline.
 LOGS = "logs"  # Agent.logs: `llmgw ctl logs NODE`
+UPGRADE = "upgrade"  # Agent.receiveRelease, upgrade, rollback: `llmgw ctl upgrade`
 #: What this release's agent says it can do.
-AGENT_FEATURES = (f"protocol:{NODE_PROTOCOL}", "adopt", "stop-grace", LOGS)
+AGENT_FEATURES = (f"protocol:{NODE_PROTOCOL}", "adopt", "stop-grace", LOGS, UPGRADE)
 
 
 def protocol_of(features: Iterable[str]) -> int:

@@ -111,6 +111,7 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     auth=config.auth,
                     serving=config.serving,
                     usage_journal=settings.usage_journal,
+                    releases_dir=config.state_dir / "releases",
                     name=creds.identity.name,
                     advertise_host=config.advertise_hosts[0] if config.advertise_hosts else "",
                     peer_context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
@@ -272,6 +273,10 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
             locked = locked.exceptions[0]
         fail(str(locked))
     if settings.restart.is_set():
+        if settings.exit_status is not None:  # an upgrade: the service manager starts the new release
+            logging.getLogger("llmgw.agent").warning("agent: %s: exiting with status %d for the service manager "
+                                                     "to start it", settings.reason, settings.exit_status)
+            sys.exit(settings.exit_status)
         # The new agent reads its configuration afresh and adopts the engines, which kept running.
         exec_again(f"agent: restarting ({settings.reason})")
 

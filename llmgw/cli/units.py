@@ -7,6 +7,8 @@ import importlib.resources
 import sys
 from pathlib import Path
 
+from llmgw.node.releases import CURRENT, find_root
+
 #: Where the shipped units expect the state directory (their ``StateDirectory=llmgw``).
 DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
 #: Where units are installed on a systemd machine.
@@ -14,7 +16,12 @@ UNIT_DIR = Path("/etc/systemd/system")
 
 
 def llmgw_command() -> str:
-    """Returns how to run this llmgw: its console script beside the interpreter, else ``python -m llmgw``."""
+    """Returns how to run this llmgw: from a release root, ``ROOT/current/bin/python -m llmgw``
+    (so an upgrade that switches ``current`` takes effect at the next start,
+    llmgw/node/releases.py); else its console script beside the interpreter, else ``python -m llmgw``."""
+    root = find_root()
+    if root is not None:
+        return f"{root / CURRENT / 'bin' / 'python'} -m llmgw"
     script = Path(sys.executable).parent / "llmgw"
     return str(script) if script.exists() else f"{sys.executable} -m llmgw"
 

@@ -28,6 +28,7 @@ import capnp
 import trio
 
 from llmgw.catalog import validate_model
+from llmgw.releasefiles import CHUNK_BYTES, ReleaseError, sha256_file, wheel_version
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.errors import remote_reason
@@ -45,6 +46,9 @@ __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "Nod
 RESTART_TIMEOUT = 300.0
 #: Admin calls read in-memory state or do one small store write.
 CALL_TIMEOUT = 30.0
+#: An upgrade call sends the release to the node and waits for it to be installed there
+#: (the leader's own deadline, llmgw.control.sessions.UPGRADE_TIMEOUT, plus the transfer).
+UPGRADE_CALL_TIMEOUT = 1020.0
 
 
 class ClientError(Exception):
@@ -429,6 +433,35 @@ class ClusterClient:
         passed back as ``after``, the next call returns only the lines added since."""
         r = await self._call("nodeLogs", node, source, lines, after)
         return [str(line) for line in r.lines], [str(s) for s in r.sources], int(r.cursor)
+
+    async def upload_release(self, wheel: Path) -> str:
+        """Upload the llmgw wheel at ``wheel`` to the control plane in pieces; return its SHA-256.
+
+        Raises ClientError for a file that is not an llmgw wheel or cannot be read, or the
+        control plane's reason."""
+        try:
+            wheel_version(wheel.name)
+            digest = sha256_file(wheel)
+            offset = 0
+            with open(wheel, "rb") as f:
+                while True:
+                    chunk = f.read(CHUNK_BYTES)
+                    offset = int((await self._call("uploadRelease", wheel.name, offset, chunk)).received)
+                    if not chunk or len(chunk) < CHUNK_BYTES:
+                        break
+        except (ReleaseError, OSError) as exc:
+            raise ClientError(str(exc)) from None
+        return digest
+
+    async def upgrade_node(self, node: str, name: str, sha256: str) -> tuple[str, str]:
+        """Have ``node`` install the uploaded wheel ``name`` and restart on it; return (release, previous)."""
+        r = await self._call("upgradeNode", node, name, sha256, timeout=UPGRADE_CALL_TIMEOUT)
+        return str(r.release), str(r.previous)
+
+    async def rollback_node(self, node: str) -> tuple[str, str]:
+        """Have ``node`` put its previous release back and restart on it; return (release, previous)."""
+        r = await self._call("rollbackNode", node, timeout=UPGRADE_CALL_TIMEOUT)
+        return str(r.release), str(r.previous)
 
     async def replica_logs(self, replica_id: str, lines: int = 100) -> list[str]:
         return list((await self._call("replicaLogs", replica_id, lines)).lines)

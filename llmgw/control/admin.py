@@ -9,6 +9,7 @@ whose message is for the operator (the client shows the last line).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import attrs
@@ -31,6 +32,7 @@ from llmgw.control.reconciler import Reconciler
 from llmgw.control.registry import NodeState, Registry
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store
+from llmgw.releasefiles import ReleaseError, ReleaseInbox, sha256_file
 from llmgw.rpc import convert, schema
 from llmgw.router.interface import GatewayInterface
 from llmgw.spec import ShardState
@@ -63,6 +65,8 @@ class AdminServices:
     leadership: Callable[[], Awaitable[dict[str, Any]]]
     #: This leader's join desk (None: it holds no CA key and mints no join tokens).
     joins: JoinService | None = None
+    #: Where `ctl upgrade` uploads release wheels (None: this control plane takes none).
+    releases_dir: Path | None = None
 
 
 def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
@@ -77,6 +81,21 @@ def _config_problem(sessions: NodeSessions, node_id: str) -> str:
     except LookupError:
         return ""
     return "; ".join(p for p in (session.settings_problem, session.file_problem) if p)
+
+
+def _release_inbox(services: AdminServices) -> ReleaseInbox:
+    """Return where this control plane keeps uploaded releases; raises ReleaseError where it keeps none."""
+    if services.releases_dir is None:
+        raise ReleaseError("this control plane takes no releases (it runs inside llmgw up: upgrade with pip)")
+    return ReleaseInbox(services.releases_dir)
+
+
+def _session(services: AdminServices, node_id: str) -> Any:
+    """Return ``node_id``'s session; raises LookupError naming the node when it is not connected."""
+    try:
+        return services.sessions.get(node_id)
+    except LookupError:
+        raise LookupError(f"node {node_id!r} is not connected (see `llmgw ctl nodes`)") from None
 
 
 def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
@@ -225,6 +244,27 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
             _context.results.agents = agents
             _context.results.standbys = standbys
             _context.results.leader = (await services.leadership())["leader"]
+
+        async def uploadRelease(self, name: str, offset: int, chunk: bytes, _context: Any, **_: Any) -> None:
+            _context.results.received = _release_inbox(services).write(str(name), int(offset), bytes(chunk))
+
+        async def upgradeNode(self, node: str, name: str, sha256: str, _context: Any, **_: Any) -> None:
+            node_id = str(node)
+            wheel = _release_inbox(services).path(str(name))
+            if not wheel.is_file():
+                raise ReleaseError(f"{name} was not uploaded to this control plane (ctl upgrade uploads it first)")
+            got = await trio.to_thread.run_sync(sha256_file, wheel)
+            if got != str(sha256).lower():
+                raise ReleaseError(f"{name}: SHA-256 {got} here, expected {sha256}: upload it again")
+            await services.store.audit(actor, "node.upgrade", node_id, {"release": str(name), "sha256": got})
+            release, previous = await _session(services, node_id).upgrade(wheel, got)
+            _context.results.release, _context.results.previous = release, previous
+
+        async def rollbackNode(self, node: str, _context: Any, **_: Any) -> None:
+            node_id = str(node)
+            await services.store.audit(actor, "node.rollback", node_id, {})
+            release, previous = await _session(services, node_id).rollback()
+            _context.results.release, _context.results.previous = release, previous
 
         async def checkEngine(self, node: str, engine: str, _context: Any, **_: Any) -> None:
             node_id, engine_name = str(node), str(engine)

@@ -128,6 +128,7 @@ async def run_control_plane(
     serving: ServingConfig = ServingConfig(),
     engines: Mapping[str, str] | None = None,
     usage_journal: Path | None = None,
+    releases_dir: Path | None = None,
     name: str = "",
     advertise_host: str = "",
     peer_context: ssl.SSLContext | None = None,
@@ -276,7 +277,7 @@ async def run_control_plane(
                             store=store, registry=registry, sessions=sessions, reconciler=reconciler,
                             gateway=gateway, access=access, catalog_changed=catalog_changed,
                             gateway_url=gateway_url, agent_settings_changed=push.changed, leadership=leadership,
-                            tee=tee, restart_self=restart_self, joins=joins,
+                            tee=tee, restart_self=restart_self, joins=joins, releases_dir=releases_dir,
                         )
                         async def planes() -> list[str]:
                             return [record.name for record in await store.list_control_planes()]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
 
 import capnp
@@ -25,7 +26,8 @@ import trio
 
 from llmgw.control.registry import Registry
 from llmgw.control.reports import endpoint_refusal, log_refusal
-from llmgw.nodeprotocol import LOGS
+from llmgw.nodeprotocol import LOGS, UPGRADE
+from llmgw.releasefiles import CHUNK_BYTES
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardSpec, UnknownShard
@@ -54,6 +56,11 @@ WANT_ENGINES_TIMEOUT = 10.0
 #: An engine's version and device check starts the engine binary once (CUDA init included);
 #: a little above the agent's own limit, so the agent's reason arrives first.
 CHECK_ENGINE_TIMEOUT = 130.0
+#: Deadline for one piece of a release to reach an agent (a megabyte over the LAN).
+RELEASE_PIECE_TIMEOUT = 30.0
+#: Deadline for an agent to install a release: copying its environment and pip (the agent's
+#: own pip deadline is 15 minutes; this covers it).
+UPGRADE_TIMEOUT = 960.0
 #: When a node joins while it still has a session, the old session's agent is pinged: a live
 #: agent answers in milliseconds, even on a busy node. One that does not answer in this time
 #: is hung or gone (a crash whose connection close has not arrived, a cut network), and its
@@ -105,6 +112,8 @@ class NodeSession:
         self.closed = False
         #: What the agent said it can do (llmgw/nodeprotocol.py); calls beyond its protocol check it.
         self.features: frozenset[str] = frozenset()
+        #: The agent's llmgw release, as its registration said ("": not known).
+        self.version = ""
         #: Why the node refused the cluster settings last pushed ("": it took them).
         self.settings_problem = ""
         #: What the agent reported about its own configuration (an agent.yaml that does not load).
@@ -258,6 +267,45 @@ class NodeSession:
             except capnp.KjException as exc:
                 raise LookupError(remote_reason(exc)) from None
         return list(result.lines), list(result.sources), int(result.cursor)
+
+    async def upgrade(self, wheel: Path, sha256: str) -> tuple[str, str]:
+        """Send the release ``wheel`` to this agent in pieces and have it install it and restart
+        on it; return (new release, previous release). Raises RuntimeError with the agent's
+        reason (or for an agent too old to be upgraded over its session), TooSlowError past the
+        deadlines."""
+        self._needs(UPGRADE, "be upgraded over its session: upgrade it on the machine")
+        offset = 0
+        with open(wheel, "rb") as f:
+            while True:
+                chunk = f.read(CHUNK_BYTES)
+                if not chunk and offset:
+                    break
+                with trio.fail_after(RELEASE_PIECE_TIMEOUT):
+                    result = await self._call(self.agent.receiveRelease(wheel.name, offset, chunk))
+                offset = int(result.received)
+                if not chunk:
+                    break
+        with trio.fail_after(UPGRADE_TIMEOUT):
+            result = await self._call(self.agent.upgrade(wheel.name, sha256))
+        return str(result.release), str(result.previous)
+
+    async def rollback(self) -> tuple[str, str]:
+        """Have this agent put its previous release back and restart on it; return (release, previous)."""
+        self._needs(UPGRADE, "roll back over its session: switch ROOT/current on the machine")
+        with trio.fail_after(UPGRADE_TIMEOUT):
+            result = await self._call(self.agent.rollback())
+        return str(result.release), str(result.previous)
+
+    def _needs(self, feature: str, what: str) -> None:
+        if feature not in self.features:
+            raise RuntimeError(f"the agent on {self.node_id} (llmgw {self.version or 'of an unknown version'}) "
+                               f"is too old to {what}")
+
+    async def _call(self, promise: Any) -> Any:
+        try:
+            return await promise
+        except capnp.KjException as exc:
+            raise RuntimeError(f"node {self.node_id}: {remote_reason(exc)}") from None
 
     async def logs(self, shard_id: str, lines: int) -> list[str]:
         shard = self.shards.get(shard_id)

@@ -19,6 +19,7 @@ import json as _json  # a handler's parameter is named json
 import logging
 import random
 import ssl
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,6 +34,8 @@ from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
 from llmgw.node.cluster_settings import ClusterSettings
 from llmgw.node.planes import ControlPlaneList
+from llmgw.node.releases import UPGRADE_EXIT_STATUS, find_root, install_release, rollback_release
+from llmgw.releasefiles import ReleaseError, ReleaseInbox
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
 from llmgw.node.weights import disk_usage, prepare_weights_dir
@@ -113,11 +116,24 @@ def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
     return ShardServer()
 
 
+def _release_root(settings: ClusterSettings | None) -> Path:
+    """Return the release root this agent runs from; raises ReleaseError saying why it cannot upgrade."""
+    if settings is None:
+        raise ReleaseError("llmgw up's own agent is upgraded with the llmgw that runs it (pip install -U)")
+    root = find_root()
+    if root is None:
+        raise ReleaseError(f"this agent runs from {sys.prefix}, not from a release root (ROOT/releases/VERSION "
+                           "with ROOT/current pointing at it): reinstall it that way to upgrade it over its "
+                           "session (docs/operations.md, Upgrading)")
+    return root
+
+
 def _make_agent_server(
     supervisor: Supervisor, converger: Converger | None = None, planes: ControlPlaneList | None = None,
     settings: ClusterSettings | None = None,
 ) -> Any:
     s = schema.load()
+    inbox = ReleaseInbox(supervisor.state_dir.parent / "incoming-releases")
 
     class AgentServer(s.Agent.Server):
         """This node, as handed to the control plane in the registration of one session."""
@@ -174,6 +190,29 @@ def _make_agent_server(
             if settings is None:
                 raise RuntimeError("this agent cannot restart itself (llmgw up's own agent)")
             settings.restart_soon("asked by llmgw ctl restart")
+
+        async def receiveRelease(self, name: str, offset: int, chunk: bytes, _context: Any, **_: Any) -> None:
+            _context.results.received = inbox.write(str(name), int(offset), bytes(chunk))
+
+        async def upgrade(self, name: str, sha256: str, _context: Any, **_: Any) -> None:
+            root = _release_root(settings)
+            wheel = inbox.path(str(name))
+            if not wheel.is_file():
+                raise ReleaseError(f"{name} was not received (send it with receiveRelease first)")
+            release, previous = await trio.to_thread.run_sync(install_release, root, wheel, str(sha256))
+            wheel.unlink(missing_ok=True)
+            log.warning("agent: llmgw %s installed under %s (was %s)", release, root, previous)
+            assert settings is not None
+            settings.restart_soon(f"upgraded to llmgw {release}", UPGRADE_EXIT_STATUS)
+            _context.results.release, _context.results.previous = release, previous
+
+        async def rollback(self, _context: Any, **_: Any) -> None:
+            root = _release_root(settings)
+            release, previous = await trio.to_thread.run_sync(rollback_release, root)
+            log.warning("agent: rolled back to llmgw %s under %s (from %s)", release, root, previous)
+            assert settings is not None
+            settings.restart_soon(f"rolled back to llmgw {release}", UPGRADE_EXIT_STATUS)
+            _context.results.release, _context.results.previous = release, previous
 
         async def controlPlanes(self, addresses: Any, **_: Any) -> None:
             if planes is not None:

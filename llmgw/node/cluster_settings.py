@@ -70,6 +70,9 @@ class ClusterSettings:
         self.config_file = config_file
         self.restart = trio.Event()
         self.reason = ""
+        #: None: the agent restarts by exec'ing itself; a status: it exits with it instead (an
+        #: upgrade: its service manager starts the new release, llmgw/node/releases.py).
+        self.exit_status: int | None = None
         #: Why the agent runs on an older configuration ("": it does not); reported to the
         #: control plane (``ctl nodes``) whenever it changes (:attr:`problem_changed`).
         self.problem = ""
@@ -104,8 +107,10 @@ class ClusterSettings:
             # Running on them anyway: the next start without them is the file's configuration.
             log.warning("agent: could not save the cluster settings to %s: %s", self.path, exc.strerror or exc)
 
-    def restart_soon(self, reason: str) -> None:
-        """Restart after :data:`REPLY_GRACE_S` (an RPC asked: its answer goes out first)."""
+    def restart_soon(self, reason: str, exit_status: int | None = None) -> None:
+        """Restart after :data:`REPLY_GRACE_S` (an RPC asked: its answer goes out first);
+        with ``exit_status``, by exiting with it rather than exec'ing this same command."""
+        self.exit_status = exit_status
         async def later() -> None:
             await trio.sleep(REPLY_GRACE_S)
             self._restart(reason)

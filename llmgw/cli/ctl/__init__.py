@@ -19,6 +19,7 @@ from llmgw.cli.ctl.keys import admin_tokens, keys, tenants, usage
 from llmgw.cli.ctl.models import models
 from llmgw.cli.ctl.servers import nodes_add, nodes_remove, servers
 from llmgw.cli.ctl.serving import restart, start, stop
+from llmgw.cli.ctl.upgrade import upgrade
 
 __all__ = ["ctl"]
 
@@ -34,7 +35,7 @@ def ctl(ctx: click.Context, server: str | None, tls_dir: str | None, as_json: bo
 
 
 for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, restart,
-                 config, certs, servers, admin_tokens):
+                 config, certs, servers, admin_tokens, upgrade):
     ctl.add_command(_command)
 nodes.add_command(nodes_add)
 nodes.add_command(nodes_remove)

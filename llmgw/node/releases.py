@@ -1,0 +1,137 @@
+"""Upgrading the llmgw a node runs: releases side by side, a ``current`` link, rollback.
+
+A machine upgradeable over its session runs llmgw from a *release root*::
+
+    ROOT/releases/0.1.0/      a virtual environment holding llmgw 0.1.0
+    ROOT/releases/0.2.0/      the next one, installed beside it
+    ROOT/current -> releases/0.2.0     what the units run (ExecStart=ROOT/current/bin/llmgw ...)
+    ROOT/previous -> releases/0.1.0    what a rollback puts back
+
+(docs/operations.md, "Upgrading", says how to lay a machine out this way; the units
+``llmgw agent join`` writes on such a machine start ``ROOT/current/bin/python -m llmgw``.) The leader sends a release wheel over the agent's session in pieces
+(:class:`llmgw.releasefiles.ReleaseInbox`), then asks the agent to install it (:func:`install_release`): the
+wheel is checked against its SHA-256, the running environment is copied to the new
+release's directory (its dependencies come along, so nothing is downloaded that the release
+does not add), the wheel is installed into the copy with the copy's pip, the copy's
+``llmgw --version`` must name the wheel's version, and only then ``current`` is switched
+(a new link renamed over the old one: atomic). The agent answers, then exits with
+:data:`UPGRADE_EXIT_STATUS`, which its unit restarts on (``RestartForceExitStatus=75``);
+its engines keep running and the new agent adopts them. :func:`rollback_release` switches
+``current`` back to ``previous`` the same way.
+
+Every blocking step runs in a worker thread; errors are :class:`ReleaseError` with the
+reason in words, and leave ``current`` as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from llmgw.releasefiles import ReleaseError, sha256_file, wheel_version
+
+#: The exit status that tells the agent's supervisor (systemd: ``RestartForceExitStatus=75``,
+#: EX_TEMPFAIL) to start it again: from ``current``, now the new release.
+UPGRADE_EXIT_STATUS = 75
+#: Seconds pip may take to install a release into the copied environment (new dependencies
+#: are downloaded from the node's package index).
+INSTALL_TIMEOUT_S = 900.0
+#: Seconds the new release's ``llmgw --version`` may take (imports the package).
+VERSION_CHECK_TIMEOUT_S = 60.0
+CURRENT, PREVIOUS, RELEASES = "current", "previous", "releases"
+
+
+def find_root(prefix: str = sys.prefix) -> Path | None:
+    """Return the release root this process runs from (``ROOT`` when ``prefix``, links
+    resolved, is ``ROOT/releases/V`` and ``ROOT/current`` points at it), else None."""
+    try:
+        release = Path(prefix).resolve()
+        root = release.parent.parent
+        if release.parent.name == RELEASES and (root / CURRENT).resolve() == release:
+            return root
+    except OSError:
+        return None
+    return None
+
+
+def current_release(root: Path) -> str:
+    """Return the name of the release ``root/current`` points at; raises ReleaseError if none."""
+    try:
+        return os.readlink(root / CURRENT).rstrip("/").rsplit("/", 1)[-1]
+    except OSError as exc:
+        raise ReleaseError(f"{root / CURRENT} is not a link to a release: {exc.strerror}") from None
+
+
+def _run(argv: list[str], timeout: float, what: str) -> str:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ReleaseError(f"{what} took over {timeout:.0f} s") from None
+    except OSError as exc:
+        raise ReleaseError(f"{what} could not run: {exc}") from None
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
+        raise ReleaseError(f"{what} failed (exit {done.returncode}):\n  " + "\n  ".join(tail))
+    return done.stdout
+
+
+def _switch(root: Path, link: str, target: str) -> None:
+    """Point ``root/link`` at ``releases/target`` by renaming a new link over it (atomic)."""
+    tmp = root / f".{link}.new"
+    tmp.unlink(missing_ok=True)
+    os.symlink(f"{RELEASES}/{target}", tmp)
+    os.replace(tmp, root / link)
+
+
+def install_release(root: Path, wheel: Path, sha256: str) -> tuple[str, str]:
+    """Install ``wheel`` as a new release under ``root`` and make it current (see the module
+    docstring); return (new release, previous release). Blocking: run it in a thread.
+
+    Raises ReleaseError, ``current`` unchanged, when the wheel's SHA-256 is not ``sha256``,
+    the version already runs, the copy or pip fails, or the new ``llmgw --version`` does
+    not name the version.
+    """
+    version = wheel_version(wheel.name)
+    got = sha256_file(wheel)
+    if got != sha256.lower():
+        raise ReleaseError(f"{wheel.name}: SHA-256 {got}, expected {sha256}: the release was damaged on the way")
+    running = current_release(root)
+    if running == version:
+        raise ReleaseError(f"this node already runs llmgw {version}")
+    target = root / RELEASES / version
+    if target.exists():
+        shutil.rmtree(target)  # a release left half-installed by an earlier attempt
+    try:
+        shutil.copytree((root / CURRENT).resolve(), target, symlinks=True)
+        python = str(target / "bin" / "python")
+        _run([python, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--quiet", str(wheel)],
+             INSTALL_TIMEOUT_S, f"pip install {wheel.name}")
+        said = _run([str(target / "bin" / "llmgw"), "--version"], VERSION_CHECK_TIMEOUT_S, "the new llmgw --version")
+        if version not in said.split():
+            raise ReleaseError(f"the new release's llmgw --version says {said.strip()!r}, not {version}")
+    except (ReleaseError, OSError) as exc:
+        shutil.rmtree(target, ignore_errors=True)
+        if isinstance(exc, ReleaseError):
+            raise
+        raise ReleaseError(f"cannot copy the running environment to {target}: {exc}") from None
+    _switch(root, PREVIOUS, running)
+    _switch(root, CURRENT, version)
+    return version, running
+
+
+def rollback_release(root: Path) -> tuple[str, str]:
+    """Make ``previous`` current again (and the current one previous); return (now current,
+    now previous). Raises ReleaseError when there is no previous release to go back to."""
+    running = current_release(root)
+    try:
+        before = os.readlink(root / PREVIOUS).rstrip("/").rsplit("/", 1)[-1]
+    except OSError:
+        raise ReleaseError(f"no previous release under {root} to roll back to") from None
+    if not (root / RELEASES / before).is_dir():
+        raise ReleaseError(f"the previous release {before} is gone from {root / RELEASES}")
+    _switch(root, PREVIOUS, running)
+    _switch(root, CURRENT, before)
+    return before, running
