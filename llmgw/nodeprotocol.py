@@ -19,8 +19,10 @@ SUPPORTED_PROTOCOLS = frozenset({1})
 #: A feature naming one call an agent answers, beyond its protocol's baseline.
 LOGS = "logs"  # Agent.logs: `llmgw ctl logs NODE`
 UPGRADE = "upgrade"  # Agent.receiveRelease, upgrade, rollback: `llmgw ctl upgrade`
-#: What this release's agent says it can do.
-AGENT_FEATURES = (f"protocol:{NODE_PROTOCOL}", "adopt", "stop-grace", LOGS, UPGRADE)
+FIREWALL = "firewall"  # Agent.firewall: the cluster setting firewall (an agent managing its nft table)
+#: What this release's agent says it can do (an agent that leaves its firewall to the operator
+#: leaves out FIREWALL).
+AGENT_FEATURES = (f"protocol:{NODE_PROTOCOL}", "adopt", "stop-grace", LOGS, UPGRADE, FIREWALL)
 
 
 def protocol_of(features: Iterable[str]) -> int:

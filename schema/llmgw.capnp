@@ -253,6 +253,11 @@ interface Agent {
   # a release root (llmgw/node/releases.py).
   rollback @11 () -> (release :Text, previous :Text);
   # Switches `current` back to the previous release, answers, exits with status 75.
+  firewall @12 (json :Text) -> ();
+  # The cluster setting `firewall` ({"enabled": bool, "networks": [CIDR, ...]}) as JSON: the agent keeps
+  # it and keeps its engines' ports reachable only from the control planes and those networks
+  # (llmgw/node/firewall.py). Fails with the reason for a setting that does not check. Agents listing the
+  # feature "firewall" answer it.
 }
 
 struct KvUpdate {

@@ -2,10 +2,11 @@
 # Install the operator tools llmgw's tests check their output against, when this machine can.
 #
 # Tests run a real tool where users have one (keepalived checks the configuration `llmgw server join
-# --keepalived-config` writes). A test skips a tool only where the machine truly cannot have it, and says
-# why; this script is what gives a machine the tool when it can: as root with apt-get, it installs each
-# missing Debian package. Without root or apt-get it says which tools are missing and exits 0, so the
-# test run goes on and the tests that need them skip with their reason. Progress goes to stderr.
+# --keepalived-config` writes; nft applies llmgw's firewall table in a network namespace). A test skips a
+# tool only where the machine truly cannot have it, and says why; this script is what gives a machine the
+# tool when it can: as root with apt-get, it installs each missing Debian package. Without root or apt-get
+# it says which tools are missing and exits 0, so the test run goes on and the tests that need them skip
+# with their reason. Progress goes to stderr.
 #
 # Environment:
 #   LLMGW_NO_TOOL_INSTALL=1   install nothing (report only)
@@ -16,6 +17,7 @@ log() { echo "ensure-test-tools: $*" >&2; }
 # command -> Debian package providing it
 declare -A PACKAGES=(
     [keepalived]=keepalived
+    [nft]=nftables
 )
 
 missing=()

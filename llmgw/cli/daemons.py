@@ -7,17 +7,20 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import trio
 
 from llmgw.cli.common import setup_logging
+from llmgw.control.firewall_file import FIREWALL_FILE
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR, ensure_cluster_pki
 from llmgw.cli.agent_join import agent_join
 from llmgw.cli.server_join import server_join
 from llmgw.cli.signals import run_daemon
 from llmgw.config import ConfigError, load_agent_config, load_server_config
+from llmgw.config.values import is_loopback_host
 from llmgw.control.store import STORE_DIR_MODE, StoreError
 from llmgw.rpc.tls import CA_KEY_FILE, ClusterCA, TLSFileError, client_ssl_context, read_credentials, server_ssl_context
 
@@ -26,6 +29,13 @@ log = logging.getLogger(__name__)
 
 #: Where the daemons look for their config file when --config is not given.
 ETC_DIR = Path("/etc/llmgw")
+
+
+def _metrics_ports(config: Any) -> list[int]:
+    """The metrics port, when /metrics has a listener of its own reachable beyond loopback
+    (the control plane's firewall protects it; llmgw/control/firewall_file.py)."""
+    listen = config.metrics.listen
+    return [listen.port] if listen is not None and not is_loopback_host(listen.host) else []
 
 
 def exec_again(message: str) -> None:
@@ -112,6 +122,8 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
                     serving=config.serving,
                     usage_journal=settings.usage_journal,
                     releases_dir=config.state_dir / "releases",
+                    firewall_file=config.state_dir / FIREWALL_FILE,
+                    firewall_ports=_metrics_ports(config),
                     name=creds.identity.name,
                     advertise_host=config.advertise_hosts[0] if config.advertise_hosts else "",
                     peer_context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
@@ -262,6 +274,7 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
                 converger=Converger(installers),
                 weights_dir=config.weights_dir,
                 cluster_settings=settings,
+                manage_firewall=config.firewall,
             )
             await node.run()
 

@@ -17,7 +17,7 @@ from llmgw.credentials import CA_CERT_FILE, CERT_FILE, KEY_FILE
 from . import defaults
 from .values import (
     ENGINE_NAME, ENGINE_NAME_RULE, Address, frozen_mapping, parse_address, parse_duration, parse_host, parse_log_level,
-    parse_node_id, parse_url_or_empty, positive, show,
+    parse_bool, parse_node_id, parse_url_or_empty, positive, show,
 )
 from .yaml_reader import MISSING, Reader, open_config
 
@@ -80,6 +80,9 @@ class AgentConfig:
     #: ``engines.<engine>.<python|server>``: engine name -> the path the operator named; it wins
     #: over any installed engine (and is never replaced by one).
     engine_paths: Mapping[str, Path] = attrs.field(factory=dict, converter=frozen_mapping)
+    #: Whether the agent keeps llmgw's nft table on this node (docs/operations.md, Firewall);
+    #: false leaves the node's firewall to the operator.
+    firewall: bool = True
 
 
 def load_agent_config(
@@ -116,6 +119,7 @@ def load_agent_config(
         reconnect_backoff_max=top.get("reconnect_backoff_max", positive(parse_duration),
                                       defaults.DEFAULT_RECONNECT_BACKOFF_MAX),
         log_level=top.get("log_level", parse_log_level, defaults.DEFAULT_LOG_LEVEL),
+        firewall=top.get("firewall", parse_bool, True),
         weights_dir=top.get_path("weights_dir", state_dir / "weights"),
         install_dir=top.get_path("install_dir", state_dir / "engines"),
         cache_dir=top.get_path("cache_dir", state_dir / "cache"),

@@ -30,10 +30,11 @@ Nursery tree::
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import ssl
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -44,6 +45,8 @@ from llmgw.config.values import is_loopback_host
 from llmgw.control.admin import AdminServices, make_admin
 from llmgw.control.admission_shares import LocalShares, ShareBook, lead_shares
 from llmgw.control.cluster import ClusterServices, handle_connection
+from llmgw.control.firewall_file import keep_firewall_file
+from llmgw.control.settings import FIREWALL
 from llmgw.control.joining import JoinService
 from llmgw.control.http_api import HttpAdminApi
 from llmgw.control.keys import SERVING_STOPPED, AccessSync
@@ -81,6 +84,19 @@ class Term:
     catalog_changed: Callable[[], None]
     #: The gateways' shares of the tenant limits (llmgw/control/admission_shares.py).
     shares: ShareBook | None = None
+
+
+def _address_host(address: str) -> str:
+    """The host of a ``host:port`` address (brackets of an IPv6 literal removed)."""
+    return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @attrs.define
@@ -129,6 +145,8 @@ async def run_control_plane(
     engines: Mapping[str, str] | None = None,
     usage_journal: Path | None = None,
     releases_dir: Path | None = None,
+    firewall_file: Path | None = None,
+    firewall_ports: Sequence[int] = (),
     name: str = "",
     advertise_host: str = "",
     peer_context: ssl.SSLContext | None = None,
@@ -302,6 +320,19 @@ async def run_control_plane(
                     await election.wait_changed()
 
             nursery.start_soon(publish_leader)
+            if firewall_file is not None:
+                async def firewall_setting() -> object:
+                    stored = await store.get_setting(FIREWALL)
+                    return stored.value if stored is not None else None
+
+                async def firewall_peers() -> list[str]:
+                    hosts = [_address_host(r.rpc_address) for r in await store.list_control_planes()]
+                    if plane.term is not None:  # the leader also knows where its nodes are
+                        hosts += [_address_host(n.address) for n in plane.term.registry.snapshot().nodes.values()]
+                    return [h for h in hosts if _is_ip(h)]
+
+                await nursery.start(keep_firewall_file, firewall_file, firewall_setting, [bound_rpc, *firewall_ports],
+                                    firewall_peers)
             await nursery.start(election.run, lead)
             if peer_context is not None:
                 nursery.start_soon(follower.follow, election, peer_context)

@@ -7,7 +7,9 @@ The keys are:
 * ``routing`` (a mapping): server.yaml's ``routing:`` keys, over every control plane's own
   server.yaml, applied live by every gateway (``routing.policy`` switches the policy);
 * ``agents.default`` (a mapping): what every agent.yaml can say, for every node;
-* ``agents.nodes.<node id>`` (a mapping): the same for one node, over ``agents.default``.
+* ``agents.nodes.<node id>`` (a mapping): the same for one node, over ``agents.default``;
+* ``firewall`` (a mapping): ``enabled`` (default true) and ``networks`` (addresses and CIDR
+  networks): llmgw's nft table on every node and control plane (docs/operations.md, Firewall).
 
 An agent mapping may hold anything agent.yaml can say except what names the node and how it
 is reached: :data:`AGENT_KEYS_REFUSED`. It is checked by loading it as agent.yaml overrides,
@@ -31,9 +33,11 @@ from llmgw.config import ConfigError, RoutingConfig, load_agent_config
 from llmgw.config.sections import RETIRED_ROUTING_KEYS, read_routing
 from llmgw.config.values import parse_node_id
 from llmgw.config.yaml_reader import Reader
+from llmgw.nftables import check_firewall_setting
 
 SERVING_STOPPED = "serving.stopped"
 ROUTING = "routing"
+FIREWALL = "firewall"
 #: The settings every gateway applies (through AccessSync), not the agents.
 GATEWAY_SETTINGS = (SERVING_STOPPED, ROUTING)
 AGENTS_DEFAULT = "agents.default"
@@ -65,7 +69,7 @@ def parse_key(key: str) -> SettingKey:
     """Returns where ``key`` lives; raises SettingError for a key that does not exist."""
     if key == SERVING_STOPPED:
         return SettingKey(SERVING_STOPPED)
-    for mapping in (ROUTING, AGENTS_DEFAULT):
+    for mapping in (ROUTING, FIREWALL, AGENTS_DEFAULT):
         if key == mapping or key.startswith(mapping + "."):
             return SettingKey(mapping, _path(key, key[len(mapping) + 1:]))
     if key.startswith(AGENTS_NODES):
@@ -76,7 +80,7 @@ def parse_key(key: str) -> SettingKey:
             raise SettingError(f"{key}: not a node id: {exc}") from None
         return SettingKey(AGENTS_NODES + node, _path(key, rest))
     raise SettingError(
-        f"unknown setting {key!r}: the settings are {SERVING_STOPPED}, {ROUTING}[.KEY], "
+        f"unknown setting {key!r}: the settings are {SERVING_STOPPED}, {ROUTING}[.KEY], {FIREWALL}[.KEY], "
         f"{AGENTS_DEFAULT}[.KEY...] and "
         f"{AGENTS_NODES}NODE_ID[.KEY...]"
     )
@@ -134,6 +138,12 @@ def check(stored: str, value: Any) -> None:
         return
     if stored == ROUTING:
         routing_overrides(value)
+        return
+    if stored == FIREWALL:
+        try:
+            check_firewall_setting(value)
+        except ValueError as exc:
+            raise SettingError(str(exc)) from None
         return
     if not isinstance(value, dict):
         raise SettingError(f"{stored}: expected a mapping of agent.yaml keys, got {value!r}")

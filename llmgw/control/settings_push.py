@@ -3,7 +3,8 @@
 :class:`SettingsPush` runs in the leader's term. :meth:`SettingsPush.changed` (an admin call
 stored an ``agents.*`` setting) wakes it; it waits :data:`PUSH_DELAY_S` so a burst of
 changes goes out once, reads the settings, and sends every connected node its layer
-(:func:`llmgw.control.settings.agent_layer`) through ``Agent.settings``, all nodes at once,
+(:func:`llmgw.control.settings.agent_layer`) through ``Agent.settings`` and the ``firewall``
+setting through ``Agent.firewall`` (agents listing that feature), all nodes at once,
 each call bounded. A node that refuses (its agent.yaml and the layer do not load together)
 is logged with its reason; it keeps running as it is.
 """
@@ -18,7 +19,8 @@ import capnp
 import trio
 
 from llmgw.control.sessions import NodeSession, NodeSessions
-from llmgw.control.settings import agent_layer
+from llmgw.control.settings import FIREWALL, agent_layer
+from llmgw.nodeprotocol import FIREWALL as FIREWALL_FEATURE
 from llmgw.control.store import Store
 from llmgw.rpc.errors import remote_reason
 
@@ -42,6 +44,8 @@ async def push_to(session: NodeSession, settings: dict[str, Any]) -> None:
     try:
         with trio.fail_after(PUSH_TIMEOUT_S):
             await session.agent.settings(json.dumps(layer, sort_keys=True))
+            if FIREWALL_FEATURE in session.features:
+                await session.agent.firewall(json.dumps(settings.get(FIREWALL) or {}, sort_keys=True))
         session.settings_problem = ""
     except capnp.KjException as exc:
         reason = remote_reason(exc)

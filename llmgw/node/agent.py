@@ -20,6 +20,7 @@ import logging
 import random
 import ssl
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,11 +29,12 @@ import capnp
 import trio
 
 from llmgw import __version__, logbook
-from llmgw.nodeprotocol import AGENT_FEATURES
+from llmgw.nodeprotocol import AGENT_FEATURES, FIREWALL
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
 from llmgw.node.cluster_settings import ClusterSettings
+from llmgw.node.firewall import NodeFirewall
 from llmgw.node.planes import ControlPlaneList
 from llmgw.node.releases import UPGRADE_EXIT_STATUS, find_root, install_release, rollback_release
 from llmgw.releasefiles import ReleaseError, ReleaseInbox
@@ -130,7 +132,7 @@ def _release_root(settings: ClusterSettings | None) -> Path:
 
 def _make_agent_server(
     supervisor: Supervisor, converger: Converger | None = None, planes: ControlPlaneList | None = None,
-    settings: ClusterSettings | None = None,
+    settings: ClusterSettings | None = None, firewall: NodeFirewall | None = None,
 ) -> Any:
     s = schema.load()
     inbox = ReleaseInbox(supervisor.state_dir.parent / "incoming-releases")
@@ -214,6 +216,15 @@ def _make_agent_server(
             settings.restart_soon(f"rolled back to llmgw {release}", UPGRADE_EXIT_STATUS)
             _context.results.release, _context.results.previous = release, previous
 
+        async def firewall(self, json: str, **_: Any) -> None:
+            if firewall is None:
+                raise RuntimeError("this agent leaves its node's firewall to the operator (firewall: false)")
+            try:
+                setting = _json.loads(str(json))
+            except ValueError as exc:
+                raise ValueError(f"the firewall setting is not JSON: {exc}") from None
+            firewall.set(setting)  # ValueError: it does not check
+
         async def controlPlanes(self, addresses: Any, **_: Any) -> None:
             if planes is not None:
                 planes.learn([str(a) for a in addresses])
@@ -256,8 +267,12 @@ class Agent:
     _leader_hint: str | None = attrs.field(default=None, init=False)
     #: The cluster settings it runs with, and the restart a change asks for (None: takes none).
     cluster_settings: ClusterSettings | None = None
+    #: Whether this agent keeps llmgw's nft table on the node (agent.yaml ``firewall``).
+    manage_firewall: bool = False
     #: ``control_planes`` plus the list the leader sent (llmgw/node/planes.py).
     _planes: ControlPlaneList = attrs.field(init=False)
+    #: The node's firewall (None: left to the operator, or llmgw up's own agent).
+    firewall: NodeFirewall | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.converger is None:
@@ -265,6 +280,17 @@ class Agent:
         if self.weights_dir is None:
             self.weights_dir = self.supervisor.state_dir.parent / "weights"
         self._planes = ControlPlaneList(self.control_planes, self.supervisor.state_dir.parent)
+        if self.manage_firewall:
+            self.firewall = NodeFirewall(self.supervisor.state_dir.parent, self._engine_ports, self._planes.addresses)
+
+    def _engine_ports(self) -> list[int]:
+        """The TCP ports this node's engines listen on now (what its firewall protects)."""
+        ports = []
+        for _, status in self.supervisor.shards():
+            port = urllib.parse.urlsplit(status.endpoint).port if status.endpoint else None
+            if port:
+                ports.append(port)
+        return ports
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise engines and keep a session with a control plane until cancelled, or
@@ -278,6 +304,8 @@ class Agent:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.supervisor.run)
             await nursery.start(self.converger.run)
+            if self.firewall is not None:
+                await nursery.start(self.firewall.run)
             task_status.started()
             if self.cluster_settings is None:
                 await self._session_loop()
@@ -411,9 +439,9 @@ class Agent:
                     "hardware": hardware,
                     "shards": shards,
                     "engines": engines,
-                    "features": list(AGENT_FEATURES),
+                    "features": [f for f in AGENT_FEATURES if f != FIREWALL or self.firewall is not None],
                     "agent": _make_agent_server(self.supervisor, self.converger, self._planes,
-                                                self.cluster_settings),
+                                                self.cluster_settings, self.firewall),
                     "version": __version__,
                 }
                 with trio.fail_after(JOIN_TIMEOUT):

@@ -202,6 +202,9 @@ class Cluster:
             "state_dir": str(node_dir / "state"),
             "engine_host": "127.0.0.1",
             "log_level": "info",
+            # Tests run as root: an agent keeping its nft table would change this machine's
+            # firewall. tests/system/test_firewall.py runs one inside a network namespace.
+            "firewall": False,
             **(extra or {}),
         }))
         return path

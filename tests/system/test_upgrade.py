@@ -10,8 +10,10 @@ again whenever the agent exits with 75 (the unit's ``RestartForceExitStatus=75``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import shutil
 import subprocess
 import sys
@@ -90,43 +92,51 @@ async def test_an_agent_is_upgraded_over_its_session_and_rolled_back(tmp_path: P
         agent = Proc([sys.executable, "-c", SUPERVISOR, str(root / "current" / "bin" / "python"), "-m", "llmgw",
                       "agent", "-c", str(config)], cluster.root / "agent-node-a.log")
         cluster.agents["node-a"] = agent
-        await agent.wait_for_line(r"agent: joined \S+ as node 'node-a'")
-        out = cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2")
-        assert out.returncode == 0, out.stderr
-        await ready_replicas(cluster, "m1", 2)
-        pids = engine_pids(cluster)
-        assert node_row(cluster, "node-a")["version"] == __version__
+        try:
+            await upgrade_and_roll_back(cluster, agent, root, releases)
+        finally:  # the supervisor and the agent it runs (its child, in its process group)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
 
-        # A release that does not import is refused by the node before anything is switched.
-        out = cluster.ctl("upgrade", str(releases["broken"]), "--timeout", "2m")
-        assert out.returncode == 1
-        assert "deliberately broken" in out.stderr and "stopped before the next node" in out.stderr, out.stderr
-        assert os.readlink(root / "current") == f"releases/{__version__}"
-        assert not (root / "releases" / BROKEN).exists()
-        assert node_row(cluster, "node-a")["version"] == __version__
 
-        out = subprocess.run([*LLMGW, "ctl", "--server", cluster.rpc, "--tls-dir", str(cluster.admin_dir),
-                              "upgrade", str(releases["good"]), "--timeout", "3m"],
-                             capture_output=True, text=True, timeout=UPGRADE_WAIT)
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert f"node-a: back on {GOOD}" in out.stdout and f"every node runs llmgw {GOOD}" in out.stdout
-        assert os.readlink(root / "current") == f"releases/{GOOD}"
-        assert os.readlink(root / "previous") == f"releases/{__version__}"
-        assert node_row(cluster, "node-a")["version"] == GOOD
-        assert engine_pids(cluster) == pids  # the engines kept running and were adopted
-        assert "supervisor: agent exited with 75" in agent.output()
+async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, releases: dict[str, Path]) -> None:
+    await agent.wait_for_line(r"agent: joined \S+ as node 'node-a'")
+    out = cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2")
+    assert out.returncode == 0, out.stderr
+    await ready_replicas(cluster, "m1", 2)
+    pids = engine_pids(cluster)
+    assert node_row(cluster, "node-a")["version"] == __version__
 
-        again = cluster.ctl_json("upgrade", str(releases["good"]))  # resumes: nothing left to do
-        assert again["nodes"] == [{"node": "node-a", "result": "skipped", "version": GOOD}]
+    # A release that does not import is refused by the node before anything is switched.
+    out = cluster.ctl("upgrade", str(releases["broken"]), "--timeout", "2m")
+    assert out.returncode == 1
+    assert "deliberately broken" in out.stderr and "stopped before the next node" in out.stderr, out.stderr
+    assert os.readlink(root / "current") == f"releases/{__version__}"
+    assert not (root / "releases" / BROKEN).exists()
+    assert node_row(cluster, "node-a")["version"] == __version__
 
-        rolled = cluster.ctl_json("upgrade", "--rollback", "node-a")
-        assert rolled == {"node": "node-a", "release": __version__, "previous": GOOD}
+    out = subprocess.run([*LLMGW, "ctl", "--server", cluster.rpc, "--tls-dir", str(cluster.admin_dir),
+                          "upgrade", str(releases["good"]), "--timeout", "3m"],
+                         capture_output=True, text=True, timeout=UPGRADE_WAIT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"node-a: back on {GOOD}" in out.stdout and f"every node runs llmgw {GOOD}" in out.stdout
+    assert os.readlink(root / "current") == f"releases/{GOOD}"
+    assert os.readlink(root / "previous") == f"releases/{__version__}"
+    assert node_row(cluster, "node-a")["version"] == GOOD
+    assert engine_pids(cluster) == pids  # the engines kept running and were adopted
+    assert "supervisor: agent exited with 75" in agent.output()
 
-        async def back() -> bool:
-            row = node_row(cluster, "node-a")
-            return row["state"] == "online" and row["version"] == __version__
+    again = cluster.ctl_json("upgrade", str(releases["good"]))  # resumes: nothing left to do
+    assert again["nodes"] == [{"node": "node-a", "result": "skipped", "version": GOOD}]
 
-        await eventually(back, f"node-a back on {__version__}", timeout=WAIT)
-        assert os.readlink(root / "current") == f"releases/{__version__}"
-        await ready_replicas(cluster, "m1", 2)
-        assert engine_pids(cluster) == pids
+    rolled = cluster.ctl_json("upgrade", "--rollback", "node-a")
+    assert rolled == {"node": "node-a", "release": __version__, "previous": GOOD}
+
+    async def back() -> bool:
+        row = node_row(cluster, "node-a")
+        return row["state"] == "online" and row["version"] == __version__
+
+    await eventually(back, f"node-a back on {__version__}", timeout=WAIT)
+    assert os.readlink(root / "current") == f"releases/{__version__}"
+    await ready_replicas(cluster, "m1", 2)
+    assert engine_pids(cluster) == pids

@@ -299,7 +299,7 @@ def test_server_errors(tmp_path: Path, text: str, message: str) -> None:
         ("engine_urls:\n  vllm: ftp://mirror/x\n", 'engine_urls.vllm: expected an http(s) URL, got "ftp://mirror/x"'),
         ("servers: [a:1]\n",
          "unknown key 'servers' (known keys: cache_dir, control_planes, engine_host, engine_urls, "
-         "engines, heartbeat_interval, hf_endpoint, install_dir, llamacpp, log_level, node_id, pypi_index, "
+         "engines, firewall, heartbeat_interval, hf_endpoint, install_dir, llamacpp, log_level, node_id, pypi_index, "
          "reconnect_backoff_max, state_dir, tls, weights_dir)"),
     ],
 )
