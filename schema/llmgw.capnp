@@ -245,12 +245,13 @@ interface Agent {
   receiveRelease @9 (name :Text, offset :UInt64, chunk :Data) -> (received :UInt64);
   # A piece of the llmgw wheel NAME (llmgw-VERSION-py3-none-any.whl), written at OFFSET (0 starts it
   # afresh); returns the bytes held. Agents listing the feature "upgrade" answer it.
-  upgrade @10 (name :Text, sha256 :Text) -> (release :Text, previous :Text);
+  upgrade @10 (name :Text, sha256 :Text, rollbackAfterMs :UInt32) -> (release :Text, previous :Text);
   # Installs the received wheel NAME (checked against SHA256) as a new release beside the running one,
   # switches the release root's `current` link to it, answers, then exits with status 75 so its service
   # manager starts the new release (engines keep running and are adopted). Fails with the reason, nothing
   # switched, for a damaged wheel, a version already running, a failed install, or an agent not run from
-  # a release root (llmgw/node/releases.py).
+  # a release root (llmgw/node/releases.py). A new release whose agent has not joined a control plane within
+  # ROLLBACK_AFTER_MS (0: no limit) switches back by itself.
   rollback @11 () -> (release :Text, previous :Text);
   # Switches `current` back to the previous release, answers, exits with status 75.
   firewall @12 (json :Text) -> ();
@@ -450,7 +451,7 @@ interface Admin {
   # not contacted: stop the agent on the machine (`llmgw service stop`) to end them.
   uploadRelease @28 (name :Text, offset :UInt64, chunk :Data) -> (received :UInt64);
   # A piece of the llmgw wheel NAME for `ctl upgrade`, kept by the leader (OFFSET 0 starts it afresh).
-  upgradeNode @29 (node :Text, name :Text, sha256 :Text) -> (release :Text, previous :Text);
+  upgradeNode @29 (node :Text, name :Text, sha256 :Text, rollbackAfterMs :UInt32) -> (release :Text, previous :Text);
   # Sends the uploaded wheel NAME to NODE over its session and has its agent install it and restart on
   # it (Agent.receiveRelease, Agent.upgrade).
   rollbackNode @30 (node :Text) -> (release :Text, previous :Text);

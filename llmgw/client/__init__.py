@@ -453,9 +453,11 @@ class ClusterClient:
             raise ClientError(str(exc)) from None
         return digest
 
-    async def upgrade_node(self, node: str, name: str, sha256: str) -> tuple[str, str]:
-        """Have ``node`` install the uploaded wheel ``name`` and restart on it; return (release, previous)."""
-        r = await self._call("upgradeNode", node, name, sha256, timeout=UPGRADE_CALL_TIMEOUT)
+    async def upgrade_node(self, node: str, name: str, sha256: str, rollback_after: float = 0.0) -> tuple[str, str]:
+        """Have ``node`` install the uploaded wheel ``name`` and restart on it; return (release,
+        previous). Not joined within ``rollback_after`` seconds (0: no limit), it goes back by itself."""
+        r = await self._call("upgradeNode", node, name, sha256, int(rollback_after * 1000),
+                             timeout=UPGRADE_CALL_TIMEOUT)
         return str(r.release), str(r.previous)
 
     async def rollback_node(self, node: str) -> tuple[str, str]:

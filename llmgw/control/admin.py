@@ -248,7 +248,8 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
         async def uploadRelease(self, name: str, offset: int, chunk: bytes, _context: Any, **_: Any) -> None:
             _context.results.received = _release_inbox(services).write(str(name), int(offset), bytes(chunk))
 
-        async def upgradeNode(self, node: str, name: str, sha256: str, _context: Any, **_: Any) -> None:
+        async def upgradeNode(self, node: str, name: str, sha256: str, rollbackAfterMs: int, _context: Any,
+                              **_: Any) -> None:
             node_id = str(node)
             wheel = _release_inbox(services).path(str(name))
             if not wheel.is_file():
@@ -257,7 +258,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
             if got != str(sha256).lower():
                 raise ReleaseError(f"{name}: SHA-256 {got} here, expected {sha256}: upload it again")
             await services.store.audit(actor, "node.upgrade", node_id, {"release": str(name), "sha256": got})
-            release, previous = await _session(services, node_id).upgrade(wheel, got)
+            release, previous = await _session(services, node_id).upgrade(wheel, got, rollbackAfterMs / 1000)
             _context.results.release, _context.results.previous = release, previous
 
         async def rollbackNode(self, node: str, _context: Any, **_: Any) -> None:

@@ -268,11 +268,12 @@ class NodeSession:
                 raise LookupError(remote_reason(exc)) from None
         return list(result.lines), list(result.sources), int(result.cursor)
 
-    async def upgrade(self, wheel: Path, sha256: str) -> tuple[str, str]:
+    async def upgrade(self, wheel: Path, sha256: str, rollback_after: float = 0.0) -> tuple[str, str]:
         """Send the release ``wheel`` to this agent in pieces and have it install it and restart
         on it; return (new release, previous release). Raises RuntimeError with the agent's
         reason (or for an agent too old to be upgraded over its session), TooSlowError past the
-        deadlines."""
+        deadlines. ``rollback_after``: seconds the new release has to join before the node goes
+        back by itself (0: no limit)."""
         self._needs(UPGRADE, "be upgraded over its session: upgrade it on the machine")
         offset = 0
         with open(wheel, "rb") as f:
@@ -286,7 +287,7 @@ class NodeSession:
                 if not chunk:
                     break
         with trio.fail_after(UPGRADE_TIMEOUT):
-            result = await self._call(self.agent.upgrade(wheel.name, sha256))
+            result = await self._call(self.agent.upgrade(wheel.name, sha256, int(rollback_after * 1000)))
         return str(result.release), str(result.previous)
 
     async def rollback(self) -> tuple[str, str]:

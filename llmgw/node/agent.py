@@ -20,6 +20,7 @@ import logging
 import random
 import ssl
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,7 +37,8 @@ from llmgw.node import discovery
 from llmgw.node.cluster_settings import ClusterSettings
 from llmgw.node.firewall import NodeFirewall
 from llmgw.node.planes import ControlPlaneList
-from llmgw.node.releases import UPGRADE_EXIT_STATUS, find_root, install_release, rollback_release
+from llmgw.node.releases import (UPGRADE_EXIT_STATUS, clear_pending, find_root, install_release, mark_pending,
+                                 read_pending, rollback_release)
 from llmgw.releasefiles import ReleaseError, ReleaseInbox
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
@@ -118,6 +120,14 @@ def _make_shard_server(supervisor: Supervisor, shard_id: str) -> Any:
     return ShardServer()
 
 
+def _json_argument(text: str, what: str) -> Any:
+    """Return the JSON value an RPC argument holds; raises ValueError saying ``what`` is not JSON."""
+    try:
+        return _json.loads(str(text))
+    except ValueError as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+
+
 def _release_root(settings: ClusterSettings | None) -> Path:
     """Return the release root this agent runs from; raises ReleaseError saying why it cannot upgrade."""
     if settings is None:
@@ -161,10 +171,7 @@ def _make_agent_server(
         async def settings(self, json: str, **_: Any) -> None:
             if settings is None:
                 raise RuntimeError("this agent does not take cluster settings (llmgw up's own agent)")
-            try:
-                layer = _json.loads(str(json))
-            except ValueError as exc:
-                raise ValueError(f"the cluster settings are not JSON: {exc}") from None
+            layer = _json_argument(json, "the cluster settings")
             if not isinstance(layer, dict):
                 raise ValueError("the cluster settings must be a mapping")
             settings.apply(layer)  # ValueError: it does not load with agent.yaml
@@ -196,13 +203,15 @@ def _make_agent_server(
         async def receiveRelease(self, name: str, offset: int, chunk: bytes, _context: Any, **_: Any) -> None:
             _context.results.received = inbox.write(str(name), int(offset), bytes(chunk))
 
-        async def upgrade(self, name: str, sha256: str, _context: Any, **_: Any) -> None:
+        async def upgrade(self, name: str, sha256: str, rollbackAfterMs: int, _context: Any, **_: Any) -> None:
             root = _release_root(settings)
             wheel = inbox.path(str(name))
             if not wheel.is_file():
                 raise ReleaseError(f"{name} was not received (send it with receiveRelease first)")
             release, previous = await trio.to_thread.run_sync(install_release, root, wheel, str(sha256))
             wheel.unlink(missing_ok=True)
+            if rollbackAfterMs:
+                mark_pending(root, previous, release, time.time() + rollbackAfterMs / 1000)
             log.warning("agent: llmgw %s installed under %s (was %s)", release, root, previous)
             assert settings is not None
             settings.restart_soon(f"upgraded to llmgw {release}", UPGRADE_EXIT_STATUS)
@@ -219,11 +228,7 @@ def _make_agent_server(
         async def firewall(self, json: str, **_: Any) -> None:
             if firewall is None:
                 raise RuntimeError("this agent leaves its node's firewall to the operator (firewall: false)")
-            try:
-                setting = _json.loads(str(json))
-            except ValueError as exc:
-                raise ValueError(f"the firewall setting is not JSON: {exc}") from None
-            firewall.set(setting)  # ValueError: it does not check
+            firewall.set(_json_argument(json, "the firewall setting"))  # ValueError: it does not check
 
         async def controlPlanes(self, addresses: Any, **_: Any) -> None:
             if planes is not None:
@@ -273,6 +278,8 @@ class Agent:
     _planes: ControlPlaneList = attrs.field(init=False)
     #: The node's firewall (None: left to the operator, or llmgw up's own agent).
     firewall: NodeFirewall | None = attrs.field(init=False, default=None)
+    #: Set once a control plane accepted this agent's join.
+    _joined: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     def __attrs_post_init__(self) -> None:
         if self.converger is None:
@@ -282,6 +289,28 @@ class Agent:
         self._planes = ControlPlaneList(self.control_planes, self.supervisor.state_dir.parent)
         if self.manage_firewall:
             self.firewall = NodeFirewall(self.supervisor.state_dir.parent, self._engine_ports, self._planes.addresses)
+
+    async def _confirm_upgrade(self) -> None:
+        """Confirm a pending upgrade to this release once joined; past its deadline without a
+        join, switch back to the previous release and restart on it (llmgw/node/releases.py)."""
+        root = find_root()
+        pending = read_pending(root) if root is not None else None
+        if root is None or pending is None:
+            return
+        if pending["to"] != __version__:  # an older release, after a rollback: nothing to confirm
+            clear_pending(root)
+            return
+        with trio.move_on_at(trio.current_time() + max(0.0, float(pending["deadline"]) - time.time())):
+            await self._joined.wait()
+            clear_pending(root)
+            log.info("agent: the upgrade to llmgw %s is confirmed (joined a control plane)", __version__)
+            return
+        release, _ = await trio.to_thread.run_sync(rollback_release, root)
+        clear_pending(root)
+        log.error("agent: llmgw %s did not join a control plane by the upgrade's deadline: back to %s",
+                  __version__, release)
+        assert self.cluster_settings is not None
+        self.cluster_settings.restart_soon(f"rolled back to llmgw {release}", UPGRADE_EXIT_STATUS)
 
     def _engine_ports(self) -> list[int]:
         """The TCP ports this node's engines listen on now (what its firewall protects)."""
@@ -310,6 +339,7 @@ class Agent:
             if self.cluster_settings is None:
                 await self._session_loop()
             else:
+                nursery.start_soon(self._confirm_upgrade)
                 nursery.start_soon(self._session_loop)
                 nursery.start_soon(self.cluster_settings.watch_file)
                 await self.cluster_settings.restart.wait()
@@ -453,6 +483,7 @@ class Agent:
                 joined = True
                 _refused.recovered(address)
                 log.info("agent: joined %s as node %r (%d shards)", address, self.node_id, len(shards))
+                self._joined.set()
                 # The heartbeat loop's failure is re-raised outside the nursery, unwrapped, for
                 # the handlers below; the engine reporter ends quietly when the session breaks.
                 failure: BaseException | None = None

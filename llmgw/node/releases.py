@@ -17,7 +17,10 @@ does not add), the wheel is installed into the copy with the copy's pip, the cop
 (a new link renamed over the old one: atomic). The agent answers, then exits with
 :data:`UPGRADE_EXIT_STATUS`, which its unit restarts on (``RestartForceExitStatus=75``);
 its engines keep running and the new agent adopts them. :func:`rollback_release` switches
-``current`` back to ``previous`` the same way.
+``current`` back to ``previous`` the same way. Until the new release's agent has joined a
+control plane, the upgrade is *pending* (:func:`mark_pending`): one that has not joined by
+the deadline (the run's ``--timeout``) switches back to ``previous`` by itself and exits 75
+again, so a release that installs and starts but cannot serve does not strand the node.
 
 Every blocking step runs in a worker thread; errors are :class:`ReleaseError` with the
 reason in words, and leave ``current`` as it was.
@@ -25,12 +28,15 @@ reason in words, and leave ``current`` as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from llmgw.files import atomic_write
 from llmgw.releasefiles import ReleaseError, sha256_file, wheel_version
 
 #: The exit status that tells the agent's supervisor (systemd: ``RestartForceExitStatus=75``,
@@ -42,6 +48,8 @@ INSTALL_TIMEOUT_S = 900.0
 #: Seconds the new release's ``llmgw --version`` may take (imports the package).
 VERSION_CHECK_TIMEOUT_S = 60.0
 CURRENT, PREVIOUS, RELEASES = "current", "previous", "releases"
+#: The upgrade not yet confirmed, in the release root: {"from", "to", "deadline"} (Unix time).
+PENDING_FILE = "upgrade-pending.json"
 
 
 def find_root(prefix: str = sys.prefix) -> Path | None:
@@ -120,6 +128,34 @@ def install_release(root: Path, wheel: Path, sha256: str) -> tuple[str, str]:
     _switch(root, PREVIOUS, running)
     _switch(root, CURRENT, version)
     return version, running
+
+
+def mark_pending(root: Path, previous: str, release: str, deadline: float) -> None:
+    """Record that ``release`` must join a control plane by ``deadline`` (Unix time), or the
+    node goes back to ``previous`` by itself (:class:`~llmgw.node.agent.Agent` watches it)."""
+    data = {"from": previous, "to": release, "deadline": deadline}
+    atomic_write(root / PENDING_FILE, (json.dumps(data) + "\n").encode())
+
+
+def read_pending(root: Path) -> dict[str, Any] | None:
+    """Return the pending upgrade of ``root`` (None: none, or an unreadable marker, removed)."""
+    path = root / PENDING_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        path.unlink(missing_ok=True)
+        return None
+    if not isinstance(data, dict) or not {"from", "to", "deadline"} <= set(data):
+        path.unlink(missing_ok=True)
+        return None
+    return data
+
+
+def clear_pending(root: Path) -> None:
+    """Forget the pending upgrade of ``root`` (it joined, or was rolled back)."""
+    (root / PENDING_FILE).unlink(missing_ok=True)
 
 
 def rollback_release(root: Path) -> tuple[str, str]:

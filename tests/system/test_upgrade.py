@@ -26,7 +26,7 @@ from llmgw import __version__
 from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, iter_replicas, ready_replicas
 
 REPO = Path(__file__).resolve().parents[2]
-GOOD, BROKEN = f"{__version__}.post1", f"{__version__}.post2"
+GOOD, BROKEN, MUTE = f"{__version__}.post1", f"{__version__}.post2", f"{__version__}.post3"
 #: Seconds a whole upgrade run may take here: copying the environment, pip, the agent's restart.
 UPGRADE_WAIT = 240.0
 #: The supervisor standing in for systemd: restart on 75, else exit as the agent did.
@@ -42,9 +42,10 @@ SUPERVISOR = (
 )
 
 
-def build_wheel(version: str, out: Path, work: Path, *, broken: bool = False) -> Path:
+def build_wheel(version: str, out: Path, work: Path, *, broken: bool = False, mute: bool = False) -> Path:
     """Build llmgw ``version`` from this tree (the files git does not ignore) into ``out``; ``broken``: a
-    release whose package fails to import."""
+    release whose package fails to import; ``mute``: one whose agent speaks a node protocol no
+    control plane takes (it starts, but never joins)."""
     src = work / f"src-{version}"
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for name in files:
@@ -60,6 +61,11 @@ def build_wheel(version: str, out: Path, work: Path, *, broken: bool = False) ->
     if broken:
         with open(src / "llmgw" / "__init__.py", "a") as f:
             f.write('\nraise ImportError("this release is deliberately broken")\n')
+    if mute:
+        protocol = src / "llmgw" / "nodeprotocol.py"
+        text = protocol.read_text()
+        assert "NODE_PROTOCOL = 1\n" in text
+        protocol.write_text(text.replace("NODE_PROTOCOL = 1\n", "NODE_PROTOCOL = 99\n"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                            "--wheel-dir", str(out), str(src)], capture_output=True, text=True, timeout=WAIT)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -74,7 +80,8 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(sys.prefix, root / "releases" / __version__, symlinks=True)
     os.symlink(f"releases/{__version__}", root / "current")
     return {"root": root, "good": build_wheel(GOOD, work / "wheels", work),
-            "broken": build_wheel(BROKEN, work / "broken", work, broken=True)}
+            "broken": build_wheel(BROKEN, work / "broken", work, broken=True),
+            "mute": build_wheel(MUTE, work / "mute", work, mute=True)}
 
 
 def node_row(cluster: Cluster, node: str) -> dict[str, Any]:
@@ -115,6 +122,20 @@ async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, relea
     assert not (root / "releases" / BROKEN).exists()
     assert node_row(cluster, "node-a")["version"] == __version__
 
+    # A release that installs and starts but never joins goes back by itself after the run's timeout.
+    out = cluster.ctl("upgrade", str(releases["mute"]), "--timeout", "8s")
+    assert out.returncode == 1 and f"node-a is not back on {MUTE} within 8s" in out.stderr, out.stdout + out.stderr
+
+    async def back_on_the_old_one() -> bool:
+        row = node_row(cluster, "node-a")
+        return row["state"] == "online" and row["version"] == __version__
+
+    await eventually(back_on_the_old_one, f"node-a back on {__version__} by itself", timeout=WAIT)
+    assert os.readlink(root / "current") == f"releases/{__version__}"
+    assert not (root / "upgrade-pending.json").exists()
+    assert f"llmgw {MUTE} did not join a control plane by the upgrade's deadline" in agent.output()
+    assert engine_pids(cluster) == pids
+
     out = subprocess.run([*LLMGW, "ctl", "--server", cluster.rpc, "--tls-dir", str(cluster.admin_dir),
                           "upgrade", str(releases["good"]), "--timeout", "3m"],
                          capture_output=True, text=True, timeout=UPGRADE_WAIT)
@@ -132,11 +153,7 @@ async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, relea
     rolled = cluster.ctl_json("upgrade", "--rollback", "node-a")
     assert rolled == {"node": "node-a", "release": __version__, "previous": GOOD}
 
-    async def back() -> bool:
-        row = node_row(cluster, "node-a")
-        return row["state"] == "online" and row["version"] == __version__
-
-    await eventually(back, f"node-a back on {__version__}", timeout=WAIT)
+    await eventually(back_on_the_old_one, f"node-a back on {__version__}", timeout=WAIT)
     assert os.readlink(root / "current") == f"releases/{__version__}"
     await ready_replicas(cluster, "m1", 2)
     assert engine_pids(cluster) == pids

@@ -162,7 +162,7 @@ def upgrade(ctx: click.Context, release: str | None, only: tuple[str, ...], time
                 started = time.monotonic()
                 say(f"{n.id}: {n.version} -> {version}: sending and installing ...")
                 try:
-                    _, previous = await client.upgrade_node(n.id, wheel.name, digest)
+                    _, previous = await client.upgrade_node(n.id, wheel.name, digest, seconds)
                 except ClientError as exc:
                     results.append({"node": n.id, "result": "failed", "version": n.version, "error": str(exc)})
                     return f"{n.id}: {exc}\nstopped before the next node; {n.id} still runs {n.version}"
@@ -173,8 +173,8 @@ def upgrade(ctx: click.Context, release: str | None, only: tuple[str, ...], time
                     results.append({"node": n.id, "result": "not back", "version": version, "previous": previous,
                                     "seconds": took, "error": short})
                     return (f"{n.id} is not back on {version} within {timeout}: {short}.\nStopped before the next "
-                            f"node. `llmgw ctl upgrade --rollback {n.id}` puts {previous} back, if its agent answers; "
-                            f"else switch ROOT/current back to releases/{previous} on the machine")
+                            f"node. An agent of {version} that has not joined by now goes back to {previous} by "
+                            f"itself; one that joined but is not ready: `llmgw ctl upgrade --rollback {n.id}`")
                 results.append({"node": n.id, "result": "upgraded", "version": version, "previous": previous,
                                 "seconds": took})
                 say(f"{n.id}: back on {version} with {ready}+ ready replica(s) in {took} s")
