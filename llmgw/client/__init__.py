@@ -128,6 +128,7 @@ class ControlPlaneRow:
     http_address: str
     role: str
     last_seen: float
+    version: str = ""  # its llmgw release where the leader knows it ("": not known)
 
 
 @attrs.frozen
@@ -281,7 +282,8 @@ class ClusterClient:
                   for a in r.admission),
             tuple(r.kvAlarms),
             str(r.leader), int(r.epoch), float(r.leaderSince),
-            tuple(ControlPlaneRow(str(p.name), str(p.rpcAddress), str(p.httpAddress), str(p.role), float(p.lastSeen))
+            tuple(ControlPlaneRow(str(p.name), str(p.rpcAddress), str(p.httpAddress), str(p.role), float(p.lastSeen),
+                                  str(p.version))
                   for p in r.controlPlanes),
             str(r.routing),
         )
@@ -458,6 +460,12 @@ class ClusterClient:
         previous). Not joined within ``rollback_after`` seconds (0: no limit), it goes back by itself."""
         r = await self._call("upgradeNode", node, name, sha256, int(rollback_after * 1000),
                              timeout=UPGRADE_CALL_TIMEOUT)
+        return str(r.release), str(r.previous)
+
+    async def upgrade_control_plane(self, name: str, release: str, sha256: str) -> tuple[str, str]:
+        """Have control plane ``name`` install the uploaded wheel ``release`` and restart on it
+        (the leader itself: after answering); return (release, previous)."""
+        r = await self._call("upgradeControlPlane", name, release, sha256, timeout=UPGRADE_CALL_TIMEOUT)
         return str(r.release), str(r.previous)
 
     async def rollback_node(self, node: str) -> tuple[str, str]:

@@ -19,7 +19,7 @@ from llmgw import __version__
 from llmgw.catalog import model_to_dict, validate_model
 from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.keys import AccessSync
-from llmgw.control.peers import FeedTee
+from llmgw.control.peers import FeedTee, upgrade_standby
 from llmgw.control.restart import restart_cluster
 from llmgw.control.joining import JoinService
 from llmgw.control.servers_admin import ServersAdminMixin
@@ -33,6 +33,7 @@ from llmgw.control.registry import NodeState, Registry
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store
 from llmgw.releasefiles import ReleaseError, ReleaseInbox, sha256_file
+from llmgw.releases import UPGRADE_EXIT_STATUS, install_here
 from llmgw.rpc import convert, schema
 from llmgw.router.interface import GatewayInterface
 from llmgw.spec import ShardState
@@ -57,8 +58,9 @@ class AdminServices:
     gateway_url: str
     #: The standbys attached to this leader (and the routes streamed to them).
     tee: FeedTee
-    #: Restart this control plane once the current call has answered (raises RuntimeError where it cannot).
-    restart_self: Callable[[str], None]
+    #: ``restart_self(reason, exit_status=None)``: restart this control plane once the current call
+    #: has answered (raises RuntimeError where it cannot).
+    restart_self: Callable[..., None]
     #: Call after an ``agents.*`` setting changed: every node gets its layer a second later.
     agent_settings_changed: Callable[[], None]
     #: Who leads and the control planes, as ``ClusterStatus`` fields (leader, epoch, ...).
@@ -88,6 +90,18 @@ def _release_inbox(services: AdminServices) -> ReleaseInbox:
     if services.releases_dir is None:
         raise ReleaseError("this control plane takes no releases (it runs inside llmgw up: upgrade with pip)")
     return ReleaseInbox(services.releases_dir)
+
+
+async def _uploaded(services: AdminServices, name: str, sha256: str) -> tuple[Path, str]:
+    """Return the uploaded wheel ``name`` and its SHA-256, checked against ``sha256``; raises
+    ReleaseError when it was not uploaded or arrived damaged."""
+    wheel = _release_inbox(services).path(name)
+    if not wheel.is_file():
+        raise ReleaseError(f"{name} was not uploaded to this control plane (ctl upgrade uploads it first)")
+    got = await trio.to_thread.run_sync(sha256_file, wheel)
+    if got != sha256.lower():
+        raise ReleaseError(f"{name}: SHA-256 {got} here, expected {sha256}: upload it again")
+    return wheel, got
 
 
 def _session(services: AdminServices, node_id: str) -> Any:
@@ -251,15 +265,21 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
         async def upgradeNode(self, node: str, name: str, sha256: str, rollbackAfterMs: int, _context: Any,
                               **_: Any) -> None:
             node_id = str(node)
-            wheel = _release_inbox(services).path(str(name))
-            if not wheel.is_file():
-                raise ReleaseError(f"{name} was not uploaded to this control plane (ctl upgrade uploads it first)")
-            got = await trio.to_thread.run_sync(sha256_file, wheel)
-            if got != str(sha256).lower():
-                raise ReleaseError(f"{name}: SHA-256 {got} here, expected {sha256}: upload it again")
+            wheel, got = await _uploaded(services, str(name), str(sha256))
             await services.store.audit(actor, "node.upgrade", node_id, {"release": str(name), "sha256": got})
             release, previous = await _session(services, node_id).upgrade(wheel, got, rollbackAfterMs / 1000)
             _context.results.release, _context.results.previous = release, previous
+
+        async def upgradeControlPlane(self, name: str, release: str, sha256: str, _context: Any, **_: Any) -> None:
+            plane = str(name)
+            wheel, got = await _uploaded(services, str(release), str(sha256))
+            await services.store.audit(actor, "control_plane.upgrade", plane, {"release": str(release), "sha256": got})
+            if plane == (await services.leadership())["leader"]:  # this control plane: after answering
+                new, previous = await install_here(_release_inbox(services), str(release), got)
+                services.restart_self(f"upgraded to llmgw {new}", UPGRADE_EXIT_STATUS)
+            else:
+                new, previous = await upgrade_standby(services.tee.feed_of(plane), wheel, got)
+            _context.results.release, _context.results.previous = new, previous
 
         async def rollbackNode(self, node: str, _context: Any, **_: Any) -> None:
             node_id = str(node)

@@ -177,7 +177,7 @@ def _make_cluster(
             await refusals.require(services.store, identity, Role.ADMIN, call="admin", target="cluster")
             _context.results.admin = await services.make_admin(identity.name, "")
 
-        async def peer(self, feed: Any, _context: Any, **_: Any) -> None:
+        async def peer(self, feed: Any, version: str, _context: Any, **_: Any) -> None:
             await refusals.require(services.store, identity, Role.CONTROL, call="peer", target="cluster")
             known = {record.name for record in await services.store.list_control_planes()}
             if identity.name not in known:
@@ -189,7 +189,7 @@ def _make_cluster(
             if "peer" in state:
                 raise RuntimeError("this connection streams to a standby already")
             state["peer"] = True
-            queue = term.tee.attach(identity.name, feed)
+            queue = term.tee.attach(identity.name, feed, str(version))
             nursery.start_soon(_push_planes, services, term.sessions.all())  # it may be new to them
             nursery.start_soon(_stream_then_close, term, queue, feed, identity.name, nursery.cancel_scope)
             log.info("standby %s attached: streaming routes and KV state to it (epoch %d)", identity.name, term.epoch)

@@ -22,17 +22,21 @@ from __future__ import annotations
 import collections
 import logging
 import ssl
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import capnp
 import trio
 
+from llmgw import __version__
 from llmgw.control.admission_shares import LocalShares, Publication, share_rows, shares_from
 from llmgw.control.leader import LeaderElection
 from llmgw.router.interface import GatewayInterface, ModelInfo, Replica
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.errors import remote_reason
+from llmgw.releasefiles import CHUNK_BYTES, ReleaseError, ReleaseInbox
+from llmgw.releases import UPGRADE_EXIT_STATUS, install_here
 from llmgw.spec import KvDelta, split_delta
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ PEER_CALL_TIMEOUT = 10.0
 #: Seconds between a standby's pings of the leader; a leader silent for
 #: PEER_PING_MISSES of them is taken for dead and the session dropped.
 PEER_PING_INTERVAL = 1.0
+#: Deadline for a standby to install a release (copying its environment and pip; as an agent's).
+RELEASE_INSTALL_TIMEOUT = 960.0
 PEER_PING_MISSES = 3
 #: Pause before a standby dials the leader again after a session failed.
 PEER_RETRY_S = 1.0
@@ -105,6 +111,7 @@ class FeedTee:
         self._routes: RouteTable = inherited or ({}, {})
         self._kv: dict[str, tuple[set[int], KvDelta]] = {}  # replica -> (blocks held, last delta)
         self._peers: dict[_PeerQueue, tuple[str, Any]] = {}  # queue -> the standby's name and feed
+        self._versions: dict[str, str] = {}  # standby name -> the llmgw release it said it runs
         self._attached = trio.Event()  # set at every attach
 
     @property
@@ -161,9 +168,20 @@ class FeedTee:
         for peer in self._peers:
             peer.put(item)
 
-    def attach(self, name: str, feed: Any) -> _PeerQueue:
+    def version_of(self, name: str) -> str:
+        """The llmgw release standby ``name`` said it runs when it attached ("": not attached, or not said)."""
+        return self._versions.get(name, "") if name in self.peer_names else ""
+
+    def feed_of(self, name: str) -> Any:
+        """Standby ``name``'s ``GatewayFeed``; raises LookupError when it is not attached."""
+        for peer, feed in self._peers.values():
+            if peer == name:
+                return feed
+        raise LookupError(f"control plane {name!r} is not attached to the leader as a standby (see `llmgw ctl status`)")
+
+    def attach(self, name: str, feed: Any, version: str = "") -> _PeerQueue:
         """Returns standby ``name``'s new queue (its ``feed`` the capability the queue is
-        sent into), holding a full copy of the state so far."""
+        sent into), holding a full copy of the state so far; ``version`` is its llmgw release."""
         queue = _PeerQueue()
         queue.put(("routes", *self._routes))
         for replica_id, (held, last) in self._kv.items():
@@ -172,6 +190,7 @@ class FeedTee:
             for part in split_delta(full):
                 queue.put(("kv", replica_id, part))
         self._peers[queue] = (name, feed)
+        self._versions[name] = version
         self._attached.set()
         self._attached = trio.Event()
         return queue
@@ -246,16 +265,39 @@ async def _send_shares(feed: Any, shares: Any, name: str) -> None:
                     "tenant limit whole", name)
 
 
+async def upgrade_standby(feed: Any, wheel: Path, sha256: str) -> tuple[str, str]:
+    """Send the release ``wheel`` into a standby's ``feed`` in pieces and have it install it and
+    restart on it; return (new release, previous release). Raises RuntimeError with the
+    standby's reason, TooSlowError past the deadlines."""
+    offset = 0
+    try:
+        with open(wheel, "rb") as f:
+            while True:
+                chunk = f.read(CHUNK_BYTES)
+                with trio.fail_after(PEER_CALL_TIMEOUT):
+                    offset = int((await feed.receiveRelease(wheel.name, offset, chunk)).received)
+                if len(chunk) < CHUNK_BYTES:
+                    break
+        with trio.fail_after(RELEASE_INSTALL_TIMEOUT):
+            result = await feed.upgrade(wheel.name, sha256)
+    except capnp.KjException as exc:
+        raise RuntimeError(f"the standby: {remote_reason(exc)}") from None
+    return str(result.release), str(result.previous)
+
+
 class Follower:
     """A standby's side of the peer session (see :func:`follow_leader`)."""
 
     def __init__(
         self, gateway: GatewayInterface, reload_access: Callable[[], Awaitable[None]],
-        restart: Callable[[str], None],
+        restart: Callable[..., None], releases_dir: Path | None = None,
     ) -> None:
         self.gateway = gateway
         self.reload_access = reload_access
+        #: ``restart(reason, exit_status=None)``: restart this control plane once the call answered.
         self.restart = restart
+        #: Where releases sent by the leader are kept (None: this control plane takes none).
+        self.releases_dir = releases_dir
         #: The last route table the leader sent, or this control plane's own when its lead
         #: ended (handed to its route feed when it takes the lead, so its gateway keeps
         #: routing while the nodes rejoin).
@@ -295,6 +337,14 @@ class Follower:
             async def restart(self, **_: Any) -> None:
                 follower.restart("asked by the leader: llmgw ctl restart")
 
+            async def receiveRelease(self, name: str, offset: int, chunk: bytes, _context: Any, **_: Any) -> None:
+                _context.results.received = follower.inbox().write(str(name), int(offset), bytes(chunk))
+
+            async def upgrade(self, name: str, sha256: str, _context: Any, **_: Any) -> None:
+                release, previous = await install_here(follower.inbox(), str(name), str(sha256))
+                follower.restart(f"upgraded to llmgw {release}", UPGRADE_EXIT_STATUS)
+                _context.results.release, _context.results.previous = release, previous
+
             async def admissionShares(self, shares: Any, default: float, **_: Any) -> None:
                 if follower.shares is not None:
                     await follower.shares.apply_from_leader(shares_from(shares, default))
@@ -306,6 +356,12 @@ class Follower:
                     log.warning("standby: could not reload keys and settings: %s", exc)
 
         return FeedServer()
+
+    def inbox(self) -> ReleaseInbox:
+        """Where this standby keeps releases; raises ReleaseError where it keeps none."""
+        if self.releases_dir is None:
+            raise ReleaseError("this control plane takes no releases")
+        return ReleaseInbox(self.releases_dir)
 
     async def admin(self, actor: str) -> Any:
         """Returns the leader's Admin capability for ``actor``, waiting up to
@@ -354,7 +410,7 @@ class Follower:
                 try:
                     cluster = client.bootstrap().cast_as(schema.load().Cluster)
                     with trio.fail_after(PEER_CALL_TIMEOUT):
-                        result = await cluster.peer(self._feed())
+                        result = await cluster.peer(self._feed(), __version__)
                     self.peer = result.peer
                     self.leader_name = name
                     self._session_up.set()

@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import trio
 
+from llmgw import __version__
 from llmgw.config import AuthConfig, ServingConfig
 from llmgw.config.defaults import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_NODE_LOST_AFTER, DEFAULT_REPLACE_GRACE
 from llmgw.config.values import is_loopback_host
@@ -151,7 +152,7 @@ async def run_control_plane(
     advertise_host: str = "",
     peer_context: ssl.SSLContext | None = None,
     leader_lease: float = LEADER_LEASE_S,
-    request_restart: Callable[[str], None] | None = None,
+    request_restart: Callable[[str, int | None], None] | None = None,
     join_ca: ClusterCA | None = None,
     serial: str = "",
     task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED,
@@ -179,8 +180,11 @@ async def run_control_plane(
     token on connections without a certificate (``server_context`` must allow them);
     ``serial`` is its own certificate's serial, recorded in the store (a revoked one
     raises :class:`~llmgw.control.store.base.CertificateRevokedError`).
-    ``request_restart(reason)`` asks the program to stop this control plane gracefully and
-    run it again (``llmgw ctl restart``; None: it cannot, and says so).
+    ``request_restart(reason, exit_status)`` asks the program to stop this control plane
+    gracefully and run it again (``llmgw ctl restart``; with an exit status, by exiting with it
+    so the service manager starts the release ``llmgw ctl upgrade`` installed; None: it cannot,
+    and says so). ``releases_dir`` keeps uploaded releases; ``firewall_file`` is where this
+    control plane writes its machine's firewall (``firewall_ports`` protected besides RPC).
     """
     with unwrap_single_group():
         async with open_store(store_url) as store, trio.open_nursery() as nursery:
@@ -203,17 +207,17 @@ async def run_control_plane(
             gateway_url = f"http://{_url_host(http_host)}:{bound_http}"
             plane_ref: list[ControlPlane] = []
 
-            def restart_self(reason: str) -> None:
+            def restart_self(reason: str, exit_status: int | None = None) -> None:
                 if request_restart is None:
                     raise RuntimeError("this control plane cannot restart itself (llmgw up): restart it by hand")
 
                 async def later() -> None:
                     await trio.sleep(REPLY_GRACE_S)  # the call that asked gets its answer first
-                    request_restart(reason)
+                    request_restart(reason, exit_status)
 
                 nursery.start_soon(later)
 
-            follower = Follower(gateway, access.reload, restart_self)
+            follower = Follower(gateway, access.reload, restart_self, releases_dir)
             follower.shares = shares
 
             def current_term() -> Term | None:
@@ -358,14 +362,17 @@ async def _leadership_fields(
     leader = election.leader
     rows = []
     for record in await store.list_control_planes():
+        version = ""
         if leader is not None and record.name == leader.name and term is not None:
-            role = "leader"
+            role, version = "leader", __version__
         elif term is not None:
             role = "standby" if record.name in term.tee.peer_names else "down"
+            version = term.tee.version_of(record.name)
         else:
             role = "standby" if record.name == election.name and follower.peer is not None else "unknown"
+            version = __version__ if record.name == election.name else ""
         rows.append({"name": record.name, "rpcAddress": record.rpc_address, "httpAddress": record.http_address,
-                     "role": role, "lastSeen": record.last_seen})
+                     "role": role, "lastSeen": record.last_seen, "version": version})
     return {
         "leader": leader.name if leader is not None else "",
         "epoch": leader.epoch if leader is not None else 0,

@@ -19,7 +19,6 @@ import json as _json  # a handler's parameter is named json
 import logging
 import random
 import ssl
-import sys
 import time
 import urllib.parse
 from pathlib import Path
@@ -37,8 +36,8 @@ from llmgw.node import discovery
 from llmgw.node.cluster_settings import ClusterSettings
 from llmgw.node.firewall import NodeFirewall
 from llmgw.node.planes import ControlPlaneList
-from llmgw.node.releases import (UPGRADE_EXIT_STATUS, clear_pending, find_root, install_release, mark_pending,
-                                 read_pending, rollback_release)
+from llmgw.releases import (UPGRADE_EXIT_STATUS, clear_pending, find_root, install_here, mark_pending,
+                            not_a_release_root, read_pending, rollback_release)
 from llmgw.releasefiles import ReleaseError, ReleaseInbox
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
@@ -134,9 +133,7 @@ def _release_root(settings: ClusterSettings | None) -> Path:
         raise ReleaseError("llmgw up's own agent is upgraded with the llmgw that runs it (pip install -U)")
     root = find_root()
     if root is None:
-        raise ReleaseError(f"this agent runs from {sys.prefix}, not from a release root (ROOT/releases/VERSION "
-                           "with ROOT/current pointing at it): reinstall it that way to upgrade it over its "
-                           "session (docs/operations.md, Upgrading)")
+        raise not_a_release_root()
     return root
 
 
@@ -205,11 +202,7 @@ def _make_agent_server(
 
         async def upgrade(self, name: str, sha256: str, rollbackAfterMs: int, _context: Any, **_: Any) -> None:
             root = _release_root(settings)
-            wheel = inbox.path(str(name))
-            if not wheel.is_file():
-                raise ReleaseError(f"{name} was not received (send it with receiveRelease first)")
-            release, previous = await trio.to_thread.run_sync(install_release, root, wheel, str(sha256))
-            wheel.unlink(missing_ok=True)
+            release, previous = await install_here(inbox, str(name), str(sha256))
             if rollbackAfterMs:
                 mark_pending(root, previous, release, time.time() + rollbackAfterMs / 1000)
             log.warning("agent: llmgw %s installed under %s (was %s)", release, root, previous)
@@ -292,7 +285,7 @@ class Agent:
 
     async def _confirm_upgrade(self) -> None:
         """Confirm a pending upgrade to this release once joined; past its deadline without a
-        join, switch back to the previous release and restart on it (llmgw/node/releases.py)."""
+        join, switch back to the previous release and restart on it (llmgw/releases.py)."""
         root = find_root()
         pending = read_pending(root) if root is not None else None
         if root is None or pending is None:

@@ -71,7 +71,7 @@ class ClusterSettings:
         self.restart = trio.Event()
         self.reason = ""
         #: None: the agent restarts by exec'ing itself; a status: it exits with it instead (an
-        #: upgrade: its service manager starts the new release, llmgw/node/releases.py).
+        #: upgrade: its service manager starts the new release, llmgw/releases.py).
         self.exit_status: int | None = None
         #: Why the agent runs on an older configuration ("": it does not); reported to the
         #: control plane (``ctl nodes``) whenever it changes (:attr:`problem_changed`).

@@ -52,6 +52,15 @@ MISMATCH_RETRY_S = 600.0
 READY, FETCHING, ABSENT, MISMATCH = "ready", "fetching", "absent", "mismatch"
 
 
+def tokenizer_from_answer(body: bytes) -> LocalTokenizer:
+    """Return the tokenizer in a ``GET /llmgw/tokenizer`` answer (``{"files": {name: text}}``);
+    raises TokenizerFilesError (or ValueError for bad JSON) saying what is wrong."""
+    files = json.loads(body).get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise TokenizerFilesError("'files' is not an object of texts")
+    return LocalTokenizer({str(k): v.encode("utf-8") for k, v in files.items()})
+
+
 @attrs.define
 class _ReplicaState:
     model: str
@@ -173,12 +182,9 @@ class TokenizerShelf:
             if status != 200:
                 self._absent(replica, state, f"status {status}")
                 return
-            files = json.loads(body)["files"]
-            if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-                raise TokenizerFilesError("'files' is not an object of texts")
-            encoded = {str(k): v.encode("utf-8") for k, v in files.items()}
-            # Loading a large tokenizer.json takes tens of milliseconds of CPU: off the trio thread.
-            tokenizer = await trio.to_thread.run_sync(LocalTokenizer, encoded)
+            # Parsing tens of megabytes of JSON and loading the tokenizer take tens of
+            # milliseconds of CPU: off the trio thread, which serves requests meanwhile.
+            tokenizer = await trio.to_thread.run_sync(tokenizer_from_answer, body)
         except Exception as error:  # noqa: BLE001 - any failure means "keep using /tokenize"
             self._absent(replica, state, f"{type(error).__name__}: {error}")
             return

@@ -118,6 +118,7 @@ class TokenHasher:
         self.shelf = TokenizerShelf()
         self.shelf.timeout = timeout
         self.turns = TurnHashMemo()
+        self._local_failures: set[type[BaseException]] = set()
         self._cached = 0
         self.local = 0
         self.calls = 0
@@ -164,16 +165,9 @@ class TokenHasher:
         salt = cache_salt(request.body)
         ids = token_ids_given(request)
         if ids is None:
-            tokenizer = self.shelf.tokenizer_for(replica)
-            if tokenizer is not None:
-                parts = self.shelf.parts(tokenizer, request)
-                if parts is not None:
-                    self.local += 1
-                    self.observer.tokenized(replica.model, "gateway")
-                    result = self.turns.event_hashes(tokenizer, parts, block_size, self.memo, seed=self.seed,
-                                                     lora=lora, cache_salt=salt)
-                    self.shelf.maybe_check(replica, tokenizer, parts, lambda: tokenize_request(request, replica.model))
-                    return tuple(result)
+            local = self._local_hashes(replica, request, block_size, lora, salt)
+            if local is not None:
+                return local
         payload = None if ids is not None else tokenize_request(request, replica.model)
         if ids is None and payload is None:
             return None
@@ -192,6 +186,30 @@ class TokenHasher:
         result = tuple(self.memo.event_hashes(ids, block_size, seed=self.seed, lora=lora, cache_salt=salt))
         self._remember(key, result)
         return result
+
+    def _local_hashes(self, replica: Replica, request: RequestInfo, block_size: int, lora: tuple[str, str] | None,
+                      salt: str | None) -> tuple[int, ...] | None:
+        """Return the hashes from the gateway's own tokenizer for ``replica``, or None where it
+        has none or the request needs the engine's rendering. A failure here is a bug: logged
+        with its traceback (once per kind), and the request goes to ``/tokenize``."""
+        tokenizer = self.shelf.tokenizer_for(replica)
+        if tokenizer is None:
+            return None
+        try:
+            parts = self.shelf.parts(tokenizer, request)
+            if parts is None:
+                return None
+            result = self.turns.event_hashes(tokenizer, parts, block_size, self.memo, seed=self.seed, lora=lora,
+                                             cache_salt=salt)
+        except Exception as error:  # noqa: BLE001 - never fail a request for the router's own tokenization
+            if type(error) not in self._local_failures:
+                self._local_failures.add(type(error))
+                log.exception("tokenizing in the gateway failed for replica %s; using its /tokenize", replica.id)
+            return None
+        self.local += 1
+        self.observer.tokenized(replica.model, "gateway")
+        self.shelf.maybe_check(replica, tokenizer, parts, lambda: tokenize_request(request, replica.model))
+        return tuple(result)
 
     async def _tokenize(self, replica: Replica, payload: bytes) -> list[int] | None:
         """Return the token ids ``replica`` answers for ``payload``, or None on any failure."""

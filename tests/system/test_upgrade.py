@@ -1,16 +1,18 @@
-"""``llmgw ctl upgrade``: an agent upgraded over its session from the current tree to a wheel
-built here with a higher version, engines kept; a broken release refused at the first node;
+"""``llmgw ctl upgrade``: a control plane and an agent upgraded over the cluster's sessions from
+the current tree to a wheel built here with a higher version, engines kept; a broken release
+refused by the first to get it; a release that never joins rolled back by the node itself;
 ``--rollback`` puts the previous release back.
 
-The agent runs from a release root laid out as docs/operations.md says (``ROOT/releases/V``
-a copy of this test run's environment, ``ROOT/current`` pointing at it), under a small
-supervisor that stands in for systemd: it starts ``ROOT/current/bin/python -m llmgw agent``
-again whenever the agent exits with 75 (the unit's ``RestartForceExitStatus=75``).
+Both run from one release root laid out as docs/operations.md says (``ROOT/releases/V`` a copy
+of this test run's environment, ``ROOT/current`` pointing at it), each under a small supervisor
+that stands in for systemd: it starts ``ROOT/current/bin/python -m llmgw ...`` again whenever
+the process exits with 75 (the units' ``RestartForceExitStatus=75``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -23,7 +25,9 @@ from typing import Any
 import pytest
 
 from llmgw import __version__
-from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, iter_replicas, ready_replicas
+from llmgw.sim.launch import free_tcp_port
+from tests.system.harness import (LLMGW, WAIT, Cluster, ControlPlaneProc, Proc, eventually, iter_replicas, pin_ports,
+                                  ready_replicas)
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD, BROKEN, MUTE = f"{__version__}.post1", f"{__version__}.post2", f"{__version__}.post3"
@@ -36,7 +40,7 @@ SUPERVISOR = (
     "os.chdir('/')\n"
     "while True:\n"
     "    rc = subprocess.call(sys.argv[1:])\n"
-    "    print(f'supervisor: agent exited with {rc}', flush=True)\n"
+    "    print(f'supervisor: exited with {rc}', flush=True)\n"
     "    if rc != 75:\n"
     "        sys.exit(rc)\n"
 )
@@ -73,13 +77,17 @@ def build_wheel(version: str, out: Path, work: Path, *, broken: bool = False, mu
     return wheel
 
 
+def release_root(root: Path) -> Path:
+    """Lay out ``root`` as a machine's release root holding this test run's environment."""
+    shutil.copytree(sys.prefix, root / "releases" / __version__, symlinks=True)
+    os.symlink(f"releases/{__version__}", root / "current")
+    return root
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("releases")
-    root = work / "opt-llmgw"
-    shutil.copytree(sys.prefix, root / "releases" / __version__, symlinks=True)
-    os.symlink(f"releases/{__version__}", root / "current")
-    return {"root": root, "good": build_wheel(GOOD, work / "wheels", work),
+    return {"root": release_root(work / "opt-llmgw"), "good": build_wheel(GOOD, work / "wheels", work),
             "broken": build_wheel(BROKEN, work / "broken", work, broken=True),
             "mute": build_wheel(MUTE, work / "mute", work, mute=True)}
 
@@ -92,21 +100,49 @@ def engine_pids(cluster: Cluster) -> dict[str, int]:
     return {r["id"]: r["pid"] for r in iter_replicas(cluster) if r["state"] == "ready"}
 
 
-async def test_an_agent_is_upgraded_over_its_session_and_rolled_back(tmp_path: Path, releases: dict[str, Path]) -> None:
+def supervised(root: Path, log: Path, *args: str) -> Proc:
+    """``ROOT/current/bin/python -m llmgw ARGS`` under the supervisor (restarted on 75)."""
+    return Proc([sys.executable, "-c", SUPERVISOR, str(root / "current" / "bin" / "python"), "-m", "llmgw", *args], log)
+
+
+async def supervised_server(root: Path, config: Path, log: Path) -> tuple[Proc, str]:
+    """Start the control plane of ``config`` from ``root`` (ports pinned: it restarts on them);
+    return it and its RPC address once it listens."""
+    pin_ports(config, f"127.0.0.1:{free_tcp_port()}", f"http://127.0.0.1:{free_tcp_port()}")
+    proc = supervised(root, log, "server", "-c", str(config))
+    m = await proc.wait_for_line(r"llmgw server: rpc (\S+), gateway (\S+)/v1")
+    return proc, m.group(1)
+
+
+async def test_the_cluster_is_upgraded_over_its_sessions_and_rolled_back(tmp_path: Path,
+                                                                         releases: dict[str, Path]) -> None:
+    """One machine, one release root: the control plane and the agent both run from it."""
     root = releases["root"]
-    async with Cluster(tmp_path) as cluster:
-        config = cluster.node_config("node-a")
-        agent = Proc([sys.executable, "-c", SUPERVISOR, str(root / "current" / "bin" / "python"), "-m", "llmgw",
-                      "agent", "-c", str(config)], cluster.root / "agent-node-a.log")
+    cluster = Cluster(tmp_path)
+    procs: list[Proc] = []
+    try:
+        await cluster.init()
+        server, cluster.rpc = await supervised_server(root, cluster.server_yaml, tmp_path / "server.log")
+        procs.append(server)
+        cluster.server = server
+        agent = supervised(root, tmp_path / "agent-node-a.log", "agent", "-c", str(cluster.node_config("node-a")))
+        procs.append(agent)
         cluster.agents["node-a"] = agent
-        try:
-            await upgrade_and_roll_back(cluster, agent, root, releases)
-        finally:  # the supervisor and the agent it runs (its child, in its process group)
+        await upgrade_and_roll_back(cluster, server, agent, root, releases)
+    finally:  # each supervisor and what it runs (its child, in its process group)
+        for proc in procs:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
+        cluster.stop()
 
 
-async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, releases: dict[str, Path]) -> None:
+def run_ctl(cluster: Cluster, *args: str, servers: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LLMGW, "ctl", "--server", servers or cluster.rpc, "--tls-dir", str(cluster.admin_dir),
+                           *args], capture_output=True, text=True, timeout=UPGRADE_WAIT)
+
+
+async def upgrade_and_roll_back(cluster: Cluster, server: Proc, agent: Proc, root: Path,
+                                releases: dict[str, Path]) -> None:
     await agent.wait_for_line(r"agent: joined \S+ as node 'node-a'")
     out = cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2")
     assert out.returncode == 0, out.stderr
@@ -114,16 +150,16 @@ async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, relea
     pids = engine_pids(cluster)
     assert node_row(cluster, "node-a")["version"] == __version__
 
-    # A release that does not import is refused by the node before anything is switched.
-    out = cluster.ctl("upgrade", str(releases["broken"]), "--timeout", "2m")
+    # A release that does not import is refused by the control plane, the first to get it; nothing is switched.
+    out = run_ctl(cluster, "upgrade", str(releases["broken"]), "--timeout", "2m")
     assert out.returncode == 1
-    assert "deliberately broken" in out.stderr and "stopped before the next node" in out.stderr, out.stderr
+    assert "deliberately broken" in out.stderr and "stopped before the nodes" in out.stderr, out.stderr
     assert os.readlink(root / "current") == f"releases/{__version__}"
     assert not (root / "releases" / BROKEN).exists()
     assert node_row(cluster, "node-a")["version"] == __version__
 
     # A release that installs and starts but never joins goes back by itself after the run's timeout.
-    out = cluster.ctl("upgrade", str(releases["mute"]), "--timeout", "8s")
+    out = run_ctl(cluster, "upgrade", str(releases["mute"]), "--nodes-only", "--timeout", "8s")
     assert out.returncode == 1 and f"node-a is not back on {MUTE} within 8s" in out.stderr, out.stdout + out.stderr
 
     async def back_on_the_old_one() -> bool:
@@ -136,18 +172,20 @@ async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, relea
     assert f"llmgw {MUTE} did not join a control plane by the upgrade's deadline" in agent.output()
     assert engine_pids(cluster) == pids
 
-    out = subprocess.run([*LLMGW, "ctl", "--server", cluster.rpc, "--tls-dir", str(cluster.admin_dir),
-                          "upgrade", str(releases["good"]), "--timeout", "3m"],
-                         capture_output=True, text=True, timeout=UPGRADE_WAIT)
+    out = run_ctl(cluster, "upgrade", str(releases["good"]), "--timeout", "3m")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"node-a: back on {GOOD}" in out.stdout and f"every node runs llmgw {GOOD}" in out.stdout
+    assert f"back on {GOOD}" in out.stdout and f"node-a: back on {GOOD}" in out.stdout, out.stdout
+    status = cluster.ctl_json("status")
+    assert status["version"] == GOOD and [p["version"] for p in status["control_planes"]] == [GOOD]
+    assert "supervisor: exited with 75" in server.output()  # the control plane restarted on it too
     assert os.readlink(root / "current") == f"releases/{GOOD}"
     assert os.readlink(root / "previous") == f"releases/{__version__}"
     assert node_row(cluster, "node-a")["version"] == GOOD
     assert engine_pids(cluster) == pids  # the engines kept running and were adopted
-    assert "supervisor: agent exited with 75" in agent.output()
+    assert "supervisor: exited with 75" in agent.output()
 
     again = cluster.ctl_json("upgrade", str(releases["good"]))  # resumes: nothing left to do
+    assert [r["result"] for r in again["control_planes"]] == ["skipped"]
     assert again["nodes"] == [{"node": "node-a", "result": "skipped", "version": GOOD}]
 
     rolled = cluster.ctl_json("upgrade", "--rollback", "node-a")
@@ -157,3 +195,47 @@ async def upgrade_and_roll_back(cluster: Cluster, agent: Proc, root: Path, relea
     assert os.readlink(root / "current") == f"releases/{__version__}"
     await ready_replicas(cluster, "m1", 2)
     assert engine_pids(cluster) == pids
+
+
+@pytest.mark.postgres
+async def test_control_planes_are_upgraded_standbys_first(tmp_path: Path, releases: dict[str, Path],
+                                                          pg_dsn: str) -> None:
+    """Two control planes on PostgreSQL, each from its own machine's release root: the
+    standby gets the release through the leader and restarts on it, then the leader itself."""
+    root_a = releases["root"]
+    root_b = release_root(tmp_path / "machine-b")
+    assert os.readlink(root_a / "current") == f"releases/{__version__}"  # the first test rolled back to it
+    cluster = Cluster(tmp_path, store_url=pg_dsn, extra={"leader_lease": "3s"})
+    procs: list[Proc] = []
+    try:
+        await cluster.init()
+        first, cluster.rpc = await supervised_server(root_a, cluster.server_yaml, tmp_path / "cp-1.log")
+        procs.append(first)
+        second, rpc_b = await supervised_server(root_b, ControlPlaneProc(cluster, "cp-2").yaml, tmp_path / "cp-2.log")
+        procs.append(second)
+        servers = f"{cluster.rpc},{rpc_b}"
+
+        def planes() -> dict[str, tuple[str, str]]:
+            status = json.loads(run_ctl(cluster, "status", "--json", servers=servers).stdout)
+            return {p["name"]: (p["role"], p["version"]) for p in status["control_planes"]}
+
+        await eventually(lambda: planes().get("cp-2", ("", ""))[0] == "standby", "cp-2 attached", timeout=WAIT)
+        out = run_ctl(cluster, "upgrade", str(releases["good"]), "--timeout", "3m", servers=servers)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = out.stdout.splitlines()
+        standby_back = lines.index(f"control plane cp-2: back on {GOOD}")
+        leader_line = next(i for i, line in enumerate(lines) if "(leading)" in line)
+        assert standby_back < leader_line  # the standby first, then the leader
+
+        async def all_upgraded() -> bool:
+            got = planes()
+            return len(got) == 2 and all(version == GOOD for _, version in got.values())
+
+        await eventually(all_upgraded, f"both control planes on {GOOD}", timeout=WAIT)
+        assert os.readlink(root_b / "current") == f"releases/{GOOD}"
+        assert "supervisor: exited with 75" in second.output() and "supervisor: exited with 75" in first.output()
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        cluster.stop()

@@ -18,6 +18,8 @@ from llmgw import kvhash
 from llmgw.chattemplate import OPENAI, STRING, ChatTemplate
 from llmgw.hftokenizer import TOKENIZER_FILES, LocalTokenizer, TokenizerFilesError, read_tokenizer_files
 from llmgw.node.engines.engine_path import llmgw_vllm_guard
+from llmgw.router.replicas import Replica, RequestInfo
+from llmgw.router.tokens import TokenHasher
 from llmgw.router.turnhash import TurnHashMemo
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer"
@@ -67,6 +69,7 @@ def test_text_parts_are_joined_by_newlines_as_vllm_does(chatml: LocalTokenizer) 
     {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
     {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ messages }}"},
     {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": False}},
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
     {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "no"},
     {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
     {"messages": [{"role": "developer", "content": "be brief"}]},
@@ -91,6 +94,7 @@ def test_chat_template_kwargs_reach_the_template_only_where_it_reads_them() -> N
     template = ChatTemplate("{{ messages[0].content }}{% if enable_thinking %}<think>{% endif %}", {})
     assert template.template_kwargs({"chat_template_kwargs": {"enable_thinking": True, "other": 1}}) == {
         "enable_thinking": True}
+    assert template.template_kwargs({"chat_template_kwargs": {"enable_thinking": None}}) == {}  # unset, as vLLM
     body = {"messages": [{"role": "user", "content": "q"}]}
     assert template.render(template.conversation(body) or [], True, {"enable_thinking": True}) == "q<think>"
 
@@ -174,3 +178,25 @@ def test_completion_hashes_include_the_bos(bos: LocalTokenizer) -> None:
     ids = bos.ids(parts)
     assert ids[0] == 1
     assert got == kvhash.event_hashes(kvhash.block_hashes(ids, 16))
+
+
+async def test_the_hasher_uses_the_local_tokenizer_and_falls_back_when_it_fails(
+        chatml: LocalTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    hasher = TokenHasher()  # no upstream client: /tokenize answers nothing
+    replica = Replica("r1", "m", "http://127.0.0.1:1", engine="vllm")
+    hasher.shelf.put("r1", "m", chatml)
+    body = {"model": "m", "messages": [{"role": "user", "content": "The quick brown fox jumps. " * 6}]}
+    request = RequestInfo("/v1/chat/completions", "m", body=body)
+    got = await hasher.hashes(replica, request, 16, None)
+    parts = chatml.chat_parts(body)
+    assert parts is not None
+    assert got == tuple(kvhash.event_hashes(kvhash.block_hashes(chatml.ids(parts), 16, seed=kvhash.KV_HASH_SEED)))
+    assert hasher.local == 1
+
+    def broken(segment: str) -> tuple[int, ...]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(chatml, "segment_ids", broken)
+    other = RequestInfo("/v1/chat/completions", "m", body={**body, "messages": [{"role": "user", "content": "new"}]})
+    assert await hasher.hashes(replica, other, 16, None) is None  # went to /tokenize instead of failing the request
+    assert hasher.local == 1

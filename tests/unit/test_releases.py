@@ -1,5 +1,5 @@
 """Release files in transit and the release root's links (llmgw/releasefiles.py,
-llmgw/node/releases.py); the install itself is proven end to end in tests/system/test_upgrade.py."""
+llmgw/releases.py); the install itself is proven end to end in tests/system/test_upgrade.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.node.releases import find_root, install_release, rollback_release
+from llmgw.releases import find_root, install_release, rollback_release
 from llmgw.releasefiles import MAX_RELEASE_BYTES, ReleaseError, ReleaseInbox, sha256_file, wheel_version
 
 

@@ -26,7 +26,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.leader_since))
         click.echo(f"leader: {st.leader} (epoch {st.epoch}, since {since})")
     if len(st.control_planes) > 1:
-        click.echo("control planes: " + ", ".join(f"{p.name} {p.role}" for p in st.control_planes))
+        click.echo("control planes: " + ", ".join(f"{p.name} {p.role}" + (f" {p.version}" if p.version else "")
+                                                  for p in st.control_planes))
     click.echo(f"nodes: {st.nodes_online} online, {st.nodes_lost} lost")
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
     if st.routing:

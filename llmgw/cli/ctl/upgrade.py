@@ -1,9 +1,12 @@
-"""``llmgw ctl upgrade``: a new llmgw release on every node, one node at a time.
+"""``llmgw ctl upgrade``: a new llmgw release on every control plane, then every node, one at a time.
 
 The release is a wheel file the operator gives, or a version fetched from the package
-index (``pip download llmgw==VERSION``). It is uploaded once to the leader, which sends it
-to each agent over its session; the agent installs it beside the running release,
-switches its ``current`` link and restarts on it, its engines kept (llmgw/node/releases.py).
+index (``pip download llmgw==VERSION``). It is uploaded to the leader, which installs it on
+the standbys (through the feed each one holds), then on itself (it answers, exits 75 and
+its service manager starts the new release; a standby may lead meanwhile), then sends it to
+each agent over its session; each installs it beside the running release, switches its
+``current`` link and restarts on it, engines kept (llmgw/releases.py). A control plane is
+done when it is back on the new version (leading or attached as a standby).
 A node is done when it is back on the new version, online, with as many ready replicas
 as before; a node that is not, within ``--timeout``, stops the run before the next one
 (a bad release reaches one machine), and ``--rollback NODE`` puts its previous release
@@ -22,9 +25,10 @@ from typing import Any
 import click
 import trio
 
-from llmgw.cli.ctl.common import json_option, target_of
+from llmgw.cli.common import run_trio
+from llmgw.cli.ctl.common import Target, json_option, target_of
 from llmgw.cli.output import fail, print_json
-from llmgw.client import ClientError, ClusterClient
+from llmgw.client import ClientError, ClusterClient, connect
 from llmgw.releasefiles import ReleaseError, wheel_version
 
 #: Seconds between looks at a node coming back (one small call each).
@@ -93,23 +97,133 @@ async def _wait_back(client: ClusterClient, node: str, version: str, ready_befor
     return short
 
 
+def _plane_row(status: Any, name: str) -> Any:
+    return next((p for p in status.control_planes if p.name == name), None)
+
+
+def _wait_for_plane(target: Target, name: str, version: str, timeout: float) -> str:
+    """Wait (new connections each time: the control plane restarts) until control plane ``name``
+    leads or is attached as a standby on ``version``; return "" then, else what it was short of."""
+
+    async def wait() -> str:
+        short = f"it did not come back on {version}"
+        with trio.move_on_after(timeout):
+            while True:
+                await trio.sleep(POLL_S)
+                try:
+                    async with connect(target.servers, tls_dir=target.tls_dir) as client:
+                        row = _plane_row(await client.status(), name)
+                except ClientError as exc:  # restarting, or no leader yet
+                    short = str(exc)
+                    continue
+                if row is not None and row.version == version and row.role in ("leader", "standby"):
+                    return ""
+                short = f"it is {row.role} on llmgw {row.version or '?'}" if row is not None else "it is not listed"
+        return short
+
+    return run_trio(wait)
+
+
+def _upgrade_control_planes(target: Target, wheel: Path, version: str, timeout: float, say: Any,
+                            results: list[dict[str, Any]]) -> str:
+    """Upgrade the standbys, then the leader; return "" or why the run stops."""
+
+    async def standbys(client: ClusterClient) -> tuple[str, str]:
+        digest = await client.upload_release(wheel)
+        say(f"release {wheel.name} (sha256 {digest[:16]}...) uploaded")
+        status = await client.status()
+        planes = sorted(status.control_planes, key=lambda p: (p.name == status.leader, p.name))
+        for plane in planes:
+            if plane.version == version:
+                results.append({"control_plane": plane.name, "result": "skipped", "version": version})
+                say(f"control plane {plane.name}: already on {version}")
+                continue
+            if plane.role not in ("leader", "standby"):
+                return (f"control plane {plane.name} is {plane.role}: bring it back (or `llmgw ctl servers remove` "
+                        "it, or pass --nodes-only) and run this again"), digest
+            if plane.name == status.leader:
+                return "", digest  # the leader last, after this connection
+            say(f"control plane {plane.name}: {plane.version or '?'} -> {version}: installing ...")
+            try:
+                await client.upgrade_control_plane(plane.name, wheel.name, digest)
+            except ClientError as exc:
+                results.append({"control_plane": plane.name, "result": "failed", "error": str(exc)})
+                return f"control plane {plane.name}: {exc}\nstopped before the next one", digest
+            short = await _wait_plane_here(client, plane.name, version, timeout)
+            if short:
+                results.append({"control_plane": plane.name, "result": "not back", "error": short})
+                return f"control plane {plane.name} is not back on {version} within {timeout:g}s: {short}", digest
+            results.append({"control_plane": plane.name, "result": "upgraded", "version": version})
+            say(f"control plane {plane.name}: back on {version}")
+        return "done", digest
+
+    problem, digest = target.run(standbys)
+    if problem != "":
+        return "" if problem == "done" else problem
+
+    async def leader(client: ClusterClient) -> tuple[str, str]:
+        name = (await client.status()).leader
+        say(f"control plane {name} (leading): -> {version}: installing; it restarts on it ...")
+        try:
+            await client.upgrade_control_plane(name, wheel.name, digest)
+        except ClientError as exc:
+            results.append({"control_plane": name, "result": "failed", "error": str(exc)})
+            return name, f"control plane {name}: {exc}\nstopped before the nodes"
+        return name, ""
+
+    name, problem = target.run(leader)
+    if problem:
+        return problem
+    short = _wait_for_plane(target, name, version, timeout)
+    if short:
+        results.append({"control_plane": name, "result": "not back", "error": short})
+        return f"control plane {name} is not back on {version} within {timeout:g}s: {short}"
+    results.append({"control_plane": name, "result": "upgraded", "version": version})
+    say(f"control plane {name}: back on {version}")
+    return ""
+
+
+async def _wait_plane_here(client: ClusterClient, name: str, version: str, timeout: float) -> str:
+    short = f"it did not come back on {version}"
+    with trio.move_on_after(timeout):
+        while True:
+            await trio.sleep(POLL_S)
+            row = _plane_row(await client.status(), name)
+            if row is not None and row.version == version and row.role == "standby":
+                return ""
+            short = f"it is {row.role} on llmgw {row.version or '?'}" if row is not None else "it is not listed"
+    return short
+
+
+async def _nodes_rejoined(client: ClusterClient, known: set[str], timeout: float) -> list[Any]:
+    """Return the nodes once every node of ``known`` is listed again (a restarted leader knows
+    them as they rejoin), or what is listed when ``timeout`` runs out."""
+    nodes = await client.nodes()
+    with trio.move_on_after(timeout):
+        while not known <= {n.id for n in nodes}:
+            await trio.sleep(POLL_S)
+            nodes = await client.nodes()
+    return nodes
+
+
 @click.command()
 @click.argument("release", required=False)
 @click.option("--node", "only", multiple=True, metavar="NODE", help="Only these nodes (repeatable); default: all.")
 @click.option("--timeout", default="10m", show_default=True, metavar="DURATION",
               help="How long each node may take to come back ready on the new release.")
 @click.option("--rollback", metavar="NODE", help="Put NODE's previous release back (and restart its agent on it).")
+@click.option("--nodes-only", is_flag=True, help="Leave the control planes as they are (or --node was given).")
 @json_option
 @click.pass_context
 def upgrade(ctx: click.Context, release: str | None, only: tuple[str, ...], timeout: str, rollback: str | None,
-            as_json: bool) -> None:
-    """Upgrade every node's agent to RELEASE (a wheel file, or a version from the package index).
+            nodes_only: bool, as_json: bool) -> None:
+    """Upgrade the cluster to RELEASE (a wheel file, or a version from the package index).
 
-    One node at a time: each gets the release over its session, installs it beside the one
-    it runs, restarts on it with its engines kept, and must be back on the new version with
-    as many ready replicas as before within --timeout; otherwise the run stops there. Nodes
-    already on the version are skipped (run it again to resume). Control planes are
-    upgraded on their machines (docs/operations.md, Upgrading).
+    Control planes first (the standbys, then the leader), then one node at a time: each gets
+    the release, installs it beside the one it runs, restarts on it (engines kept), and must
+    be back on the new version (a node with as many ready replicas as before) within
+    --timeout; otherwise the run stops there. Those already on the version are skipped (run
+    it again to resume). --node NAME (or --nodes-only) upgrades only nodes.
     """
     target = target_of(ctx, as_json)
     if rollback:
@@ -136,15 +250,21 @@ def upgrade(ctx: click.Context, release: str | None, only: tuple[str, ...], time
         except ReleaseError as exc:
             fail(str(exc))
         results: list[dict[str, Any]] = []
+        plane_results: list[dict[str, Any]] = []
 
         def say(line: str) -> None:
             if not target.json:
                 click.echo(line)
 
+        known = {n.id for n in target.run(lambda c: c.nodes())}  # back after a control plane's restart
+        planes_problem = "" if nodes_only or only else _upgrade_control_planes(target, wheel, version, seconds, say,
+                                                                              plane_results)
+
         async def run(client: ClusterClient) -> str:
-            digest = await client.upload_release(wheel)
-            say(f"release {wheel.name} (sha256 {digest[:16]}...) uploaded")
-            nodes = sorted(await client.nodes(), key=lambda n: n.id)
+            digest = await client.upload_release(wheel)  # again: the leader may be another one now
+            if nodes_only or only:
+                say(f"release {wheel.name} (sha256 {digest[:16]}...) uploaded")
+            nodes = sorted(await _nodes_rejoined(client, known, seconds), key=lambda n: n.id)
             missing = set(only) - {n.id for n in nodes}
             if missing:
                 return f"no such node: {', '.join(sorted(missing))} (see `llmgw ctl nodes`)"
@@ -180,9 +300,9 @@ def upgrade(ctx: click.Context, release: str | None, only: tuple[str, ...], time
                 say(f"{n.id}: back on {version} with {ready}+ ready replica(s) in {took} s")
             return ""
 
-        problem = target.run(run)
+        problem = planes_problem or target.run(run)
     if target.json:
-        print_json({"release": version, "nodes": results, "error": problem or None})
+        print_json({"release": version, "control_planes": plane_results, "nodes": results, "error": problem or None})
         if problem:
             ctx.exit(1)
         return

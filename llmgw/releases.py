@@ -1,26 +1,28 @@
-"""Upgrading the llmgw a node runs: releases side by side, a ``current`` link, rollback.
+"""Upgrading the llmgw a machine runs (an agent, a control plane): releases side by side, a
+``current`` link, rollback.
 
-A machine upgradeable over its session runs llmgw from a *release root*::
+A machine upgradeable over the cluster runs llmgw from a *release root*::
 
     ROOT/releases/0.1.0/      a virtual environment holding llmgw 0.1.0
     ROOT/releases/0.2.0/      the next one, installed beside it
-    ROOT/current -> releases/0.2.0     what the units run (ExecStart=ROOT/current/bin/llmgw ...)
+    ROOT/current -> releases/0.2.0     what the units run (ROOT/current/bin/python -m llmgw ...)
     ROOT/previous -> releases/0.1.0    what a rollback puts back
 
-(docs/operations.md, "Upgrading", says how to lay a machine out this way; the units
-``llmgw agent join`` writes on such a machine start ``ROOT/current/bin/python -m llmgw``.) The leader sends a release wheel over the agent's session in pieces
-(:class:`llmgw.releasefiles.ReleaseInbox`), then asks the agent to install it (:func:`install_release`): the
-wheel is checked against its SHA-256, the running environment is copied to the new
-release's directory (its dependencies come along, so nothing is downloaded that the release
-does not add), the wheel is installed into the copy with the copy's pip, the copy's
-``llmgw --version`` must name the wheel's version, and only then ``current`` is switched
-(a new link renamed over the old one: atomic). The agent answers, then exits with
-:data:`UPGRADE_EXIT_STATUS`, which its unit restarts on (``RestartForceExitStatus=75``);
-its engines keep running and the new agent adopts them. :func:`rollback_release` switches
-``current`` back to ``previous`` the same way. Until the new release's agent has joined a
-control plane, the upgrade is *pending* (:func:`mark_pending`): one that has not joined by
-the deadline (the run's ``--timeout``) switches back to ``previous`` by itself and exits 75
-again, so a release that installs and starts but cannot serve does not strand the node.
+(docs/operations.md, "Upgrading", says how to lay a machine out this way; the units the joins
+write on such a machine start ``ROOT/current/bin/python -m llmgw``.) The leader sends a release
+wheel in pieces (:class:`llmgw.releasefiles.ReleaseInbox`) to each standby through its feed and
+to each agent over its session, then asks it to install it (:func:`install_here`): the wheel is
+checked against its SHA-256, the running environment is copied to the new release's directory
+(its dependencies come along, so nothing is downloaded that the release does not add), the
+wheel is installed into the copy with the copy's pip, the copy's ``llmgw --version`` must name
+the wheel's version, and only then ``current`` is switched (a new link renamed over the old
+one: atomic). The process answers, then exits with :data:`UPGRADE_EXIT_STATUS`, which its unit
+restarts on (``RestartForceExitStatus=75``); an agent's engines keep running and the new agent
+adopts them. :func:`rollback_release` switches ``current`` back to ``previous`` the same way.
+Until a new agent has joined a control plane, its upgrade is *pending* (:func:`mark_pending`):
+one that has not joined by the deadline (the run's ``--timeout``) switches back to
+``previous`` by itself and exits 75 again, so a release that installs and starts but cannot
+serve does not strand the node.
 
 Every blocking step runs in a worker thread; errors are :class:`ReleaseError` with the
 reason in words, and leave ``current`` as it was.
@@ -36,8 +38,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import trio
+
+from llmgw import __version__
 from llmgw.files import atomic_write
-from llmgw.releasefiles import ReleaseError, sha256_file, wheel_version
+from llmgw.releasefiles import ReleaseError, ReleaseInbox, sha256_file, wheel_version
 
 #: The exit status that tells the agent's supervisor (systemd: ``RestartForceExitStatus=75``,
 #: EX_TEMPFAIL) to start it again: from ``current``, now the new release.
@@ -128,6 +133,38 @@ def install_release(root: Path, wheel: Path, sha256: str) -> tuple[str, str]:
     _switch(root, PREVIOUS, running)
     _switch(root, CURRENT, version)
     return version, running
+
+
+def not_a_release_root() -> ReleaseError:
+    """The error of a process that does not run from a release root."""
+    return ReleaseError(f"this llmgw runs from {sys.prefix}, not from a release root (ROOT/releases/VERSION with "
+                        "ROOT/current pointing at it): reinstall it that way to upgrade it over the cluster "
+                        "(docs/operations.md, Upgrading)")
+
+
+async def install_here(inbox: ReleaseInbox, name: str, sha256: str) -> tuple[str, str]:
+    """Install the received wheel ``name`` (checked against ``sha256``) under this process's
+    release root and make it current; return (new release, previous release). The wheel is
+    removed once installed.
+
+    Where ``current`` already points at that release but this process runs another (a
+    control plane upgraded the machine's root first: one root per machine), nothing is
+    installed again: the caller only restarts. Raises ReleaseError as :func:`install_release`
+    does, or when this process does not run from a release root.
+    """
+    root = find_root()
+    if root is None:
+        raise not_a_release_root()
+    version = wheel_version(name)
+    running = current_release(root)
+    if running == version and __version__ != version and (root / RELEASES / version).is_dir():
+        return version, __version__
+    wheel = inbox.path(name)
+    if not wheel.is_file():
+        raise ReleaseError(f"{name} was not received (send it with receiveRelease first)")
+    result = await trio.to_thread.run_sync(install_release, root, wheel, sha256)
+    wheel.unlink(missing_ok=True)
+    return result
 
 
 def mark_pending(root: Path, previous: str, release: str, deadline: float) -> None:
