@@ -279,7 +279,7 @@ async def test_admin_tokens_are_checked_by_their_hash_and_refused_once_revoked(d
         record, token = new_admin_token("ops-bot", "alice")
         saved = await store.create_admin_token(record)
         assert (saved.name, saved.created_by, saved.revoked_at) == ("ops-bot", "alice", None) and saved.created_at > 0
-        assert token not in repr(saved) and saved.secret_sha256 != token.split("_")[2]
+        assert token not in repr(saved) and saved.secret_sha256 != token.split("_", 2)[2]
         with pytest.raises(ConflictError):
             await store.create_admin_token(record)
         assert (await authenticate(store, f"Bearer {token}")).id == saved.id

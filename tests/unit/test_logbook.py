@@ -22,8 +22,8 @@ PRIVATE_KEY = new_private_key().decode()
 
 
 @pytest.mark.parametrize("line, secret, kept", [
-    (f"request with key {API_KEY.key} refused", API_KEY.key.split("_")[2], f"llmgw_{API_KEY.key_id}_"),
-    (f"admin call by {ADMIN_TOKEN.key}", ADMIN_TOKEN.key.split("_")[2], f"llmgwadmin_{ADMIN_TOKEN.key_id}_"),
+    (f"request with key {API_KEY.key} refused", API_KEY.key.split("_", 2)[2], f"llmgw_{API_KEY.key_id}_"),
+    (f"admin call by {ADMIN_TOKEN.key}", ADMIN_TOKEN.key.split("_", 2)[2], f"llmgwadmin_{ADMIN_TOKEN.key_id}_"),
     (f"join with {JOIN_TOKEN}", str(JOIN_TOKEN).split(".")[2], f"llmgwj1.{JOIN_TOKEN.id}."),
     ("store postgresql://llmgw:s3cr3t-pw@db.internal:5432/llmgw unreachable", "s3cr3t-pw", "postgresql://llmgw:"),
     ("dsn host=db user=llmgw password=s3cr3t-pw dbname=llmgw", "s3cr3t-pw", "host=db user=llmgw"),
@@ -58,7 +58,7 @@ def test_a_record_with_secret_arguments_and_traceback_is_written_redacted() -> N
         log.removeHandler(ring)
     written = stream.getvalue()
     for secret in (API_KEY.key, ADMIN_TOKEN.key):
-        assert secret.split("_")[2] not in written
+        assert secret.split("_", 2)[2] not in written
     assert "ValueError: bad key llmgw_" in written
     # the traceback's lines came first and made room: the last three lines are kept
     assert ring.after(0, 10) == (["line 0", "line 1", "line 2"], ring.total)
