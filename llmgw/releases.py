@@ -135,6 +135,29 @@ def install_release(root: Path, wheel: Path, sha256: str) -> tuple[str, str]:
     return version, running
 
 
+def lay_out(root: Path, prefix: str = sys.prefix) -> Path:
+    """Make ``root`` a release root holding this environment (``prefix``) as release
+    ``__version__``: a copy at ``root/releases/VERSION`` and ``root/current`` pointing at it;
+    return the release's directory. Blocking. Where ``current`` points at that release
+    already, nothing is copied (running it twice is safe). Raises ReleaseError when ``current``
+    points at another release, OSError when the copy fails (the partial copy is removed)."""
+    release = root / RELEASES / __version__
+    if (root / CURRENT).is_symlink():
+        running = current_release(root)
+        if running != __version__:
+            raise ReleaseError(f"{root / CURRENT} points at release {running}, not {__version__}: this machine is "
+                               "laid out already (upgrade it with `llmgw ctl upgrade`)")
+        return release
+    if not release.exists():
+        try:
+            shutil.copytree(Path(prefix).resolve(), release, symlinks=True)
+        except OSError:
+            shutil.rmtree(release, ignore_errors=True)
+            raise
+    _switch(root, CURRENT, __version__)
+    return release
+
+
 def not_a_release_root() -> ReleaseError:
     """The error of a process that does not run from a release root."""
     return ReleaseError(f"this llmgw runs from {sys.prefix}, not from a release root (ROOT/releases/VERSION with "

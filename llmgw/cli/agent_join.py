@@ -22,7 +22,8 @@ from pathlib import Path
 import click
 import yaml
 
-from llmgw.cli.joining import install_and_start, join_arguments, joined_as, write_private
+from llmgw.cli.joining import (install_and_start, join_arguments, joined_as, lay_out_release_root, release_root_option,
+                               write_private)
 from llmgw.cli.output import fail
 from llmgw.cli.units import UNIT_DIR
 from llmgw.config.agent import AgentTLS
@@ -65,9 +66,10 @@ def _hardware_line() -> str:
 @click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), default=UNIT_DIR, show_default=True,
               help="Where to install llmgw-agent.service.")
 @click.option("--no-start", is_flag=True, help="Write everything, but do not install or start the unit.")
+@release_root_option
 @click.pass_context
 def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, state_dir: Path, unit_dir: Path,
-               no_start: bool) -> None:
+               no_start: bool, release_root: Path | None) -> None:
     """Join this machine to a cluster as a node, with a token from `llmgw ctl nodes add`."""
     from llmgw.cli.common import run_trio
     from llmgw.client.join import JoinError, redeem
@@ -105,9 +107,10 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
                   hint="run as root, or pass `llmgw agent --config PATH join`")
     click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)})")
     click.echo(f"  this node has {_hardware_line()}")
+    root = lay_out_release_root(release_root)
     if no_start:
         click.echo(f"not started (--no-start): run `llmgw agent --config {config_path}`")
         return
     install_and_start(AGENT_UNIT, daemon="agent", config_path=config_path, user="root", state_dir=state_dir,
-                      unit_dir=unit_dir, default_state_dir=DEFAULT_AGENT_STATE_DIR)
+                      unit_dir=unit_dir, default_state_dir=DEFAULT_AGENT_STATE_DIR, root=root)
     click.echo(f"done: `llmgw ctl nodes` on any control plane shows {grant.name} once its agent has joined")

@@ -94,16 +94,40 @@ def write_private(path: Path, text: str, *, hint: str) -> None:
 
 
 def chown_tree(root: Path, user: str) -> None:
-    """Give ``root`` and everything below it to ``user`` (and its group)."""
+    """Give ``root`` and everything below it to ``user`` (and its group); a symbolic link itself
+    changes owner, never what it points at (a virtual environment links to the system's Python)."""
     entry = pwd.getpwnam(user)
-    for directory, _, files in os.walk(root):
-        os.chown(directory, entry.pw_uid, entry.pw_gid)
-        for name in files:
-            os.chown(os.path.join(directory, name), entry.pw_uid, entry.pw_gid)
+    for directory, dirs, files in os.walk(root):
+        os.chown(directory, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+            os.chown(os.path.join(directory, name), entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+
+
+def lay_out_release_root(root: Path | None) -> Path | None:
+    """Lay ``root`` out as this machine's release root (``--release-root``), saying what was
+    done; returns ``root``. Exits with the reason when it cannot."""
+    if root is None:
+        return None
+    from llmgw.releases import lay_out
+    from llmgw.releasefiles import ReleaseError
+
+    try:
+        release = lay_out(root)
+    except (ReleaseError, OSError) as exc:
+        fail(f"cannot lay out the release root {root}: {exc}")
+    click.echo(f"  release root {root}: {release} (this llmgw), current -> it: `llmgw ctl upgrade` can upgrade "
+               "this machine")
+    return root
+
+
+release_root_option = click.option(
+    "--release-root", type=click.Path(path_type=Path, file_okay=False), default=None, metavar="DIR",
+    help="Copy this llmgw's environment to DIR/releases/VERSION, point DIR/current at it and run the unit from "
+         "there, so `llmgw ctl upgrade` can upgrade this machine (e.g. /opt/llmgw).")
 
 
 def install_and_start(unit_name: str, *, daemon: str, config_path: Path, user: str, state_dir: Path,
-                      unit_dir: Path, default_state_dir: Path) -> None:
+                      unit_dir: Path, default_state_dir: Path, root: Path | None = None) -> None:
     """Install the shipped ``unit_name`` running ``llmgw DAEMON --config CONFIG_PATH`` in
     ``unit_dir`` and start it (``systemctl daemon-reload``, ``enable --now``); exits with
     the reason where systemd does not run, or a step fails."""
@@ -114,7 +138,7 @@ def install_and_start(unit_name: str, *, daemon: str, config_path: Path, user: s
     try:
         unit_dir.mkdir(parents=True, exist_ok=True)
         unit.write_text(render_unit(unit_name, daemon=daemon, config=config_path, user=user, state_dir=state_dir,
-                                    default_state_dir=default_state_dir))
+                                    default_state_dir=default_state_dir, root=root))
     except OSError as exc:
         fail(f"cannot write {unit}: {exc} (run as root)")
     systemctl_or_fail("daemon-reload")

@@ -25,7 +25,8 @@ import click
 import yaml
 
 from llmgw.cli.joining import (
-    bracket, chown_tree, install_and_start, join_arguments, joined_as, route_address, unit_user, write_private,
+    bracket, chown_tree, install_and_start, join_arguments, joined_as, lay_out_release_root, release_root_option,
+    route_address, unit_user, write_private,
 )
 from llmgw.cli.output import fail
 from llmgw.cli.pki import ADMIN_DIR, CA_DIR, SERVER_DIR
@@ -56,10 +57,12 @@ DEFAULT_KEEPALIVED = Path("/etc/keepalived/keepalived.conf")
 @click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), default=UNIT_DIR, show_default=True,
               help="Where to install llmgw-server.service.")
 @click.option("--no-start", is_flag=True, help="Write everything, but do not install or start the unit.")
+@release_root_option
 @click.pass_context
 def server_join(ctx: click.Context, servers: str, token: str, advertise: str | None, rpc_port: int,
                 http_port: int, state_dir: Path, vip: str | None, vip_interface: str | None,
-                keepalived_config: Path, user: str | None, unit_dir: Path, no_start: bool) -> None:
+                keepalived_config: Path, user: str | None, unit_dir: Path, no_start: bool,
+                release_root: Path | None) -> None:
     """Join this machine to a cluster as another control plane, with a token from `llmgw ctl servers add`."""
     from llmgw.cli.common import run_trio
     from llmgw.client.join import JoinError, redeem
@@ -113,13 +116,16 @@ def server_join(ctx: click.Context, servers: str, token: str, advertise: str | N
         _write_keepalived(vip, vip_interface, http_listen, keepalived_config)
 
     user_name = unit_user(user)
+    root = lay_out_release_root(release_root)
     if os.geteuid() == 0:
         chown_tree(state_dir, user_name)
+        if root is not None:  # the control plane (as this user) installs the next release there
+            chown_tree(root, user_name)
     if no_start:
         click.echo(f"not started (--no-start): run `llmgw server --config {config_path}`")
         return
     install_and_start(SERVER_UNIT, daemon="server", config_path=config_path, user=user_name, state_dir=state_dir,
-                      unit_dir=unit_dir, default_state_dir=DEFAULT_STATE_DIR)
+                      unit_dir=unit_dir, default_state_dir=DEFAULT_STATE_DIR, root=root)
     click.echo(f"done: `llmgw ctl servers list` on any control plane shows {grant.name} as a standby shortly")
 
 

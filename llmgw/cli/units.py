@@ -15,11 +15,12 @@ DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
 UNIT_DIR = Path("/etc/systemd/system")
 
 
-def llmgw_command() -> str:
-    """Returns how to run this llmgw: from a release root, ``ROOT/current/bin/python -m llmgw``
-    (so an upgrade that switches ``current`` takes effect at the next start,
-    llmgw/releases.py); else its console script beside the interpreter, else ``python -m llmgw``."""
-    root = find_root()
+def llmgw_command(root: Path | None = None) -> str:
+    """Returns how to run this llmgw: from a release root (``root``, else the one this process
+    runs from), ``ROOT/current/bin/python -m llmgw`` (so an upgrade that switches ``current``
+    takes effect at the next start, llmgw/releases.py); else its console script beside the
+    interpreter, else ``python -m llmgw``."""
+    root = root or find_root()
     if root is not None:
         return f"{root / CURRENT / 'bin' / 'python'} -m llmgw"
     script = Path(sys.executable).parent / "llmgw"
@@ -27,22 +28,23 @@ def llmgw_command() -> str:
 
 
 def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: Path,
-                default_state_dir: Path = DEFAULT_STATE_DIR) -> str:
+                default_state_dir: Path = DEFAULT_STATE_DIR, root: Path | None = None) -> str:
     """Returns the shipped ``unit`` (e.g. ``llmgw-server.service``) running ``llmgw DAEMON
     --config CONFIG`` as ``user`` with ``state_dir`` writable (the unit's ``StateDirectory=``
-    makes ``default_state_dir``; another one is made by the join). Raises FileNotFoundError
+    makes ``default_state_dir``; another one is made by the join), from the release root
+    ``root`` (None: the one this process runs from, if any). Raises FileNotFoundError
     when the package lacks the unit (an llmgw installed without its package data)."""
     text = (importlib.resources.files("llmgw.systemd") / unit).read_text()
     out = []
     for line in text.splitlines():
         key = line.split("=", 1)[0]
         if key == "ExecStart":
-            line = f"ExecStart={llmgw_command()} {daemon} --config {config}"
+            line = f"ExecStart={llmgw_command(root)} {daemon} --config {config}"
         elif key in ("User", "Group"):
             line = f"{key}={user}"
         elif key == "ReadWritePaths":  # and the release root, where `ctl upgrade` installs the next release
-            root = find_root()
-            line = f"ReadWritePaths={state_dir}" + (f" {root}" if root is not None else "")
+            writable = root or find_root()
+            line = f"ReadWritePaths={state_dir}" + (f" {writable}" if writable is not None else "")
         elif key.startswith("StateDirectory") and state_dir != default_state_dir:
             continue  # systemd makes only /var/lib/NAME; another directory is made by the join
         out.append(line)

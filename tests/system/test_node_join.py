@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from llmgw import __version__
+
 from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, ready_replicas
 from tests.system.test_service import STAND_IN
 
@@ -112,10 +114,14 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         bin_dir.mkdir()
         (bin_dir / "systemctl").write_text(STAND_IN)
         (bin_dir / "systemctl").chmod(0o755)
-        out = agent_join(tmp_path, "n3", token, cluster.rpc, "--unit-dir", str(units),
+        root = tmp_path / "opt-llmgw"  # laid out for `ctl upgrade` (a copy of this environment)
+        out = agent_join(tmp_path, "n3", token, cluster.rpc, "--unit-dir", str(units), "--release-root", str(root),
                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls)})
         assert out.returncode == 0, out.stderr + out.stdout
         unit = (units / "llmgw-agent.service").read_text()
         assert f" agent --config {tmp_path / 'n3.yaml'}\n" in unit and "KillMode=process\n" in unit
+        assert f"ExecStart={root}/current/bin/python -m llmgw agent" in unit
+        assert os.readlink(root / "current") == f"releases/{__version__}"
+        assert (root / "current" / "bin" / "python").exists()
         assert calls.read_text().splitlines() == ["is-system-running", "daemon-reload",
                                                   "enable --now llmgw-agent.service"]

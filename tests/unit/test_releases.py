@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.releases import find_root, install_release, rollback_release
+from llmgw import __version__
+from llmgw.releases import find_root, install_release, lay_out, rollback_release
 from llmgw.releasefiles import MAX_RELEASE_BYTES, ReleaseError, ReleaseInbox, sha256_file, wheel_version
 
 
@@ -78,3 +79,18 @@ def test_a_damaged_or_running_release_is_refused_before_anything_changes(tmp_pat
         install_release(root, wheel, sha256_file(wheel))
     assert os.readlink(root / "current") == "releases/1.0"
     assert not (root / "releases" / "2.0").exists() and not (root / "previous").exists()
+
+
+def test_a_machine_is_laid_out_once_and_not_over_another_release(tmp_path: Path) -> None:
+    env = tmp_path / "venv"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "tool").write_text("x")
+    root = tmp_path / "opt-llmgw"
+    release = lay_out(root, str(env))
+    assert release == root / "releases" / __version__ and (release / "bin" / "tool").read_text() == "x"
+    assert os.readlink(root / "current") == f"releases/{__version__}"
+    assert lay_out(root, str(env)) == release  # twice is safe
+    os.symlink("releases/9.9", root / "other")
+    os.replace(root / "other", root / "current")
+    with pytest.raises(ReleaseError, match="points at release 9.9"):
+        lay_out(root, str(env))
