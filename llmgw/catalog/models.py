@@ -273,6 +273,8 @@ def validate_model(data: Mapping[str, Any]) -> ModelSpec:
     name = _string(data, "name", "name", required=True)
     if not _NAME_RE.fullmatch(name):
         raise CatalogError("name", f"must match {NAME_PATTERN}, got {name!r}")
+    if "engine" not in data:
+        raise CatalogError("engine", f"required: one of {', '.join(sorted(KNOWN_ENGINES))} (ctl models add --engine)")
     engine = _string(data, "engine", "engine", required=True)
     if engine not in KNOWN_ENGINES:
         raise CatalogError(

@@ -269,7 +269,7 @@ async def _demo_key(plane: ControlPlane) -> str:
 def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_dir: Path,
                   key: str | None = None) -> None:
     url = plane.gateway_url
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
     if key:
         keys = f"  API key         : {key}   (tenant 'demo'; shown once, a new one each start)\n"
         auth_header = f" -H 'authorization: Bearer {key}'"

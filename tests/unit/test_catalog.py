@@ -81,7 +81,7 @@ def test_valid_names(name: str) -> None:
         (base(name="-x"), "name: must match [a-z0-9][a-z0-9._-]{0,62}, got '-x'"),
         (base(name="a" * 64), "name: must match [a-z0-9][a-z0-9._-]{0,62}"),
         (base(name=7), "name: must be a string, got 7"),
-        ({"name": "x"}, "engine: required"),
+        ({"name": "x"}, "engine: required: one of llama.cpp, sglang, sim, vllm"),
         (base(engine="vlm"), "engine: unknown engine 'vlm' (known: llama.cpp, sglang, sim, vllm)"),
         ({"name": "x", "engine": "vllm"}, "source: required"),
         (base(source="models/q.gguf"), "source: must be an absolute local path, an http(s) URL or hf://org/repo[@rev] for engine 'llama.cpp', got 'models/q.gguf'"),

@@ -163,7 +163,8 @@ FOLLOW_POLL_S = 0.5
 @click.argument("target")
 @click.option("--source", default=None, metavar="agent|REPLICA",
               help="With a NODE: its agent's log (the default) or one of its replicas' engine output.")
-@click.option("--lines", "-n", type=click.IntRange(1, 2000), default=100, show_default=True)
+@click.option("--lines", "-n", type=click.IntRange(1, 2000), default=100, show_default=True,
+              help="How many of the last lines to print (then, with -f, every new one).")
 @click.option("--follow", "-f", is_flag=True, help="Then print new lines as they are written, until Ctrl-C.")
 @json_option
 @click.pass_context
