@@ -27,10 +27,12 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 class Target:
     """The cluster a command talks to, and whether it prints JSON."""
 
-    def __init__(self, servers: list[str], tls_dir: Path, as_json: bool) -> None:
+    def __init__(self, servers: list[str], tls_dir: Path, as_json: bool, up_file: Path | None = None) -> None:
         self.servers = servers
         self.tls_dir = tls_dir
         self.json = as_json
+        #: The ``up.json`` the cluster was found in (None: named by --server/--tls-dir).
+        self.up_file = up_file
 
     def run(self, action: Callable[[ClusterClient], Awaitable[Any]]) -> Any:
         """Connect, await ``action(client)`` under trio and return its result.
@@ -46,11 +48,15 @@ class Target:
         try:
             return run_trio(main)
         except ClientError as exc:
+            if self.up_file is not None and "cannot reach" in str(exc):
+                fail(f"{exc}\n(the local cluster {self.up_file} names is not running: start it with `llmgw up`, "
+                     "or name another with --server and --tls-dir)")
             fail(str(exc))
 
 
-def resolve_target(server: str | None, tls_dir: str | None) -> tuple[list[str], Path]:
-    """Returns ``(servers, tls_dir)``: the options given, else the local ``llmgw up`` cluster's.
+def resolve_target(server: str | None, tls_dir: str | None) -> tuple[list[str], Path, Path | None]:
+    """Returns ``(servers, tls_dir, up_file)``: the options given, else the local ``llmgw up``
+    cluster's (``up_file`` its up.json; None when the options named the cluster).
 
     Exits with a message saying what to pass when neither names a cluster.
     """
@@ -61,19 +67,20 @@ def resolve_target(server: str | None, tls_dir: str | None) -> tuple[list[str], 
             up = json.loads(up_file.read_text())
         except (OSError, ValueError):
             up = {}
+    from_up = up_file if (not server or not tls_dir) and up else None
     server = server or up.get("rpc")
     tls = tls_dir or up.get("tls_dir")
     if not server or not tls:
         fail("which cluster? pass --server HOST:PORT and --tls-dir DIR (an admin certificate), "
              "set LLMGW_SERVER and LLMGW_TLS_DIR, or start a local cluster with `llmgw up`")
-    return [s.strip() for s in server.split(",") if s.strip()], Path(tls)
+    return [s.strip() for s in server.split(",") if s.strip()], Path(tls), from_up
 
 
 def target_of(ctx: click.Context, as_json: bool = False) -> Target:
     """Returns the :class:`Target` of the ``ctl`` group's options; JSON when either ``--json`` was given."""
     server, tls_dir, group_json = ctx.meta.get(CTL_META_KEY, (None, None, False))
-    servers, tls = resolve_target(server, tls_dir)
-    return Target(servers, tls, group_json or as_json)
+    servers, tls, up_file = resolve_target(server, tls_dir)
+    return Target(servers, tls, group_json or as_json, up_file)
 
 
 def call(ctx: click.Context, as_json: bool, action: Callable[[ClusterClient], Awaitable[Any]], *,
