@@ -88,7 +88,9 @@ class Term:
 
 
 def _address_host(address: str) -> str:
-    """The host of a ``host:port`` address (brackets of an IPv6 literal removed)."""
+    """The host of a ``host:port`` address or a bare host (brackets of an IPv6 literal removed)."""
+    if _is_ip(address.strip("[]")):
+        return address.strip("[]")
     return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
 
 
