@@ -210,7 +210,7 @@ async def _nodes_rejoined(client: ClusterClient, known: set[str], timeout: float
 @click.argument("release", required=False)
 @click.option("--node", "only", multiple=True, metavar="NODE", help="Only these nodes (repeatable); default: all.")
 @click.option("--timeout", default="10m", show_default=True, metavar="DURATION",
-              help="How long each node may take to come back ready on the new release.")
+              help="How long each control plane and node may take to come back on the new release.")
 @click.option("--rollback", metavar="NODE", help="Put NODE's previous release back (and restart its agent on it).")
 @click.option("--nodes-only", is_flag=True, help="Leave the control planes as they are (or --node was given).")
 @json_option
