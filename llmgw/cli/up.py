@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import socket
+import sys
 from pathlib import Path
 
 import click
@@ -234,7 +236,8 @@ async def _serve_demo(plane: ControlPlane, demo: ModelSpec, state_dir: Path, cre
         plane.catalog_changed()
         models = [demo]
     click.echo(f"llmgw up: cluster in {state_dir}" + (" (new CA)" if created else ""), err=True)
-    first = models[0].name
+    # The demo model this command set up, where the catalog still has it; else the first one.
+    first = demo.name if any(m.name == demo.name for m in models) else models[0].name
     click.echo(f"llmgw up: waiting for a ready replica of {first!r} ...", err=True)
     try:
         endpoints = await wait_for_ready(plane, first, READY_TIMEOUT)
@@ -244,7 +247,7 @@ async def _serve_demo(plane: ControlPlane, demo: ModelSpec, state_dir: Path, cre
         endpoints = []
     demo_key = await _demo_key(plane) if auth else None
     _print_banner(plane, first, endpoints, state_dir, demo_key)
-    if tiny and models[0].source == demo.source:
+    if tiny and first == demo.name and any(m.name == demo.name and m.source == demo.source for m in models):
         _print_tiny_warning(demo.source)
 
 
@@ -266,6 +269,16 @@ async def _demo_key(plane: ControlPlane) -> str:
     return key
 
 
+def _llmgw_as_typed() -> str:
+    """How to run this llmgw from a shell as printed: ``llmgw`` where that name on PATH is this
+    one, else the path of its script (``make up`` leaves it in .venv/bin, off PATH)."""
+    script = Path(sys.executable).parent / "llmgw"
+    found = shutil.which("llmgw")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "llmgw"
+    return str(script) if script.exists() else f"{sys.executable} -m llmgw"
+
+
 def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_dir: Path,
                   key: str | None = None) -> None:
     url = plane.gateway_url
@@ -277,7 +290,7 @@ def _print_banner(plane: ControlPlane, model: str, endpoints: list[str], state_d
         keys = "  API keys        : off (loopback demo; `llmgw up --auth` requires them)\n"
         auth_header = ""
     # ctl finds the cluster in the default state directory by itself; elsewhere it needs both options.
-    ctl = "llmgw ctl"
+    ctl = f"{_llmgw_as_typed()} ctl"
     if state_dir.resolve() != default_up_dir().resolve():
         ctl += f" --server 127.0.0.1:{plane.rpc_port} --tls-dir {state_dir / ADMIN_DIR}"
     click.echo(f"""

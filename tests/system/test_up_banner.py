@@ -1,4 +1,4 @@
-"""`llmgw up` prints `ctl` lines that work as printed, wherever its state directory is."""
+"""`llmgw up` prints `ctl` lines that work as printed (off PATH too), wherever its state directory is."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,12 @@ async def test_banner_ctl_line_reaches_a_cluster_outside_the_default_state_dir(t
     up = Proc([*LLMGW, "up", "--engine", "sim", "--state-dir", str(state), "--http-port", "0", "--rpc-port", "0"],
               tmp_path / "up.log", env=env)
     try:
-        line = await up.wait_for_line(r"(?m)^\s+(llmgw ctl .*) nodes$")
+        line = await up.wait_for_line(r"(?m)^\s+(\S*llmgw ctl .*) nodes$")
         words = shlex.split(line.group(1))
         assert "--server" in words and "--tls-dir" in words
-        out = subprocess.run([*LLMGW, *words[1:], "--json", "nodes"], capture_output=True, text=True,
+        # As printed: `llmgw` where that is this llmgw on PATH, else the path of its script.
+        assert words[0] == "llmgw" or Path(words[0]).resolve() == (Path(sys.executable).parent / "llmgw").resolve()
+        out = subprocess.run([*words, "--json", "nodes"], capture_output=True, text=True,
                              env={**os.environ, **env}, timeout=CTL_TIMEOUT)
         assert out.returncode == 0, out.stderr
         assert [n["state"] for n in json.loads(out.stdout)] == ["online"]
