@@ -85,6 +85,10 @@ ROLLOUT_DRAIN_MAX_S = 120.0
 # The fixed wait when the drain call fails (an agent too old to have it): the wait every rollout
 # had before the drain read the engine; a stream longer than this is cut.
 ROLLOUT_DRAIN_S = 5.0
+#: While no node has joined for this long after the reconciler started, "cannot place" is
+#: logged at INFO: every start of a control plane (and `llmgw up`) waits that briefly for
+#: its nodes; a cluster without nodes past it is worth a warning.
+NO_NODE_GRACE_S = 60.0
 
 
 class Executor(Protocol):
@@ -152,6 +156,7 @@ class Reconciler:
         self._catalog_event = trio.Event()
         self._failures: dict[str, placement.FailureRecord] = {}
         self.passes = 0
+        self._started: float | None = None  # the first pass's time
         self.last_pass: PassResult | None = None
         self.last_unplaceable: tuple[Unplaceable, ...] = ()
         self.last_waiting: tuple[Waiting, ...] = ()
@@ -231,8 +236,12 @@ class Reconciler:
                     self._registry.shard_started(action.node_id, action.shard_spec)
         self.last_unplaceable = tuple(a for a in actions if isinstance(a, Unplaceable))
         self.last_waiting = tuple(a for a in actions if isinstance(a, Waiting))
+        if self._started is None:
+            self._started = now
+        starting = not fleet.nodes and now - self._started < NO_NODE_GRACE_S
+        level = logging.INFO if starting else logging.WARNING
         for u in self.last_unplaceable:
-            _repeats.failure(("unplaceable", u.model, u.reason), logging.WARNING,
+            _repeats.failure(("unplaceable", u.model, u.reason, level), level,
                              "cannot place %d replica(s): %s", u.missing, u.reason)
 
         errors: list[tuple[Action, str]] = []

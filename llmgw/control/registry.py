@@ -428,19 +428,21 @@ class Registry:
         self._touch(node_id)
         self._bump()
 
-    def node_disconnected(self, node_id: str, epoch: int) -> bool:
+    def node_disconnected(self, node_id: str, epoch: int, *, expected: bool = False) -> bool:
         """The session ``epoch`` of ``node_id`` ended: mark the node DISCONNECTED now.
 
         Its READY shards stay routable; the watchdog marks it LOST once ``lost_after``
         passes without a new session. Returns False (and changes nothing) if the node is
-        unknown or has joined again since (a newer epoch). No shard is stopped.
+        unknown or has joined again since (a newer epoch). No shard is stopped. ``expected``:
+        this control plane ended the session (it stops, or closed it): logged at INFO, not as a warning.
         """
         node = self._nodes.get(node_id)
         if node is None or node.epoch != epoch:
             return False
         if node.state is NodeState.ONLINE:
-            log.warning("node %s disconnected (session %d); its replicas stay routed for up to %.1f s",
-                        node_id, epoch, self.lost_after)
+            log.log(logging.INFO if expected else logging.WARNING,
+                    "node %s disconnected (session %d); its replicas stay routed for up to %.1f s",
+                    node_id, epoch, self.lost_after)
             node.state = NodeState.DISCONNECTED
             node.lost_since = self._clock()
             node.grace_announced = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
 
@@ -342,10 +343,12 @@ class NodeSessions:
             old.close()
 
     def detach(self, session: NodeSession) -> None:
-        """The connection of ``session`` ended: forget it and tell the registry."""
+        """The connection of ``session`` ended: forget it and tell the registry (that it was
+        expected when this control plane closed it or is stopping: cancelled here)."""
         if self._sessions.get(session.node_id) is session:
             del self._sessions[session.node_id]
-        self.registry.node_disconnected(session.node_id, session.epoch)
+        expected = session.closed or trio.current_effective_deadline() == -math.inf
+        self.registry.node_disconnected(session.node_id, session.epoch, expected=expected)
 
     async def check_replaceable(self, node_id: str) -> None:
         """Raises :class:`SessionConflict` if ``node_id``'s current session still answers.

@@ -166,9 +166,11 @@ def _make_agent_server(
                 converger.want(wanted)
 
         async def settings(self, json: str, **_: Any) -> None:
-            if settings is None:
-                raise RuntimeError("this agent does not take cluster settings (llmgw up's own agent)")
             layer = _json_argument(json, "the cluster settings")
+            if settings is None:
+                if layer == {}:  # nothing to take: every join sends the layer, empty for most clusters
+                    return
+                raise RuntimeError("this agent does not take cluster settings (llmgw up's own agent)")
             if not isinstance(layer, dict):
                 raise ValueError("the cluster settings must be a mapping")
             settings.apply(layer)  # ValueError: it does not load with agent.yaml

@@ -294,10 +294,11 @@ class Shard:
             )
             return False
         except Exception as exc:
+            disconnected = is_disconnection(exc)  # the agent's session loop says so already
             _failures.failure(
-                ("report", self.spec.id), logging.WARNING,
+                ("report", self.spec.id), logging.INFO if disconnected else logging.WARNING,
                 "shard %s: reporter failed (%s); keeping the status for the next binding", self.spec.id, reason(exc),
-                exc_info=not is_disconnection(exc),
+                exc_info=not disconnected,
             )
             return False
         _failures.recovered(("report", self.spec.id), "shard %s: status reported again", self.spec.id)

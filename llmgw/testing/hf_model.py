@@ -16,7 +16,7 @@ outputs), written with safetensors directly (no peft needed).
 Command line (with the engine environment's python)::
 
     python hf_model.py model OUT_DIR
-    python hf_model.py lora MODEL_DIR OUT_DIR
+    python hf_model.py lora MODEL_DIR OUT_DIR [SEED]
 """
 
 from __future__ import annotations
@@ -69,9 +69,11 @@ def write_tiny_model(python: str, directory: Path) -> Path:
     return directory
 
 
-def write_tiny_lora(python: str, model_dir: Path, directory: Path) -> Path:
-    """Writes a LoRA adapter for the model in ``model_dir`` into ``directory``; returns ``directory``."""
-    _run(python, "lora", str(model_dir), str(directory))
+def write_tiny_lora(python: str, model_dir: Path, directory: Path, seed: int = 1) -> Path:
+    """Writes a LoRA adapter for the model in ``model_dir`` into ``directory``; returns
+    ``directory``. Adapters of different ``seed`` have different weights (and answer
+    differently); one seed gives the same files every run."""
+    _run(python, "lora", str(model_dir), str(directory), str(seed))
     return directory
 
 
@@ -107,11 +109,11 @@ def _make_model(out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def _make_lora(model_dir: Path, out: Path) -> None:
+def _make_lora(model_dir: Path, out: Path, seed: int = 1) -> None:
     import torch
     from safetensors.torch import save_file
 
-    torch.manual_seed(SEED + 1)
+    torch.manual_seed(SEED + seed)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((model_dir / "config.json").read_text())
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -150,8 +152,8 @@ def main(argv: list[str]) -> int:
     """The command line in the module docstring; returns the exit status."""
     if len(argv) == 2 and argv[0] == "model":
         _make_model(Path(argv[1]))
-    elif len(argv) == 3 and argv[0] == "lora":
-        _make_lora(Path(argv[1]), Path(argv[2]))
+    elif len(argv) in (3, 4) and argv[0] == "lora":
+        _make_lora(Path(argv[1]), Path(argv[2]), int(argv[3]) if len(argv) == 4 else 1)
     else:
         print(__doc__, file=sys.stderr)
         return 2

@@ -53,8 +53,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm")
     model_dir = write_tiny_model(python, root / "model")
-    lora_a = write_tiny_lora(python, model_dir, root / "lora-a")
-    lora_b = write_tiny_lora(python, model_dir, root / "lora-b")
+    lora_a = write_tiny_lora(python, model_dir, root / "lora-a", seed=1)
+    lora_b = write_tiny_lora(python, model_dir, root / "lora-b", seed=2)  # other weights: another answer
     cluster = Cluster(root / "cluster")
     try:
         trio.run(cluster.init)
@@ -146,8 +146,19 @@ def loaded(served: Served) -> set[str]:
 
 
 def ask(cluster: Cluster, model: str) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 1}
     return httpx.post(cluster.gateway + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT)
+
+
+def first_logprob(response: httpx.Response) -> float:
+    """The log probability of the first token answered: what the weights that answered say."""
+    return float(response.json()["choices"][0]["logprobs"]["content"][0]["logprob"])
+
+
+#: Two answers from the same weights agree to this (a CPU engine in other batches); different
+#: adapters' random weights move it by far more.
+SAME_WEIGHTS = 1e-3
 
 
 def test_adapters_load_on_first_use_and_leave_by_lru(served: Served) -> None:
@@ -163,6 +174,13 @@ def test_adapters_load_on_first_use_and_leave_by_lru(served: Served) -> None:
     assert loaded(served) == {"lora-b"}  # room for one: the idle lora-a was unloaded
     base = ask(cluster, MODEL)
     assert base.status_code == 200 and base.json()["model"] == MODEL, base.text
+    back = ask(cluster, "lora-a")  # lora-b makes room again
+    assert back.status_code == 200 and loaded(served) == {"lora-a"}, back.text
+    # The adapter a request named is the one that answered: lora-a answers as lora-a did,
+    # lora-b (other weights) and the base model otherwise.
+    a, b, a_again, plain = (first_logprob(r) for r in (first, second, back, base))
+    assert abs(a - a_again) < SAME_WEIGHTS, (a, a_again)
+    assert abs(a - b) > SAME_WEIGHTS and abs(a - plain) > SAME_WEIGHTS and abs(b - plain) > SAME_WEIGHTS, (a, b, plain)
 
 
 def test_an_unknown_adapter_is_a_clear_404(served: Served) -> None:

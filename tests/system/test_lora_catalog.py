@@ -53,6 +53,17 @@ async def test_adapters_reach_the_engine_and_share_the_model_namespace(cluster: 
         names = {m["id"]: m.get("parent") for m in (await http.get(f"{cluster.gateway}/v1/models")).json()["data"]}
         assert names["sql"] == "base" and names["chat"] == "base"
 
+        # The adapter a request named is the one that answered (the simulator answers per adapter).
+        async def answer(url: str, model: str, headers: dict[str, str] | None = None) -> str:
+            r = await http.post(f"{url}/v1/chat/completions", headers=headers, json={
+                "model": model, "messages": [{"role": "user", "content": "which adapter?"}], "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["message"]["content"])
+
+        through = {m: await answer(cluster.gateway, m) for m in ("base", "sql", "chat")}
+        assert through == {m: await answer(endpoint, m, auth) for m in ("base", "sql", "chat")}
+        assert len(set(through.values())) == 3
+
     clash = cluster.ctl("models", "add", "sql", "--engine", "sim")
     assert clash.returncode != 0
     assert "model name 'sql' is already taken by an adapter of model 'base'" in clash.stderr

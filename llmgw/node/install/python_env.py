@@ -92,6 +92,8 @@ PIP_TIMEOUT = 3600.0
 VENV_TIMEOUT = 300.0
 #: Importing vllm loads torch: tens of seconds on a busy 2-core machine.
 IMPORT_TIMEOUT = 600.0
+#: Seconds between progress lines while a step runs (pip says nothing for minutes on its own).
+PROGRESS_EVERY_S = 10.0
 
 
 @attrs.frozen
@@ -364,13 +366,15 @@ def install_env(
         shutil.rmtree(scratch, ignore_errors=True)
         try:
             output = ""
+            total = locked_packages(lock)
             for what, argv, timeout in install_steps(engine, scratch, lock, build_python=_build_python(), index_url=index_url):
                 progress(what)
-                done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-                if done.returncode != 0:
-                    tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-20:])
-                    raise RuntimeError(f"{what} failed (exit status {done.returncode}):\n{tail}")
-                output = done.stdout.strip()
+                returncode, out, err = run_step(argv, timeout, lambda s: progress(
+                    f"{what}: {s:.0f} s, {installed_packages(scratch)} of {total} packages in place"))
+                if returncode != 0:
+                    tail = "\n".join((out + err).strip().splitlines()[-20:])
+                    raise RuntimeError(f"{what} failed (exit status {returncode}):\n{tail}")
+                output = out.strip()
             write_marker(scratch, engine, version, gpu, lock, module_version=output.splitlines()[-1] if output else "")
             if target.exists():  # a marker-less leftover from an interrupted rename: not installed
                 shutil.rmtree(target)
@@ -379,6 +383,43 @@ def install_env(
             shutil.rmtree(scratch, ignore_errors=True)
             raise
     return target
+
+
+def locked_packages(lock: Path) -> int:
+    """Return how many packages ``lock`` pins (its ``name==version`` lines)."""
+    return sum(1 for line in lock.read_text().splitlines() if "==" in line and not line.lstrip().startswith("#"))
+
+
+def installed_packages(env: Path) -> int:
+    """Return how many packages the environment ``env`` holds so far (its dist-info directories)."""
+    return sum(1 for _ in env.glob("lib/python*/site-packages/*.dist-info"))
+
+
+def run_step(argv: list[str], timeout: float, tick: Callable[[float], None]) -> tuple[int, str, str]:
+    """Run ``argv`` (blocking) and return (exit status, stdout, stderr), calling ``tick(seconds
+    so far)`` every :data:`PROGRESS_EVERY_S` while it runs. Output goes to temporary files, so a
+    chatty step never blocks on a full pipe. Raises subprocess.TimeoutExpired (the process
+    killed) past ``timeout``."""
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
+        try:
+            while True:
+                elapsed = time.monotonic() - started
+                if elapsed >= timeout:
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                try:
+                    proc.wait(timeout=min(PROGRESS_EVERY_S, timeout - elapsed))
+                    break
+                except subprocess.TimeoutExpired:
+                    tick(time.monotonic() - started)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read()
 
 
 def write_marker(directory: Path, engine: PythonEngine, version: str, gpu: bool, lock: Path, *, module_version: str) -> None:
