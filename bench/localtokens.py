@@ -115,8 +115,9 @@ def measure(runs: int = 200, seed: int = 2) -> dict[str, Any]:
     cold = iter(bodies)
     # Cold: tokenize the whole conversation with tokenizers in one call (what any gateway
     # tokenizing itself pays without remembering turns).
-    cold_us = _median_us(lambda: tokenizer.encode_plain(
-        tokenizer.chat.render(tokenizer.chat.conversation(next(cold)) or [], True)), runs)  # type: ignore[union-attr]
+    cold_us = _median_us(lambda: tokenizer.tokenizer.encode(
+        tokenizer.chat.render(tokenizer.chat.conversation(next(cold)) or [], True),  # type: ignore[union-attr]
+        add_special_tokens=False), runs)
     decisions = []
     for body in bodies:
         info = RequestInfo("/v1/chat/completions", MODEL, body=body)

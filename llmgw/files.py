@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+
+def read_json_mapping(path: Path) -> dict[str, Any] | None:
+    """Return the JSON object in ``path``, or None when there is no such file.
+
+    Raises ValueError when it is not JSON or not an object, OSError when it cannot be read:
+    the caller says what an unusable file means for it.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return data
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:

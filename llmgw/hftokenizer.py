@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import attrs
 import tokenizers
@@ -225,8 +225,3 @@ class LocalTokenizer:
             if full[start:start + len(plain)] == plain:
                 return tuple(full[:start]), tuple(full[start + len(plain):])
         raise TokenizerFilesError("the post-processor changes a prompt's own tokens; cannot add special tokens locally")
-
-    def encode_plain(self, text: str) -> Sequence[int]:
-        """Return ``text``'s ids in one call, without the segment memory (what tokenizing a
-        whole prompt costs: bench/localtokens.py's baseline)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Awaitable, Callable
 
 #: Pieces a release is sent in (bytes); a wheel of llmgw is about a megabyte.
 CHUNK_BYTES = 1024 * 1024
@@ -40,6 +41,23 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(CHUNK_BYTES), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+async def send_pieces(path: Path, send: Callable[[int, bytes], Awaitable[int]]) -> None:
+    """Send the file at ``path`` through ``send(offset, chunk)``, which returns the bytes the
+    receiver holds then, in :data:`CHUNK_BYTES` pieces (the last one shorter: empty for an
+    empty file or an exact multiple). Raises ReleaseError when the receiver's count is not
+    what was sent, OSError when the file cannot be read; ``send``'s errors propagate."""
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(CHUNK_BYTES)
+            held = await send(offset, chunk)
+            offset += len(chunk)
+            if held != offset:
+                raise ReleaseError(f"the receiver holds {held} bytes of {path.name}; {offset} were sent")
+            if len(chunk) < CHUNK_BYTES:
+                return
 
 
 class ReleaseInbox:

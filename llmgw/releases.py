@@ -41,7 +41,7 @@ from typing import Any
 import trio
 
 from llmgw import __version__
-from llmgw.files import atomic_write
+from llmgw.files import atomic_write, read_json_mapping
 from llmgw.releasefiles import ReleaseError, ReleaseInbox, sha256_file, wheel_version
 
 #: The exit status that tells the agent's supervisor (systemd: ``RestartForceExitStatus=75``,
@@ -158,26 +158,25 @@ def lay_out(root: Path, prefix: str = sys.prefix) -> Path:
     return release
 
 
-def not_a_release_root() -> ReleaseError:
-    """The error of a process that does not run from a release root."""
-    return ReleaseError(f"this llmgw runs from {sys.prefix}, not from a release root (ROOT/releases/VERSION with "
-                        "ROOT/current pointing at it): reinstall it that way to upgrade it over the cluster "
-                        "(docs/operations.md, Upgrading)")
+def release_root() -> Path:
+    """Return the release root this process runs from; raises ReleaseError saying how to get one."""
+    root = find_root()
+    if root is None:
+        raise ReleaseError(f"this llmgw runs from {sys.prefix}, not from a release root (ROOT/releases/VERSION with "
+                           "ROOT/current pointing at it): reinstall it that way to upgrade it over the cluster "
+                           "(docs/operations.md, Upgrading)")
+    return root
 
 
-async def install_here(inbox: ReleaseInbox, name: str, sha256: str) -> tuple[str, str]:
-    """Install the received wheel ``name`` (checked against ``sha256``) under this process's
-    release root and make it current; return (new release, previous release). The wheel is
-    removed once installed.
+async def install_here(root: Path, inbox: ReleaseInbox, name: str, sha256: str) -> tuple[str, str]:
+    """Install the received wheel ``name`` (checked against ``sha256``) under ``root``, this
+    process's release root (:func:`release_root`), and make it current; return (new release,
+    previous release). The wheel is removed once installed.
 
     Where ``current`` already points at that release but this process runs another (a
     control plane upgraded the machine's root first: one root per machine), nothing is
-    installed again: the caller only restarts. Raises ReleaseError as :func:`install_release`
-    does, or when this process does not run from a release root.
+    installed again: the caller only restarts. Raises ReleaseError as :func:`install_release` does.
     """
-    root = find_root()
-    if root is None:
-        raise not_a_release_root()
     version = wheel_version(name)
     running = current_release(root)
     if running == version and __version__ != version and (root / RELEASES / version).is_dir():
@@ -201,13 +200,10 @@ def read_pending(root: Path) -> dict[str, Any] | None:
     """Return the pending upgrade of ``root`` (None: none, or an unreadable marker, removed)."""
     path = root / PENDING_FILE
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+        data = read_json_mapping(path)
     except (OSError, ValueError):
-        path.unlink(missing_ok=True)
-        return None
-    if not isinstance(data, dict) or not {"from", "to", "deadline"} <= set(data):
+        data = {}
+    if data is not None and not {"from", "to", "deadline"} <= set(data):
         path.unlink(missing_ok=True)
         return None
     return data

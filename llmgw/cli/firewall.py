@@ -8,13 +8,12 @@ installed before they shipped. Agents apply their own table themselves (they run
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
 import click
 
 from llmgw.cli.output import fail
-from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR, llmgw_command
+from llmgw.cli.units import DEFAULT_STATE_DIR, UNIT_DIR, fit_unit, llmgw_command
 from llmgw.nftables import FirewallError, apply, read_plan
 
 #: The units --install sets up (the path unit starts the service).
@@ -24,16 +23,8 @@ DEFAULT_FILE = DEFAULT_STATE_DIR / "firewall.json"
 
 def render_sync_unit(unit: str, plan_file: Path) -> str:
     """Return the shipped ``unit`` fitted to this machine: this llmgw, ``plan_file``."""
-    text = (importlib.resources.files("llmgw.systemd") / unit).read_text()
-    out = []
-    for line in text.splitlines():
-        key = line.split("=", 1)[0]
-        if key == "ExecStart":
-            line = f"ExecStart={llmgw_command()} firewall sync --file {plan_file}"
-        elif key == "PathChanged":
-            line = f"PathChanged={plan_file}"
-        out.append(line)
-    return "\n".join(out) + "\n"
+    return fit_unit(unit, {"ExecStart": f"{llmgw_command()} firewall sync --file {plan_file}",
+                           "PathChanged": str(plan_file)})
 
 
 @click.group()

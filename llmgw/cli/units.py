@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.resources
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from llmgw.releases import CURRENT, find_root
 
@@ -27,6 +28,23 @@ def llmgw_command(root: Path | None = None) -> str:
     return str(script) if script.exists() else f"{sys.executable} -m llmgw"
 
 
+def fit_unit(unit: str, lines: Mapping[str, str | None]) -> str:
+    """Returns the shipped ``unit`` with each line whose key is in ``lines`` replaced by
+    ``KEY=VALUE`` (None: the line dropped). Raises FileNotFoundError when the package lacks
+    the unit (an llmgw installed without its package data)."""
+    text = (importlib.resources.files("llmgw.systemd") / unit).read_text()
+    out = []
+    for line in text.splitlines():
+        key = line.split("=", 1)[0]
+        if key in lines:
+            value = lines[key]
+            if value is None:
+                continue
+            line = f"{key}={value}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: Path,
                 default_state_dir: Path = DEFAULT_STATE_DIR, root: Path | None = None) -> str:
     """Returns the shipped ``unit`` (e.g. ``llmgw-server.service``) running ``llmgw DAEMON
@@ -34,18 +52,14 @@ def render_unit(unit: str, *, daemon: str, config: Path, user: str, state_dir: P
     makes ``default_state_dir``; another one is made by the join), from the release root
     ``root`` (None: the one this process runs from, if any). Raises FileNotFoundError
     when the package lacks the unit (an llmgw installed without its package data)."""
-    text = (importlib.resources.files("llmgw.systemd") / unit).read_text()
-    out = []
-    for line in text.splitlines():
-        key = line.split("=", 1)[0]
-        if key == "ExecStart":
-            line = f"ExecStart={llmgw_command(root)} {daemon} --config {config}"
-        elif key in ("User", "Group"):
-            line = f"{key}={user}"
-        elif key == "ReadWritePaths":  # and the release root, where `ctl upgrade` installs the next release
-            writable = root or find_root()
-            line = f"ReadWritePaths={state_dir}" + (f" {writable}" if writable is not None else "")
-        elif key.startswith("StateDirectory") and state_dir != default_state_dir:
-            continue  # systemd makes only /var/lib/NAME; another directory is made by the join
-        out.append(line)
-    return "\n".join(out) + "\n"
+    root = root or find_root()
+    lines: dict[str, str | None] = {
+        "ExecStart": f"{llmgw_command(root)} {daemon} --config {config}",
+        "User": user,
+        "Group": user,
+        # and the release root, where `ctl upgrade` installs the next release
+        "ReadWritePaths": f"{state_dir}" + (f" {root}" if root is not None else ""),
+    }
+    if state_dir != default_state_dir:  # systemd makes only /var/lib/NAME; another one is made by the join
+        lines["StateDirectory"] = lines["StateDirectoryMode"] = None
+    return fit_unit(unit, lines)

@@ -28,7 +28,7 @@ import capnp
 import trio
 
 from llmgw.catalog import validate_model
-from llmgw.releasefiles import CHUNK_BYTES, ReleaseError, sha256_file, wheel_version
+from llmgw.releasefiles import ReleaseError, send_pieces, sha256_file, wheel_version
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.errors import remote_reason
@@ -441,16 +441,13 @@ class ClusterClient:
 
         Raises ClientError for a file that is not an llmgw wheel or cannot be read, or the
         control plane's reason."""
+        async def piece(offset: int, chunk: bytes) -> int:
+            return int((await self._call("uploadRelease", wheel.name, offset, chunk)).received)
+
         try:
             wheel_version(wheel.name)
             digest = sha256_file(wheel)
-            offset = 0
-            with open(wheel, "rb") as f:
-                while True:
-                    chunk = f.read(CHUNK_BYTES)
-                    offset = int((await self._call("uploadRelease", wheel.name, offset, chunk)).received)
-                    if not chunk or len(chunk) < CHUNK_BYTES:
-                        break
+            await send_pieces(wheel, piece)
         except (ReleaseError, OSError) as exc:
             raise ClientError(str(exc)) from None
         return digest

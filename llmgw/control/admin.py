@@ -33,7 +33,7 @@ from llmgw.control.registry import NodeState, Registry
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store
 from llmgw.releasefiles import ReleaseError, ReleaseInbox, sha256_file
-from llmgw.releases import UPGRADE_EXIT_STATUS, install_here
+from llmgw.releases import UPGRADE_EXIT_STATUS, install_here, release_root
 from llmgw.rpc import convert, schema
 from llmgw.router.interface import GatewayInterface
 from llmgw.spec import ShardState
@@ -242,12 +242,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
             _context.results.lines = await session.logs(shard_id, count)
 
         async def nodeLogs(self, node: str, source: str, lines: int, after: int, _context: Any, **_: Any) -> None:
-            node_id = str(node)
-            try:
-                session = services.sessions.get(node_id)
-            except LookupError:
-                raise LookupError(f"node {node_id!r} is not connected (see `llmgw ctl nodes`)") from None
-            got, sources, cursor = await session.node_logs(str(source), int(lines), int(after))
+            got, sources, cursor = await _session(services, str(node)).node_logs(str(source), int(lines), int(after))
             _context.results.lines, _context.results.sources, _context.results.cursor = got, sources, cursor
 
         async def restartCluster(self, _context: Any, **_: Any) -> None:
@@ -275,7 +270,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
             wheel, got = await _uploaded(services, str(release), str(sha256))
             await services.store.audit(actor, "control_plane.upgrade", plane, {"release": str(release), "sha256": got})
             if plane == (await services.leadership())["leader"]:  # this control plane: after answering
-                new, previous = await install_here(_release_inbox(services), str(release), got)
+                new, previous = await install_here(release_root(), _release_inbox(services), str(release), got)
                 services.restart_self(f"upgraded to llmgw {new}", UPGRADE_EXIT_STATUS)
             else:
                 new, previous = await upgrade_standby(services.tee.feed_of(plane), wheel, got)
@@ -288,14 +283,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
             _context.results.release, _context.results.previous = release, previous
 
         async def checkEngine(self, node: str, engine: str, _context: Any, **_: Any) -> None:
-            node_id, engine_name = str(node), str(engine)
-            try:
-                session = services.sessions.get(node_id)
-            except LookupError:
-                raise LookupError(
-                    f"node {node_id!r} is not connected (see `llmgw ctl nodes`)"
-                ) from None
-            _context.results.output = await session.check_engine(engine_name)
+            _context.results.output = await _session(services, str(node)).check_engine(str(engine))
 
     server = AdminServer()
     server.bind_access(services.store, services.access, actor, serving_changed=services.catalog_changed)

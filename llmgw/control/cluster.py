@@ -158,7 +158,6 @@ def _make_cluster(
             epoch = registry.node_joined(node_id, address, hardware, engines, shards)
             session = NodeSession(registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
             session.features = features
-            session.version = version
             state["session"] = session
             state["sessions"] = sessions
             sessions.attach(session)

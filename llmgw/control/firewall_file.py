@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Awaitable, Callable, Iterable, Sequence
 
 import trio
 
@@ -50,13 +50,13 @@ def control_plane_plan(setting: object, ports: Sequence[int], peers: Iterable[st
     return FirewallPlan(True, tuple(sorted(set(ports))), parse_networks([*networks, *peers]))
 
 
-async def keep_firewall_file(path: Path, read_setting: Callable[[], object], ports: Sequence[int],
-                             peers: Callable[[], object], *,
+async def keep_firewall_file(path: Path, read_setting: Callable[[], Awaitable[object]], ports: Sequence[int],
+                             peers: Callable[[], Awaitable[Iterable[str]]], *,
                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Write ``path`` now and whenever the plan changes, until cancelled.
 
-    ``read_setting`` and ``peers`` are async callables (the stored setting; the addresses of
-    the control planes and nodes). A failed look or write is logged and tried again at the
+    ``read_setting()`` returns the stored setting, ``peers()`` the addresses of the control
+    planes and nodes. A failed look or write is logged and tried again at the
     next look; started (``nursery.start``) once the first look was tried.
     """
     started = False
@@ -64,13 +64,13 @@ async def keep_firewall_file(path: Path, read_setting: Callable[[], object], por
     while True:
         try:
             with trio.fail_after(READ_TIMEOUT_S):
-                setting = await read_setting()  # type: ignore[misc]
-                addresses = await peers()  # type: ignore[misc]
-            plan = control_plane_plan(setting, ports, addresses)  # type: ignore[arg-type]
+                setting = await read_setting()
+                addresses = await peers()
+            plan = control_plane_plan(setting, ports, addresses)
             if await trio.to_thread.run_sync(write_plan, path, plan):
                 log.info("firewall: %s now says %s", path, plan.to_json())
             last_problem = ""
-        except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - tried again at the next look
+        except Exception as exc:  # noqa: BLE001 - tried again at the next look
             if str(exc) != last_problem:
                 log.warning("firewall: cannot write %s: %s", path, exc)
             last_problem = str(exc)

@@ -35,8 +35,8 @@ from llmgw.router.interface import GatewayInterface, ModelInfo, Replica
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.errors import remote_reason
-from llmgw.releasefiles import CHUNK_BYTES, ReleaseError, ReleaseInbox
-from llmgw.releases import UPGRADE_EXIT_STATUS, install_here
+from llmgw.releasefiles import ReleaseError, ReleaseInbox, send_pieces
+from llmgw.releases import UPGRADE_EXIT_STATUS, install_here, release_root
 from llmgw.spec import KvDelta, split_delta
 
 log = logging.getLogger(__name__)
@@ -269,15 +269,12 @@ async def upgrade_standby(feed: Any, wheel: Path, sha256: str) -> tuple[str, str
     """Send the release ``wheel`` into a standby's ``feed`` in pieces and have it install it and
     restart on it; return (new release, previous release). Raises RuntimeError with the
     standby's reason, TooSlowError past the deadlines."""
-    offset = 0
+    async def piece(offset: int, chunk: bytes) -> int:
+        with trio.fail_after(PEER_CALL_TIMEOUT):
+            return int((await feed.receiveRelease(wheel.name, offset, chunk)).received)
+
     try:
-        with open(wheel, "rb") as f:
-            while True:
-                chunk = f.read(CHUNK_BYTES)
-                with trio.fail_after(PEER_CALL_TIMEOUT):
-                    offset = int((await feed.receiveRelease(wheel.name, offset, chunk)).received)
-                if len(chunk) < CHUNK_BYTES:
-                    break
+        await send_pieces(wheel, piece)
         with trio.fail_after(RELEASE_INSTALL_TIMEOUT):
             result = await feed.upgrade(wheel.name, sha256)
     except capnp.KjException as exc:
@@ -341,7 +338,7 @@ class Follower:
                 _context.results.received = follower.inbox().write(str(name), int(offset), bytes(chunk))
 
             async def upgrade(self, name: str, sha256: str, _context: Any, **_: Any) -> None:
-                release, previous = await install_here(follower.inbox(), str(name), str(sha256))
+                release, previous = await install_here(release_root(), follower.inbox(), str(name), str(sha256))
                 follower.restart(f"upgraded to llmgw {release}", UPGRADE_EXIT_STATUS)
                 _context.results.release, _context.results.previous = release, previous
 

@@ -87,13 +87,6 @@ class Term:
     shares: ShareBook | None = None
 
 
-def _address_host(address: str) -> str:
-    """The host of a ``host:port`` address or a bare host (brackets of an IPv6 literal removed)."""
-    if _is_ip(address.strip("[]")):
-        return address.strip("[]")
-    return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
-
-
 def _is_ip(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -332,9 +325,9 @@ async def run_control_plane(
                     return stored.value if stored is not None else None
 
                 async def firewall_peers() -> list[str]:
-                    hosts = [_address_host(r.rpc_address) for r in await store.list_control_planes()]
-                    if plane.term is not None:  # the leader also knows where its nodes are
-                        hosts += [_address_host(n.address) for n in plane.term.registry.snapshot().nodes.values()]
+                    hosts = [net.split_address(r.rpc_address)[0] for r in await store.list_control_planes()]
+                    if plane.term is not None:  # the leader also knows where its nodes are (their addresses)
+                        hosts += [n.address for n in plane.term.registry.snapshot().nodes.values()]
                     return [h for h in hosts if _is_ip(h)]
 
                 await nursery.start(keep_firewall_file, firewall_file, firewall_setting, [bound_rpc, *firewall_ports],

@@ -28,7 +28,7 @@ import trio
 from llmgw.control.registry import Registry
 from llmgw.control.reports import endpoint_refusal, log_refusal
 from llmgw.nodeprotocol import LOGS, UPGRADE
-from llmgw.releasefiles import CHUNK_BYTES
+from llmgw.releasefiles import send_pieces
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
 from llmgw.spec import KvDelta, ShardSpec, UnknownShard
@@ -113,8 +113,6 @@ class NodeSession:
         self.closed = False
         #: What the agent said it can do (llmgw/nodeprotocol.py); calls beyond its protocol check it.
         self.features: frozenset[str] = frozenset()
-        #: The agent's llmgw release, as its registration said ("": not known).
-        self.version = ""
         #: Why the node refused the cluster settings last pushed ("": it took them).
         self.settings_problem = ""
         #: What the agent reported about its own configuration (an agent.yaml that does not load).
@@ -204,11 +202,7 @@ class NodeSession:
     async def check_engine(self, engine: str) -> str:
         """Returns the output of ``engine``'s version and device check on this node."""
         with trio.fail_after(CHECK_ENGINE_TIMEOUT):
-            try:
-                result = await self.agent.checkEngine(engine)
-            except capnp.KjException as exc:
-                raise RuntimeError(f"node {self.node_id}: {remote_reason(exc)}") from None
-            return str(result.output)
+            return str((await self._call(self.agent.checkEngine(engine))).output)
 
     async def adopt(self, shard_id: str) -> None:
         """Re-bind a shard the agent reported at join to a reporter of this session.
@@ -259,9 +253,7 @@ class NodeSession:
         ``after``, a cursor it returned, only the lines since), the sources it has and the new
         cursor. Raises LookupError for an unknown source, RuntimeError for an agent too old
         to answer, TooSlowError after :data:`LOGS_TIMEOUT`."""
-        if LOGS not in self.features:  # its registration did not list the call
-            raise RuntimeError(f"the agent on {self.node_id} is too old to send its logs: upgrade it, "
-                               "or read them on the machine")
+        self._needs(LOGS, "send its logs: upgrade it, or read them on the machine")
         with trio.fail_after(LOGS_TIMEOUT):
             try:
                 result = await self.agent.logs(source, lines, after)
@@ -276,17 +268,12 @@ class NodeSession:
         deadlines. ``rollback_after``: seconds the new release has to join before the node goes
         back by itself (0: no limit)."""
         self._needs(UPGRADE, "be upgraded over its session: upgrade it on the machine")
-        offset = 0
-        with open(wheel, "rb") as f:
-            while True:
-                chunk = f.read(CHUNK_BYTES)
-                if not chunk and offset:
-                    break
-                with trio.fail_after(RELEASE_PIECE_TIMEOUT):
-                    result = await self._call(self.agent.receiveRelease(wheel.name, offset, chunk))
-                offset = int(result.received)
-                if not chunk:
-                    break
+
+        async def piece(offset: int, chunk: bytes) -> int:
+            with trio.fail_after(RELEASE_PIECE_TIMEOUT):
+                return int((await self._call(self.agent.receiveRelease(wheel.name, offset, chunk))).received)
+
+        await send_pieces(wheel, piece)
         with trio.fail_after(UPGRADE_TIMEOUT):
             result = await self._call(self.agent.upgrade(wheel.name, sha256, int(rollback_after * 1000)))
         return str(result.release), str(result.previous)
@@ -299,9 +286,9 @@ class NodeSession:
         return str(result.release), str(result.previous)
 
     def _needs(self, feature: str, what: str) -> None:
+        """Raise RuntimeError unless the agent's registration listed ``feature`` (llmgw/nodeprotocol.py)."""
         if feature not in self.features:
-            raise RuntimeError(f"the agent on {self.node_id} (llmgw {self.version or 'of an unknown version'}) "
-                               f"is too old to {what}")
+            raise RuntimeError(f"the agent on {self.node_id} is too old to {what}")
 
     async def _call(self, promise: Any) -> Any:
         try:

@@ -20,7 +20,6 @@ import logging
 import random
 import ssl
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +36,7 @@ from llmgw.node.cluster_settings import ClusterSettings
 from llmgw.node.firewall import NodeFirewall
 from llmgw.node.planes import ControlPlaneList
 from llmgw.releases import (UPGRADE_EXIT_STATUS, clear_pending, find_root, install_here, mark_pending,
-                            not_a_release_root, read_pending, rollback_release)
+                            read_pending, release_root, rollback_release)
 from llmgw.releasefiles import ReleaseError, ReleaseInbox
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
@@ -131,10 +130,7 @@ def _release_root(settings: ClusterSettings | None) -> Path:
     """Return the release root this agent runs from; raises ReleaseError saying why it cannot upgrade."""
     if settings is None:
         raise ReleaseError("llmgw up's own agent is upgraded with the llmgw that runs it (pip install -U)")
-    root = find_root()
-    if root is None:
-        raise not_a_release_root()
-    return root
+    return release_root()
 
 
 def _make_agent_server(
@@ -204,7 +200,7 @@ def _make_agent_server(
 
         async def upgrade(self, name: str, sha256: str, rollbackAfterMs: int, _context: Any, **_: Any) -> None:
             root = _release_root(settings)
-            release, previous = await install_here(inbox, str(name), str(sha256))
+            release, previous = await install_here(root, inbox, str(name), str(sha256))
             if rollbackAfterMs:
                 mark_pending(root, previous, release, time.time() + rollbackAfterMs / 1000)
             log.warning("agent: llmgw %s installed under %s (was %s)", release, root, previous)
@@ -283,7 +279,8 @@ class Agent:
             self.weights_dir = self.supervisor.state_dir.parent / "weights"
         self._planes = ControlPlaneList(self.control_planes, self.supervisor.state_dir.parent)
         if self.manage_firewall:
-            self.firewall = NodeFirewall(self.supervisor.state_dir.parent, self._engine_ports, self._planes.addresses)
+            self.firewall = NodeFirewall(self.supervisor.state_dir.parent, self.supervisor.ports,
+                                         self._planes.addresses)
 
     async def _confirm_upgrade(self) -> None:
         """Confirm a pending upgrade to this release once joined; past its deadline without a
@@ -306,15 +303,6 @@ class Agent:
                   __version__, release)
         assert self.cluster_settings is not None
         self.cluster_settings.restart_soon(f"rolled back to llmgw {release}", UPGRADE_EXIT_STATUS)
-
-    def _engine_ports(self) -> list[int]:
-        """The TCP ports this node's engines listen on now (what its firewall protects)."""
-        ports = []
-        for _, status in self.supervisor.shards():
-            port = urllib.parse.urlsplit(status.endpoint).port if status.endpoint else None
-            if port:
-                ports.append(port)
-        return ports
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise engines and keep a session with a control plane until cancelled, or

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import trio
 
+from llmgw.files import read_json_mapping
+
 log = logging.getLogger(__name__)
 
 #: The file, in the agent's state directory.
@@ -39,18 +41,11 @@ Loader = Callable[[dict[str, Any]], Any]
 
 def read_layer(state_dir: Path) -> dict[str, Any]:
     """Returns the layer kept in ``state_dir`` ({} when there is none or it is unreadable, logged)."""
-    path = state_dir / SETTINGS_FILE
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
+        return read_json_mapping(state_dir / SETTINGS_FILE) or {}
     except (OSError, ValueError) as exc:
-        log.error("agent: ignoring the cluster settings in %s (%s)", path, exc)
+        log.error("agent: ignoring the kept cluster settings: %s", exc)
         return {}
-    if not isinstance(data, dict):
-        log.error("agent: ignoring the cluster settings in %s: not a mapping", path)
-        return {}
-    return data
 
 
 class ClusterSettings:

@@ -5,7 +5,7 @@ The leader sends each agent the cluster setting ``firewall`` (``enabled``, ``net
 it joins and a second after a change (``Agent.firewall``); the agent keeps it in its state
 directory (``firewall.json``), so the rules are back after a restart before any session.
 :class:`NodeFirewall` turns it, the control planes' addresses (agent.yaml's and what the
-leader sent) and the ports of the engines running now into llmgw's nft table
+leader sent) and the ports given to its shards into llmgw's nft table
 (llmgw/nftables.py) and applies it whenever one of those changes. Engine ports change as
 shards start and stop, so the inputs are looked at every :data:`REFRESH_S`; nft runs only
 when the table would change.
@@ -26,15 +26,16 @@ from typing import Any, Callable, Iterable, Sequence
 import trio
 
 from llmgw import nftables
-from llmgw.files import atomic_write
+from llmgw.files import atomic_write, read_json_mapping
+from llmgw.rpc.net import split_address
 from llmgw.nftables import FirewallError, FirewallPlan, check_firewall_setting, parse_networks
 
 log = logging.getLogger(__name__)
 
 #: The file in the agent's state directory holding the last setting the leader sent.
 SETTING_FILE = "firewall.json"
-#: Seconds between looks at the engines' ports and the control planes (a port opened by a
-#: new engine is protected within this long; the engine takes longer to load a model).
+#: Seconds between looks at the shards' ports and the control planes (a port given to a new
+#: shard is protected within this long: usually before its engine even listens).
 REFRESH_S = 1.0
 #: Seconds a name lookup of a control plane's host may take.
 RESOLVE_TIMEOUT_S = 5.0
@@ -42,15 +43,11 @@ RESOLVE_TIMEOUT_S = 5.0
 
 def read_setting(state_dir: Path) -> dict[str, Any] | None:
     """Return the firewall setting kept in ``state_dir`` (None: none kept or unreadable, logged)."""
-    path = state_dir / SETTING_FILE
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+        return read_json_mapping(state_dir / SETTING_FILE)
     except (OSError, ValueError) as exc:
-        log.error("firewall: ignoring %s: %s", path, exc)
+        log.error("firewall: ignoring the kept setting: %s", exc)
         return None
-    return data if isinstance(data, dict) else None
 
 
 def resolve_hosts(addresses: Iterable[str]) -> list[str]:
@@ -58,7 +55,7 @@ def resolve_hosts(addresses: Iterable[str]) -> list[str]:
     that do not resolve are logged and left out)."""
     out: set[str] = set()
     for address in addresses:
-        host = address.rsplit(":", 1)[0].strip("[]")
+        host, _ = split_address(address)
         try:
             for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP):
                 out.add(str(info[4][0]).split("%", 1)[0])
@@ -71,7 +68,7 @@ def resolve_hosts(addresses: Iterable[str]) -> list[str]:
 class NodeFirewall:
     """Keeps llmgw's nft table on this node in step with its inputs (see the module docstring).
 
-    ``state_dir`` keeps the setting; ``ports()`` returns the engine ports running now;
+    ``state_dir`` keeps the setting; ``ports()`` returns the ports given to this node's shards (before their engines start);
     ``planes()`` the control planes' ``host:port`` addresses; ``prefix`` runs nft through
     another command (``ip netns exec NS`` in the tests). ``applied`` is the plan in the
     kernel now (None: none applied by this agent).

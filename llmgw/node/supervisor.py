@@ -168,7 +168,7 @@ class Supervisor:
         shard_state.check_shard_id(spec.id)
         engine = get_engine(spec.engine, self.engines)
         engine.check_args(spec)
-        port = free_port(self.host, self._ports())
+        port = free_port(self.host, self.ports())
         record = ShardRecord(spec=spec, port=port, kv_events=kv_events_for(engine, spec))
         try:
             await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
@@ -211,13 +211,14 @@ class Supervisor:
             raise UnknownShard(shard_id)
         return shard
 
-    def _ports(self) -> set[int]:
-        """Returns the ports given to this supervisor's shards (a new one must avoid them)."""
+    def ports(self) -> set[int]:
+        """Returns the ports given to this supervisor's shards (a new one must avoid them; the
+        node's firewall protects them from the moment they are given, llmgw/node/firewall.py)."""
         return {s.port for s in self._shards.values()}
 
     def _new_shard(self, record: ShardRecord, engine: Engine | None, reporter: ShardReporter | None) -> Shard:
         """Returns the (not yet running) shard of ``record``, sharing this supervisor's settings."""
-        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings, taken_ports=self._ports)
+        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings, taken_ports=self.ports)
         return Shard(record, engine, reporter, context=context, on_stopped=self._forget)
 
     def _forget(self, shard: Shard) -> None:

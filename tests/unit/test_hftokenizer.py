@@ -139,12 +139,11 @@ SPECIALS = ["<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(SPECIALS), st.text(max_size=12)), max_size=12))
-def test_segments_tokenize_as_the_whole(pieces: list[str]) -> None:
-    tokenizer = LocalTokenizer(read_tokenizer_files(FIXTURES / "chatml"))
+def test_segments_tokenize_as_the_whole(chatml: LocalTokenizer, pieces: list[str]) -> None:
     text = "".join(pieces)
-    segments = tokenizer.split(text)
+    segments = chatml.split(text)
     assert "".join(segments) == text
-    assert tokenizer.ids(tokenizer.completion_parts(text)) == tokenizer.tokenizer.encode(text).ids
+    assert chatml.ids(chatml.completion_parts(text)) == chatml.tokenizer.encode(text).ids
 
 
 def conversation(turns: int, rng: random.Random) -> list[dict]:

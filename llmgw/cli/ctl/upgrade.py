@@ -97,36 +97,41 @@ async def _wait_back(client: ClusterClient, node: str, version: str, ready_befor
     return short
 
 
-def _plane_row(status: Any, name: str) -> Any:
-    return next((p for p in status.control_planes if p.name == name), None)
-
-
-def _wait_for_plane(target: Target, name: str, version: str, timeout: float) -> str:
-    """Wait (new connections each time: the control plane restarts) until control plane ``name``
-    leads or is attached as a standby on ``version``; return "" then, else what it was short of."""
-
-    async def wait() -> str:
-        short = f"it did not come back on {version}"
-        with trio.move_on_after(timeout):
-            while True:
-                await trio.sleep(POLL_S)
-                try:
-                    async with connect(target.servers, tls_dir=target.tls_dir) as client:
-                        row = _plane_row(await client.status(), name)
-                except ClientError as exc:  # restarting, or no leader yet
-                    short = str(exc)
-                    continue
-                if row is not None and row.version == version and row.role in ("leader", "standby"):
-                    return ""
-                short = f"it is {row.role} on llmgw {row.version or '?'}" if row is not None else "it is not listed"
-        return short
-
-    return run_trio(wait)
+async def _plane_back(target: Target, name: str, version: str, roles: tuple[str, ...], timeout: float) -> str:
+    """Wait until control plane ``name`` runs ``version`` in one of ``roles`` (a new connection
+    each look: the one asked may be the leader, restarting); return "" then, else what it was
+    short of when ``timeout`` ran out."""
+    short = f"it did not come back on {version}"
+    with trio.move_on_after(timeout):
+        while True:
+            await trio.sleep(POLL_S)
+            try:
+                async with connect(target.servers, tls_dir=target.tls_dir) as client:
+                    row = next((p for p in (await client.status()).control_planes if p.name == name), None)
+            except ClientError as exc:  # restarting, or no leader yet
+                short = str(exc)
+                continue
+            if row is not None and row.version == version and row.role in roles:
+                return ""
+            short = f"it is {row.role} on llmgw {row.version or '?'}" if row is not None else "it is not listed"
+    return short
 
 
 def _upgrade_control_planes(target: Target, wheel: Path, version: str, timeout: float, say: Any,
                             results: list[dict[str, Any]]) -> str:
     """Upgrade the standbys, then the leader; return "" or why the run stops."""
+
+    def failed(name: str, error: ClientError, before: str) -> str:
+        results.append({"control_plane": name, "result": "failed", "error": str(error)})
+        return f"control plane {name}: {error}\nstopped before {before}"
+
+    def back(name: str, short: str) -> str:
+        if short:
+            results.append({"control_plane": name, "result": "not back", "error": short})
+            return f"control plane {name} is not back on {version} within {timeout:g}s: {short}"
+        results.append({"control_plane": name, "result": "upgraded", "version": version})
+        say(f"control plane {name}: back on {version}")
+        return ""
 
     async def standbys(client: ClusterClient) -> tuple[str, str]:
         digest = await client.upload_release(wheel)
@@ -147,14 +152,10 @@ def _upgrade_control_planes(target: Target, wheel: Path, version: str, timeout: 
             try:
                 await client.upgrade_control_plane(plane.name, wheel.name, digest)
             except ClientError as exc:
-                results.append({"control_plane": plane.name, "result": "failed", "error": str(exc)})
-                return f"control plane {plane.name}: {exc}\nstopped before the next one", digest
-            short = await _wait_plane_here(client, plane.name, version, timeout)
-            if short:
-                results.append({"control_plane": plane.name, "result": "not back", "error": short})
-                return f"control plane {plane.name} is not back on {version} within {timeout:g}s: {short}", digest
-            results.append({"control_plane": plane.name, "result": "upgraded", "version": version})
-            say(f"control plane {plane.name}: back on {version}")
+                return failed(plane.name, exc, "the next one"), digest
+            problem = back(plane.name, await _plane_back(target, plane.name, version, ("standby",), timeout))
+            if problem:
+                return problem, digest
         return "done", digest
 
     problem, digest = target.run(standbys)
@@ -167,32 +168,13 @@ def _upgrade_control_planes(target: Target, wheel: Path, version: str, timeout: 
         try:
             await client.upgrade_control_plane(name, wheel.name, digest)
         except ClientError as exc:
-            results.append({"control_plane": name, "result": "failed", "error": str(exc)})
-            return name, f"control plane {name}: {exc}\nstopped before the nodes"
+            return name, failed(name, exc, "the nodes")
         return name, ""
 
     name, problem = target.run(leader)
     if problem:
         return problem
-    short = _wait_for_plane(target, name, version, timeout)
-    if short:
-        results.append({"control_plane": name, "result": "not back", "error": short})
-        return f"control plane {name} is not back on {version} within {timeout:g}s: {short}"
-    results.append({"control_plane": name, "result": "upgraded", "version": version})
-    say(f"control plane {name}: back on {version}")
-    return ""
-
-
-async def _wait_plane_here(client: ClusterClient, name: str, version: str, timeout: float) -> str:
-    short = f"it did not come back on {version}"
-    with trio.move_on_after(timeout):
-        while True:
-            await trio.sleep(POLL_S)
-            row = _plane_row(await client.status(), name)
-            if row is not None and row.version == version and row.role == "standby":
-                return ""
-            short = f"it is {row.role} on llmgw {row.version or '?'}" if row is not None else "it is not listed"
-    return short
+    return back(name, run_trio(lambda: _plane_back(target, name, version, ("leader", "standby"), timeout)))
 
 
 async def _nodes_rejoined(client: ClusterClient, known: set[str], timeout: float) -> list[Any]:
