@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,11 @@ def wipe(root: Path, *args: str, answer: str | None = None) -> subprocess.Comple
 @pytest.fixture
 def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A process in its own group, recorded as the agent's shard m1-1, as a started engine is."""
-    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    # It says "ready" once it runs its own command line: recorded before its exec, the identity
+    # would carry the forking interpreter's command line and never match again.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
+                            start_new_session=True, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
     yield proc
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
