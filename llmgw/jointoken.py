@@ -10,10 +10,14 @@ cluster's place.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
+from typing import Any, Mapping
 
 import attrs
+
+from llmgw.labels import check_labels, describe
 
 PREFIX = "llmgwj1"
 #: Default time a join token stays valid: long enough to provision a machine, short
@@ -25,6 +29,50 @@ MAX_TTL_S = 7 * 24 * 3600.0
 _ID_BYTES = 6
 _SECRET_BYTES = 24
 _FORM = re.compile(rf"^{PREFIX}\.([0-9a-f]{{12}})\.([A-Za-z0-9_-]{{32}})\.([0-9a-f]{{64}})$")
+
+
+@attrs.frozen
+class NodeOverrides:
+    """What a node's join token writes into its agent.yaml beside the control planes and TLS
+    files (``llmgw ctl nodes add --labels ... --disable-engine ...``): its labels and the
+    engines it never runs. Engine names are checked where they are given (the control plane)."""
+
+    labels: Mapping[str, str] = attrs.field(factory=dict, converter=check_labels)
+    disabled_engines: tuple[str, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(set(v))))
+
+    def __bool__(self) -> bool:
+        return bool(self.labels or self.disabled_engines)
+
+    def to_json(self) -> str:
+        """Returns these overrides as the store keeps them."""
+        return json.dumps({"labels": dict(self.labels), "disabled_engines": list(self.disabled_engines)},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeOverrides:
+        """Returns the overrides the store kept as ``text`` ("" or "{}": none); raises ValueError for a damaged value."""
+        data: Any = json.loads(text or "{}")
+        if not isinstance(data, dict):
+            raise ValueError(f"node overrides must be a JSON object, got {text!r}")
+        return cls(data.get("labels") or {}, data.get("disabled_engines") or ())
+
+    def agent_yaml(self) -> dict[str, Any]:
+        """Returns the agent.yaml keys these overrides set (none for what is not set)."""
+        keys: dict[str, Any] = {}
+        if self.labels:
+            keys["labels"] = dict(self.labels)
+        if self.disabled_engines:
+            keys["disabled_engines"] = list(self.disabled_engines)
+        return keys
+
+    def describe(self) -> str:
+        """Returns the overrides in words ("labels gpu=a100; vllm disabled"), "" for none."""
+        parts = []
+        if self.labels:
+            parts.append(f"labels {describe(self.labels)}")
+        if self.disabled_engines:
+            parts.append(f"{', '.join(self.disabled_engines)} disabled")
+        return "; ".join(parts)
 
 
 @attrs.frozen

@@ -287,6 +287,8 @@ class Profile:
     gpus: int = 0  # whole GPUs per replica; 0 = CPU replica
     engine_args: tuple[str, ...] = ()
     engine_env: Mapping[str, str] = attrs.field(factory=dict, converter=lambda d: dict(d))
+    #: Labels a node must carry (every one, same value) for a replica to be placed there; {} = any node.
+    node_labels: Mapping[str, str] = attrs.field(factory=dict, converter=lambda d: dict(d))
 
 
 @attrs.frozen
@@ -317,6 +319,8 @@ def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
             "gpus": profile.gpus,
             "engine_args": list(profile.engine_args),
             "engine_env": dict(profile.engine_env),
+            # Only when set: a catalog without labels reads (and exports) as it did before.
+            **({"node_labels": dict(profile.node_labels)} if profile.node_labels else {}),
         },
         "adapters": adapters_to_dicts(spec.adapters),
         "max_loaded_adapters": spec.max_loaded_adapters,

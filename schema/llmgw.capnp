@@ -49,6 +49,7 @@ struct Profile {
   gpus @3 :UInt32;
   engineArgs @4 :List(Text);
   engineEnv @5 :List(KeyValue);
+  nodeLabels @6 :List(Text);   # "key=value": a node must carry every one to run a replica
 }
 
 struct Model {
@@ -133,6 +134,7 @@ struct Registration {
   features @5 :List(Text);
   agent @6 :Agent;
   version @7 :Text;        # llmgw version of the agent
+  labels @8 :List(Text);   # "key=value" (agent.yaml labels): profiles' node_labels select nodes by them
 }
 
 interface Cluster {
@@ -303,6 +305,7 @@ struct NodeView {
   shards @6 :UInt32;
   version @7 :Text;
   configProblem @8 :Text;  # why the node runs on an older configuration (refused settings, bad agent.yaml); "": none
+  labels @9 :List(Text);   # "key=value"
 }
 
 struct ReplicaView {
@@ -432,10 +435,11 @@ interface Admin {
   restartCluster @19 () -> (agents :UInt32, standbys :UInt32, leader :Text);
   # Restart every agent (each back before the next step), then every standby, then the leader; engines keep
   # serving. Answers once the standbys are back; the leader restarts right after answering.
-  createJoinToken @20 (role :Text, name :Text, ttlSeconds :Float64) -> (token :Text, expiresAt :Float64,
-                                                                       controlPlanes :List(Text));
+  createJoinToken @20 (role :Text, name :Text, ttlSeconds :Float64, labels :List(Text),
+                       disabledEngines :List(Text)) -> (token :Text, expiresAt :Float64, controlPlanes :List(Text));
   # A one-time token a new machine redeems once (JoinDesk.redeem) for a certificate of ROLE named NAME
   # ("control": a new control plane); it expires after ttlSeconds. The token is returned this once.
+  # labels ("key=value") and disabledEngines (nodes only) are what the node writes into its agent.yaml.
   listJoinTokens @21 () -> (tokens :List(JoinTokenView));
   removeControlPlane @22 (name :Text) -> (removed :Bool);
   # Forgets control plane NAME, revokes its certificate and its pending tokens, and ends its peer session.
@@ -491,6 +495,8 @@ struct JoinTokenView {
   expiresAt @5 :Float64;
   state @6 :Text;       # pending, used, expired, revoked
   usedBy @7 :Text;      # the address it was redeemed from ("" until used)
+  labels @8 :List(Text);           # nodes: "key=value" the node's agent.yaml gets
+  disabledEngines @9 :List(Text);  # nodes: engines the node's agent.yaml disables
 }
 
 struct JoinGrant {
@@ -503,6 +509,8 @@ struct JoinGrant {
   storeUrl @5 :Text;       # control planes only: the store every control plane shares
   leaderLease @6 :Float64; # control planes only: seconds
   controlPlanes @7 :List(Text);  # every control plane's RPC address
+  labels @8 :List(Text);           # nodes: "key=value" to write into agent.yaml (ctl nodes add --labels)
+  disabledEngines @9 :List(Text);  # nodes: engines to disable in agent.yaml (ctl nodes add --disable-engine)
 }
 
 interface JoinDesk {

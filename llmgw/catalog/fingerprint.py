@@ -3,7 +3,7 @@
 A rollout replaces replicas whose fingerprint differs from their catalog model's. The
 fingerprint covers what the model decides about each of its shards: engine, source,
 engine arguments and environment, adapters, ``max_loaded_adapters`` and the resources a
-replica reserves (memory, cores, GPU count). It leaves out what placement decides (shard id,
+replica reserves (memory, cores, GPU count), and the node labels it asks for. It leaves out what placement decides (shard id,
 node, which GPU indices) and the replica count (scaling is not a rollout).
 
 Public API::
@@ -38,11 +38,14 @@ def definition_fingerprint(
     memory_mb: int,
     cpu_cores: float,
     gpus: int,
+    node_labels: Mapping[str, str] | None = None,
 ) -> str:
     """Returns the fingerprint (16 hex digits) of one definition's shard-deciding fields.
 
     Argument order matters (engines read it so); environment order does not. Negative
-    resources count as 0, as placement reserves them.
+    resources count as 0, as placement reserves them. ``node_labels`` count only when some
+    are set: changing them moves replicas (a rollout places the new ones on matching nodes),
+    and a definition without any keeps the fingerprint it had before labels existed.
     """
     data = {
         "engine": engine,
@@ -55,6 +58,8 @@ def definition_fingerprint(
         "cpu_cores": max(0.0, float(cpu_cores)),
         "gpus": max(0, int(gpus)),
     }
+    if node_labels:
+        data["node_labels"] = sorted(node_labels.items())
     blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:FINGERPRINT_HEX_DIGITS]
 
@@ -72,6 +77,7 @@ def model_fingerprint(model: ModelSpec) -> str:
         memory_mb=p.memory_mb,
         cpu_cores=p.cpu_cores,
         gpus=p.gpus,
+        node_labels=p.node_labels,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from llmgw.catalog.engine_options import device_violations, violations
 from llmgw.catalog.sources import SourceError, is_remote, parse_source
+from llmgw.labels import check_labels
 from llmgw.spec import ADAPTER_ENGINES, FREE_SOURCE_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile
 
 __all__ = [
@@ -37,7 +38,7 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _TOP_KEYS = ("name", "engine", "source", "profile", "adapters", "max_loaded_adapters")
 _ADAPTER_KEYS = ("name", "source")
-_PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env")
+_PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env", "node_labels")
 
 
 class CatalogError(ValueError):
@@ -151,6 +152,10 @@ def _profile(engine: str, data: Any) -> Profile:
     args = _args(data.get("engine_args", ()), "profile.engine_args")
     env = _env(data.get("engine_env", {}), "profile.engine_env")
     check_engine_args(engine, args, env, on_cpu=gpus == 0)
+    try:
+        node_labels = check_labels(data.get("node_labels") or {})
+    except ValueError as exc:
+        raise CatalogError("profile.node_labels", str(exc)) from None
     return Profile(
         replicas=replicas,
         memory_mb=memory_mb,
@@ -158,6 +163,7 @@ def _profile(engine: str, data: Any) -> Profile:
         gpus=gpus,
         engine_args=args,
         engine_env=env,
+        node_labels=node_labels,
     )
 
 

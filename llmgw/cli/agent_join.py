@@ -10,7 +10,8 @@ What it does, in order, saying each step:
    ``--name``, else this machine's host name;
 3. writes the CA, its certificate and key under ``<state_dir>/tls`` and an agent.yaml naming
    only the control planes, the TLS files and what differs from the defaults (the node id
-   where it is not the host name, the state directory);
+   where it is not the host name, the state directory, the labels and disabled engines the
+   token carries from ``ctl nodes add``);
 4. installs and starts ``llmgw-agent.service`` where systemd runs (``--no-start``: not).
 """
 
@@ -102,10 +103,12 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
         config["node_id"] = grant.name
     if state_dir != DEFAULT_AGENT_STATE_DIR:
         config["state_dir"] = str(state_dir)
+    config.update(grant.overrides.agent_yaml())
     write_private(config_path, "# Written by `llmgw agent join`; see docs/config.md (agent.yaml).\n"
                   + yaml.safe_dump(config, sort_keys=False),
                   hint="run as root, or pass `llmgw agent --config PATH join`")
-    click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)})")
+    given = f"; {grant.overrides.describe()}" if grant.overrides else ""
+    click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)}{given})")
     click.echo(f"  this node has {_hardware_line()}")
     root = lay_out_release_root(release_root)
     if no_start:

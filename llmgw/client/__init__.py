@@ -27,7 +27,9 @@ import attrs
 import capnp
 import trio
 
+from llmgw import labels
 from llmgw.catalog import validate_model
+from llmgw.jointoken import NodeOverrides
 from llmgw.releasefiles import ReleaseError, send_pieces, sha256_file, wheel_version
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
@@ -67,6 +69,8 @@ class NodeRow:
     version: str
     #: Why the node runs on an older configuration (refused settings, an agent.yaml that does not load); "": none.
     config_problem: str = ""
+    #: The node's labels (agent.yaml ``labels``), which profiles' ``node_labels`` select.
+    labels: Mapping[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -143,6 +147,7 @@ class JoinTokenRow:
     expires_at: float
     state: str
     used_by: str
+    overrides: NodeOverrides = NodeOverrides()
 
 
 @attrs.frozen
@@ -154,6 +159,7 @@ class NewJoinToken:
     name: str
     expires_at: float
     control_planes: tuple[str, ...]
+    overrides: NodeOverrides = NodeOverrides()
 
 
 @attrs.frozen
@@ -354,15 +360,19 @@ class ClusterClient:
         """Returns every version of the stored key ``key`` belongs to, oldest first."""
         return [_setting_from(s) for s in (await self._call("settingHistory", key)).versions]
 
-    async def create_join_token(self, role: str, name: str, ttl: float) -> NewJoinToken:
+    async def create_join_token(self, role: str, name: str, ttl: float,
+                                overrides: NodeOverrides = NodeOverrides()) -> NewJoinToken:
         """Mint a one-time token for a machine to join as ``role`` ``name`` within ``ttl``
-        seconds. Fails saying why (a name in use, a SQLite store, no CA key on the leader)."""
-        r = await self._call("createJoinToken", role, name, ttl)
-        return NewJoinToken(str(r.token), name, r.expiresAt, tuple(r.controlPlanes))
+        seconds; a node joining with it writes ``overrides`` into its agent.yaml. Fails saying
+        why (a name in use, a SQLite store, no CA key on the leader, a bad label or engine)."""
+        r = await self._call("createJoinToken", role, name, ttl, labels.to_pairs(overrides.labels),
+                             list(overrides.disabled_engines))
+        return NewJoinToken(str(r.token), name, r.expiresAt, tuple(r.controlPlanes), overrides)
 
     async def join_tokens(self) -> list[JoinTokenRow]:
         """Returns every join token, oldest first."""
-        return [JoinTokenRow(t.id, t.role, t.name, t.createdAt, t.createdBy, t.expiresAt, t.state, t.usedBy)
+        return [JoinTokenRow(t.id, t.role, t.name, t.createdAt, t.createdBy, t.expiresAt, t.state, t.usedBy,
+                             NodeOverrides(labels.parse_pairs(t.labels), tuple(t.disabledEngines)))
                 for t in (await self._call("listJoinTokens")).tokens]
 
     async def remove_control_plane(self, name: str) -> bool:
@@ -396,7 +406,7 @@ class ClusterClient:
             NodeRow(
                 n.id, n.address, n.state, convert.hardware_from(n.hardware),
                 tuple(convert.engine_from(e) for e in n.engines), n.secondsSinceHeartbeat, n.shards, n.version,
-                n.configProblem,
+                n.configProblem, labels.parse_pairs(n.labels),
             )
             for n in result.nodes
         ]

@@ -15,7 +15,8 @@ import attrs
 import capnp
 import trio
 
-from llmgw.jointoken import JoinToken
+from llmgw.jointoken import JoinToken, NodeOverrides
+from llmgw.labels import parse_pairs
 from llmgw.rpc import net, schema
 from llmgw.rpc.connection import open_client
 from llmgw.rpc.errors import remote_reason
@@ -42,6 +43,8 @@ class Grant:
     store_url: str = attrs.field(repr=False)
     leader_lease: float
     control_planes: tuple[str, ...]
+    #: Nodes: what the token adds to agent.yaml (labels, disabled engines).
+    overrides: NodeOverrides = NodeOverrides()
 
 
 async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, sans: Sequence[str],
@@ -82,4 +85,6 @@ async def redeem(addresses: Sequence[str], token: JoinToken, key_pem: bytes, san
                 raise JoinError(f"{address} refused the join: {remote_reason(exc)}") from None
             return Grant(str(grant.role), str(grant.name), bytes(grant.certificate), bytes(grant.ca),
                          bytes(grant.caKey), str(grant.storeUrl), float(grant.leaderLease),
-                         tuple(str(a) for a in grant.controlPlanes))
+                         tuple(str(a) for a in grant.controlPlanes),
+                         NodeOverrides(parse_pairs(str(p) for p in grant.labels),
+                                       tuple(str(e) for e in grant.disabledEngines)))

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import attrs
 
 from llmgw.credentials import CA_CERT_FILE, CERT_FILE, KEY_FILE
+from llmgw.labels import check_labels
 
 from . import defaults
 from .values import (
@@ -35,6 +36,8 @@ ENGINE_PATH_KEYS: Mapping[str, tuple[str, str]] = {
 #: also the only one an override (``--set engines.llamacpp.server=...``) can write, since
 #: overrides split keys at dots.
 ENGINE_ALIASES: Mapping[str, str] = {"llamacpp": "llama.cpp"}
+#: What ``disabled_engines`` may name: every engine an agent installs or runs.
+RUNNABLE_ENGINES = frozenset({*ENGINE_PATH_KEYS, "sim"})
 
 #: The control plane on this machine (``llmgw up``, a single-machine install).
 _CONTROL_PLANE = Address(defaults.DEFAULT_LISTEN_HOST, defaults.DEFAULT_RPC_PORT)
@@ -83,6 +86,10 @@ class AgentConfig:
     #: Whether the agent keeps llmgw's nft table on this node (docs/operations.md, Firewall);
     #: false leaves the node's firewall to the operator.
     firewall: bool = True
+    #: ``labels``: what profiles' ``node_labels`` select this node by (``ctl nodes add --labels``).
+    labels: Mapping[str, str] = attrs.field(factory=dict, converter=frozen_mapping)
+    #: ``disabled_engines``: engines this node never installs or runs (``ctl nodes add --disable-engine``).
+    disabled_engines: frozenset[str] = frozenset()
 
 
 def load_agent_config(
@@ -131,9 +138,20 @@ def load_agent_config(
                      or defaults.DEFAULT_HF_ENDPOINT),
         llamacpp_threads=_read_llamacpp_threads(reader, top.raw("llamacpp")),
         engine_paths=_read_engine_paths(reader, top.raw("engines")),
+        labels=top.get("labels", check_labels, {}),
+        disabled_engines=frozenset(top.get_list("disabled_engines", parse_engine_name, ())),
     )
     top.finish()
     return config
+
+
+def parse_engine_name(value: Any) -> str:
+    """Returns the engine ``value`` names (``llamacpp`` spelt ``llama.cpp``); raises ValueError for
+    one llmgw does not run."""
+    name = ENGINE_ALIASES.get(str(value), str(value))
+    if not isinstance(value, str) or name not in RUNNABLE_ENGINES:
+        raise ValueError(f"{show(value)} is not an engine llmgw runs (one of: {', '.join(sorted(RUNNABLE_ENGINES))})")
+    return name
 
 
 def _read_llamacpp_threads(reader: Reader, raw: Any) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 import trio
 
-from llmgw import __version__
+from llmgw import __version__, labels
 from llmgw.catalog import model_to_dict, validate_model
 from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.keys import AccessSync
@@ -173,6 +173,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
                     "shards": len(node.shards),
                     "version": services.sessions.agent_versions.get(node.id, ""),
                     "configProblem": _config_problem(services.sessions, node.id),
+                    "labels": labels.to_pairs(node.labels),
                 }
                 for node in sorted(fleet.nodes.values(), key=lambda n: n.id)
             ]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import attrs
 import trio
 
-from llmgw import __version__
+from llmgw import __version__, labels
 from llmgw.control import refusals
 from llmgw.control.admission_shares import demand_from
 from llmgw.control.joining import JoinService, make_join_desk
@@ -133,6 +133,10 @@ def _make_cluster(
             agent = registration.agent
             version = str(registration.version)
             features = frozenset(str(f) for f in registration.features)
+            try:
+                node_labels = labels.parse_pairs(str(pair) for pair in registration.labels)
+            except ValueError as exc:
+                raise ValueError(f"node {node_id}'s labels: {exc}") from None
             refused = refusal(node_id, version, features, __version__)
             if refused is not None:
                 _conflicts.failure(("protocol", node_id), logging.WARNING, "refused a join: %s", refused)
@@ -155,7 +159,7 @@ def _make_cluster(
             registry = term.registry
             hosts = endpoint_hosts(address, peer)
             shards = screen_shards(node_id, hosts, shards, registry.shard_owner)
-            epoch = registry.node_joined(node_id, address, hardware, engines, shards)
+            epoch = registry.node_joined(node_id, address, hardware, engines, shards, labels=node_labels)
             session = NodeSession(registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
             session.features = features
             state["session"] = session

@@ -26,6 +26,7 @@ from llmgw.control.refusals import AUDIT_TIMEOUT_S
 from llmgw.control.store import Store
 from llmgw.control.store.base import JoinTokenRefused
 from llmgw.jointoken import parse_token
+from llmgw.labels import to_pairs
 from llmgw.logthrottle import LogThrottle
 from llmgw.rpc import schema
 from llmgw.rpc.tls import ClusterCA, Role, check_sans, identity_of, request_name, request_public_key
@@ -103,6 +104,8 @@ async def redeem(service: JoinService, token_text: str, request: bytes, sans: li
         "storeUrl": service.store_url if control else "",
         "leaderLease": service.leader_lease if control else 0.0,
         "controlPlanes": await service.control_planes(),
+        "labels": to_pairs(record.overrides.labels),
+        "disabledEngines": list(record.overrides.disabled_engines),
     }
 
 

@@ -58,6 +58,7 @@ import attrs
 
 from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.registry import Fleet, NodeState, NodeView, ShardView
+from llmgw.labels import describe as describe_labels, matches as labels_match
 from llmgw.spec import GpuInfo, ModelSpec, ShardSpec, ShardState
 
 # A model whose replicas keep failing is started again after BASE, 2*BASE, 4*BASE, ...
@@ -224,11 +225,13 @@ class _Need:
     memory_mb: int  # host memory (CPU replica) or per-GPU free memory (GPU replica)
     cpu_cores: float
     gpus: int
+    labels: tuple[tuple[str, str], ...] = ()  # node labels the profile asks for (every one)
 
     @classmethod
     def of(cls, model: ModelSpec) -> "_Need":
         p = model.profile
-        return cls(model.engine, max(0, p.memory_mb), max(0.0, p.cpu_cores), max(0, p.gpus))
+        return cls(model.engine, max(0, p.memory_mb), max(0.0, p.cpu_cores), max(0, p.gpus),
+                   tuple(sorted(p.node_labels.items())))
 
     def describe(self) -> str:
         parts = []
@@ -240,6 +243,8 @@ class _Need:
         if self.cpu_cores:
             parts.append(f"{self.cpu_cores:g} cores")
         parts.append(f"engine {self.engine}")
+        if self.labels:
+            parts[-1] += f" on a node labelled {describe_labels(dict(self.labels))}"
         return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
 
 
@@ -287,6 +292,8 @@ class _Capacity:
 
     def fit(self, need: _Need) -> tuple[int, ...] | None:
         """Return the GPU indices the replica would get (``()`` for CPU), or None."""
+        if need.labels and not labels_match(self.node.labels, dict(need.labels)):
+            return None
         if need.cpu_cores and self.cores_free + _EPSILON < need.cpu_cores:
             return None
         if need.gpus:
@@ -301,6 +308,8 @@ class _Capacity:
     def why_not(self, need: _Need) -> tuple[str, str]:
         """Return (category, sentence) saying why ``need`` does not fit here."""
         nid = self.node_id
+        if need.labels and not labels_match(self.node.labels, dict(need.labels)):
+            return "labels", f"node {nid} is labelled {describe_labels(self.node.labels)}"
         engine = self.node.engine(need.engine)
         if engine is None or not engine.installed:
             if engine is not None and engine.state:
@@ -426,6 +435,7 @@ def _explain(model: ModelSpec, need: _Need, caps: Mapping[str, _Capacity], fleet
     if rest:
         labels = {
             "engine": f"without {need.engine} installed",
+            "labels": "without those labels",
             "memory": "short of memory",
             "cores": "short of cores",
             "gpus": "short of GPUs",

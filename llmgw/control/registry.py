@@ -133,6 +133,8 @@ class NodeView:
     epoch: int
     shards: Mapping[str, ShardView] = attrs.field(factory=dict)
     lost_since: float | None = None
+    #: The node's labels (agent.yaml ``labels``): profiles' ``node_labels`` select nodes by them.
+    labels: Mapping[str, str] = attrs.field(factory=dict)
 
     def engine(self, name: str) -> EngineInfo | None:
         """Return this node's report for engine ``name``, or None if it has none."""
@@ -192,6 +194,7 @@ class _Node:
     lost_since: float | None = None
     grace_announced: bool = False
     shards: dict[str, _Shard] = attrs.field(factory=dict)
+    labels: Mapping[str, str] = attrs.field(factory=dict)
 
 
 def _held_ready(prev: _Shard | None, spec: ShardSpec, status: ShardStatus) -> ShardStatus | None:
@@ -285,8 +288,9 @@ class Registry:
         hardware: Hardware,
         engines: Sequence[EngineInfo],
         shards: Iterable[tuple[ShardSpec, ShardStatus]] = (),
+        labels: Mapping[str, str] | None = None,
     ) -> int:
-        """Record a (re)join of ``node_id`` and return its new session epoch.
+        """Record a (re)join of ``node_id`` (carrying ``labels``) and return its new session epoch.
 
         The node becomes ONLINE with exactly the ``shards`` it reports (shards known
         from an earlier session keep their ``since``; one that was READY and is reported
@@ -306,6 +310,7 @@ class Registry:
             engines=tuple(engines),
             epoch=self._epochs,
             last_heartbeat=now,
+            labels=dict(labels or {}),
         )
         for spec, status in shards:
             if status.id != spec.id:
@@ -486,6 +491,7 @@ class Registry:
                     epoch=node.epoch,
                     shards={k: ShardView(s.spec, s.status, s.since) for k, s in node.shards.items()},
                     lost_since=node.lost_since,
+                    labels=node.labels,
                 )
             nodes[node_id] = view
         return Fleet(nodes=nodes, replace_grace=self.replace_grace, version=self._version)

@@ -13,12 +13,14 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from llmgw.config.agent import parse_engine_name
 from llmgw.control.joining import JoinService, check_new_node_name
 from llmgw.control.peers import FeedTee
 from llmgw.control.store import Store, parse_target
 from llmgw.control.store.base import JoinTokenRecord
 from llmgw.credentials import check_name
-from llmgw.jointoken import MAX_TTL_S, new_token
+from llmgw.jointoken import MAX_TTL_S, NodeOverrides, new_token
+from llmgw.labels import parse_pairs, to_pairs
 from llmgw.rpc.tls import Role, ca_sha256
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,21 @@ def token_view(record: JoinTokenRecord, now: float) -> dict[str, Any]:
     """Returns ``record`` as a capnp ``JoinTokenView``."""
     return {"id": record.id, "role": record.role, "name": record.name, "createdAt": record.created_at,
             "createdBy": record.created_by, "expiresAt": record.expires_at, "state": record.state(now),
-            "usedBy": record.used_by or ""}
+            "usedBy": record.used_by or "", "labels": to_pairs(record.overrides.labels),
+            "disabledEngines": list(record.overrides.disabled_engines)}
+
+
+def _node_overrides(labels: list[str], disabled_engines: list[str]) -> NodeOverrides:
+    """Returns a node token's overrides; raises ValueError saying which label or engine is wrong."""
+    try:
+        node_labels = parse_pairs(labels)
+    except ValueError as exc:
+        raise ValueError(f"--labels: {exc}") from None
+    try:
+        engines = [parse_engine_name(e) for e in disabled_engines]
+    except ValueError as exc:
+        raise ValueError(f"--disable-engine: {exc}") from None
+    return NodeOverrides(node_labels, engines)
 
 
 class ServersAdminMixin:
@@ -53,10 +69,14 @@ class ServersAdminMixin:
         self._servers_tee = tee
         self._servers_leader = leader
 
-    async def createJoinToken(self, role: str, name: str, ttlSeconds: float, _context: Any, **_: Any) -> None:
+    async def createJoinToken(self, role: str, name: str, ttlSeconds: float, labels: Any, disabledEngines: Any,
+                              _context: Any, **_: Any) -> None:
         role, name = str(role), str(name)
         if role not in JOIN_ROLES:
             raise ValueError(f"a join token is for one of: {', '.join(JOIN_ROLES)} (got {role!r})")
+        overrides = _node_overrides([str(x) for x in labels], [str(x) for x in disabledEngines])
+        if overrides and role != Role.NODE.value:
+            raise ValueError("labels and disabled engines are for nodes (`ctl nodes add`), not control planes")
         if not 0 < ttlSeconds <= MAX_TTL_S:
             raise ValueError(f"a join token's lifetime must be above 0 and at most {MAX_TTL_S / 86400:g} days")
         joins = self._servers_joins
@@ -78,10 +98,12 @@ class ServersAdminMixin:
                                  f"`llmgw ctl servers remove {name}` first to replace it")
         token = new_token(ca_sha256(joins.ca.cert_pem))
         now = time.time()
-        record = JoinTokenRecord(token.id, role, name, now, self._servers_actor, now + float(ttlSeconds))
+        record = JoinTokenRecord(token.id, role, name, now, self._servers_actor, now + float(ttlSeconds),
+                                 overrides=overrides)
         await store.create_join_token(record, token.secret_sha256)
         await store.audit(self._servers_actor, "join.token", name, {"role": role, "token": token.id,
-                                                                   "expires_at": record.expires_at})
+                                                                   "expires_at": record.expires_at,
+                                                                   **overrides.agent_yaml()})
         log.info("%s minted join token %s for %s %s", self._servers_actor, token.id, role, name)
         _context.results.token = str(token)
         _context.results.expiresAt = record.expires_at

@@ -21,13 +21,13 @@ import random
 import ssl
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import attrs
 import capnp
 import trio
 
-from llmgw import __version__, logbook
+from llmgw import __version__, labels, logbook
 from llmgw.nodeprotocol import AGENT_FEATURES, FIREWALL
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
@@ -265,6 +265,8 @@ class Agent:
     cluster_settings: ClusterSettings | None = None
     #: Whether this agent keeps llmgw's nft table on the node (agent.yaml ``firewall``).
     manage_firewall: bool = False
+    #: The node's labels (agent.yaml ``labels``), sent with every registration.
+    labels: Mapping[str, str] = attrs.field(factory=dict)
     #: ``control_planes`` plus the list the leader sent (llmgw/node/planes.py).
     _planes: ControlPlaneList = attrs.field(init=False)
     #: The node's firewall (None: left to the operator, or llmgw up's own agent).
@@ -456,6 +458,7 @@ class Agent:
                     "agent": _make_agent_server(self.supervisor, self.converger, self._planes,
                                                 self.cluster_settings, self.firewall),
                     "version": __version__,
+                    "labels": labels.to_pairs(self.labels),
                 }
                 with trio.fail_after(JOIN_TIMEOUT):
                     result = await cluster.join(registration)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import trio
 
@@ -78,8 +78,12 @@ class Supervisor:
         engines: Mapping[str, Engine] | None = None,
         policy: RestartPolicy | None = None,
         fetch_settings: FetchSettings | None = None,
+        disabled_engines: Iterable[str] = (),
     ) -> None:
         self.state_dir = Path(state_dir)
+        #: Engines agent.yaml's ``disabled_engines`` names: no new shard of them starts here (one
+        #: already running is still adopted and stopped as usual).
+        self.disabled_engines = frozenset(disabled_engines)
         #: Where weights of shards with an http(s)/hf:// source are fetched to before start
         #: (default: ``<state_dir>/../weights``, the agent's default weights directory).
         self.fetch_settings = fetch_settings or FetchSettings(weights_dir=self.state_dir.parent / "weights")
@@ -166,6 +170,9 @@ class Supervisor:
             self.bind_reporter(spec.id, reporter)
             return
         shard_state.check_shard_id(spec.id)
+        if spec.engine in self.disabled_engines:
+            raise ValueError(f"engine {spec.engine} is disabled on this node (agent.yaml disabled_engines): "
+                             f"shard {spec.id} cannot start here")
         engine = get_engine(spec.engine, self.engines)
         engine.check_args(spec)
         port = free_port(self.host, self.ports())

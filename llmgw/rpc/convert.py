@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from llmgw import labels
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
 from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta, adapters_to_dicts, model_to_dict
 
@@ -235,6 +236,7 @@ def model_dict(m: ModelSpec) -> dict[str, Any]:
     the engine environment as key/value pairs."""
     data = model_to_dict(m)
     data["profile"]["engine_env"] = _kv(m.profile.engine_env)
+    data["profile"]["node_labels"] = labels.to_pairs(m.profile.node_labels)
     return _capnp_names(data)
 
 
@@ -251,6 +253,7 @@ def model_from(r: Any) -> ModelSpec:
             gpus=p.gpus,
             engine_args=tuple(p.engineArgs),
             engine_env=_from_kv(p.engineEnv),
+            node_labels=labels.parse_pairs(p.nodeLabels),
         ),
         adapters=adapters_from(r.adapters),
         max_loaded_adapters=r.maxLoadedAdapters,

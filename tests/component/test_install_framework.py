@@ -10,7 +10,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.node.install import Converger, InstallError, Progress, SimInstaller, build_installers, InstallSettings
+from llmgw.node.install import (DISABLED_DETAIL, Converger, InstallError, Progress, SimInstaller, build_installers,
+                                InstallSettings)
 from llmgw.node.install.apt import apt_install
 from llmgw.spec import EngineInfo
 
@@ -85,6 +86,20 @@ async def test_converges_on_the_default_version_with_progress() -> None:
     assert fake.installs == ["1.0"]
     assert states[-1] == "installing: downloading fake-1.0.tar.gz (16 MB)"
     assert await converger.check("fake") == "fake 1.0"
+
+
+async def test_a_disabled_engine_is_reported_as_such_and_never_installed() -> None:
+    fake = FakeInstaller()
+    converger = Converger({"fake": fake, "sim": SimInstaller()}, disabled=["fake"])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(converger.run)
+        converger.want({"fake": "", "sim": ""})
+        info = {e.name: e for e in converger.engines()}["fake"]
+        assert (info.installed, info.installable, info.detail) == (False, False, DISABLED_DETAIL)
+        with pytest.raises(InstallError, match="not known to this node"):
+            await converger.check("fake")
+        nursery.cancel_scope.cancel()
+    assert fake.installs == []
 
 
 async def test_failed_install_retried_with_backoff(autojump_clock: trio.testing.MockClock) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
@@ -15,6 +16,7 @@ from llmgw.control.store.base import (
     JoinTokenRecord,
     JoinTokenRefused,
 )
+from llmgw.jointoken import NodeOverrides
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -45,6 +47,16 @@ async def test_a_token_is_redeemed_once_and_only_with_its_secret(db_url: str) ->
             await store.redeem_join_token("t1", _sha("s3cret"), "10.0.0.3", now=1_501.0)
         (listed,) = await store.list_join_tokens()
         assert listed.state(1_501.0) == "used"
+
+
+async def test_a_node_tokens_overrides_are_kept_and_come_back_when_redeemed(db_url: str) -> None:
+    overrides = NodeOverrides({"rack": "r1"}, ["vllm"])
+    async with open_store(db_url) as store:
+        await store.create_join_token(attrs.evolve(_token("t1", "n1"), role="node", overrides=overrides), _sha("s"))
+        await store.create_join_token(_token("t2", "cp-3"), _sha("s"))
+        assert [t.overrides for t in await store.list_join_tokens()] == [overrides, NodeOverrides()]
+        used = await store.redeem_join_token("t1", _sha("s"), "10.0.0.2", now=1_500.0)
+        assert used.overrides == overrides and used.used_by == "10.0.0.2"
 
 
 async def test_racing_redemptions_give_the_token_to_one(db_url: str) -> None:

@@ -3,7 +3,8 @@
 A control plane mints a node token; ``llmgw agent join`` (a real process with nothing but
 the control plane's address and the token; a fresh state directory stands for a new machine)
 writes the TLS files and an agent.yaml; the agent started from them joins and serves a
-replica. The token works once; a token naming no node takes ``--name``; removing a node
+replica. The token works once; a token naming no node takes ``--name``; a token's labels and
+disabled engines reach the node's agent.yaml, its registration and placement; removing a node
 revokes its certificate, so its agent is refused from then on, and its replica is placed
 on another node. Without ``--no-start`` the join installs and starts the agent unit (through
 a stand-in systemctl: systemd cannot run here).
@@ -57,14 +58,32 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         assert reused.returncode != 0 and "used already" in reused.stderr, reused.stderr
 
         # A token naming no node: the node asks for its name (--name here; the host name by default).
-        unnamed = cluster.ctl_json("nodes", "add")["token"]
-        out = agent_join(tmp_path, "n2", unnamed, cluster.rpc, "--name", "n2", "--no-start")
+        # It carries labels and a disabled engine into the node's agent.yaml.
+        bad = cluster.ctl("nodes", "add", "--disable-engine", "trtllm")
+        assert bad.returncode != 0 and '--disable-engine: "trtllm" is not an engine llmgw runs' in bad.stderr
+        unnamed = cluster.ctl_json("nodes", "add", "--labels", "rack=r2,zone=eu", "--disable-engine", "vllm")
+        assert unnamed["labels"] == {"rack": "r2", "zone": "eu"} and unnamed["disabled_engines"] == ["vllm"]
+        listed = cluster.ctl("servers", "list")
+        assert "(labels rack=r2,zone=eu; vllm disabled)" in listed.stdout, listed.stdout
+        out = agent_join(tmp_path, "n2", unnamed["token"], cluster.rpc, "--name", "n2", "--no-start")
         assert out.returncode == 0 and "node n2" in out.stdout, out.stderr
+        assert "labels rack=r2,zone=eu; vllm disabled" in out.stdout
+        written = yaml.safe_load((tmp_path / "n2.yaml").read_text())
+        assert written["labels"] == {"rack": "r2", "zone": "eu"} and written["disabled_engines"] == ["vllm"]
 
         agents = [Proc([*LLMGW, "agent", "-c", str(tmp_path / f"{n}.yaml")], tmp_path / f"agent-{n}.log")
                   for n in ("n1", "n2")]
         cluster.agents.update(zip(("n1", "n2"), agents))
         await eventually(lambda: online(cluster) == {"n1", "n2"}, "both joined nodes online")
+        nodes = {n["id"]: n for n in cluster.ctl_json("nodes")}
+        assert nodes["n2"]["labels"] == {"rack": "r2", "zone": "eu"} and nodes["n1"]["labels"] == {}
+        vllm_on_n2 = next(e for e in nodes["n2"]["engines"] if e["name"] == "vllm")
+        assert not vllm_on_n2["installed"] and "disabled on this node" in vllm_on_n2["detail"]
+        # A model asking for rack=r2 lands on n2 alone.
+        assert cluster.ctl("models", "add", "pinned", "--engine", "sim", "--node-labels", "rack=r2").returncode == 0
+        [pinned] = await ready_replicas(cluster, "pinned", 1)
+        assert pinned["node_id"] == "n2"
+        assert cluster.ctl("models", "remove", "pinned").returncode == 0
         assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
         replicas = await ready_replicas(cluster, "m1", 2)
 

@@ -343,3 +343,13 @@ def test_namespace_conflicts_with_other_entries() -> None:
     assert "adapter name 'plain' is already taken by model 'plain'" in (namespace_conflict(with_plain, others) or "")
     # The entry being replaced does not clash with itself.
     assert namespace_conflict(ModelSpec("base", "vllm", "/m", adapters=(Adapter("sql", "/b"),)), others) is None
+
+
+def test_node_labels_are_checked_and_round_trip_only_when_set() -> None:
+    spec = validate_model({"name": "m", "engine": "sim", "profile": {"node_labels": {"rack": "r1", "tier": 2}}})
+    assert dict(spec.profile.node_labels) == {"rack": "r1", "tier": "2"}
+    assert model_to_dict(spec)["profile"]["node_labels"] == {"rack": "r1", "tier": "2"}
+    assert validate_model(model_to_dict(spec)) == spec
+    assert "node_labels" not in model_to_dict(validate_model({"name": "m", "engine": "sim"}))["profile"]
+    with pytest.raises(CatalogError, match=r"^profile\.node_labels: 'a b' cannot be a label key"):
+        validate_model({"name": "m", "engine": "sim", "profile": {"node_labels": {"a b": "x"}}})

@@ -22,6 +22,7 @@ from llmgw.config import (
     parse_address,
     parse_duration,
 )
+from llmgw.labels import RULE
 
 
 #: Seconds a fresh interpreter may take to import llmgw.config (generous: CI machines are slow).
@@ -93,7 +94,7 @@ def test_loading_config_loads_no_other_part_of_llmgw() -> None:
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('llmgw.'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             timeout=SUBPROCESS_TIMEOUT).stdout.split()
-    others = [m for m in loaded if not m.startswith(("llmgw.config", "llmgw.credentials", "llmgw.lazy"))]
+    others = [m for m in loaded if not m.startswith(("llmgw.config", "llmgw.credentials", "llmgw.lazy", "llmgw.labels"))]
     assert not others, f"importing llmgw.config loaded {others}"
 
 
@@ -297,14 +298,28 @@ def test_server_errors(tmp_path: Path, text: str, message: str) -> None:
         ("engine_urls:\n  Vllm: https://mirror/x\n",
          "engine_urls.Vllm: engine names are lower-case letters, digits, '.', '_' and '-'"),
         ("engine_urls:\n  vllm: ftp://mirror/x\n", 'engine_urls.vllm: expected an http(s) URL, got "ftp://mirror/x"'),
+        ("labels:\n  rack: r 1\n", "labels: label rack: 'r 1' cannot be a label value: " + RULE),
+        ("labels: [rack=r1]\n", "labels: expected a mapping of label: value, got ['rack=r1']"),
+        ("disabled_engines: [vllm, trtllm]\n",
+         'disabled_engines[1]: "trtllm" is not an engine llmgw runs (one of: llama.cpp, sglang, sim, vllm)'),
         ("servers: [a:1]\n",
-         "unknown key 'servers' (known keys: cache_dir, control_planes, engine_host, engine_urls, "
-         "engines, firewall, heartbeat_interval, hf_endpoint, install_dir, llamacpp, log_level, node_id, pypi_index, "
+         "unknown key 'servers' (known keys: cache_dir, control_planes, disabled_engines, engine_host, engine_urls, "
+         "engines, firewall, heartbeat_interval, hf_endpoint, install_dir, labels, llamacpp, log_level, node_id, "
+         "pypi_index, "
          "reconnect_backoff_max, state_dir, tls, weights_dir)"),
     ],
 )
 def test_agent_errors(tmp_path: Path, text: str, message: str) -> None:
     assert agent_error(tmp_path, text) == message
+
+
+def test_agent_labels_and_disabled_engines(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("labels:\n  rack: r1\n  tier: 2\ndisabled_engines: [llamacpp, vllm]\n")
+    config = load_agent_config(path)
+    assert dict(config.labels) == {"rack": "r1", "tier": "2"}
+    assert config.disabled_engines == frozenset({"llama.cpp", "vllm"})
+    assert not load_agent_config(None).labels and not load_agent_config(None).disabled_engines
 
 
 def test_default_node_id_from_an_unusable_hostname(

@@ -28,6 +28,8 @@ def test_shard_spec_and_status_roundtrip():
 def test_model_and_engine_roundtrip():
     m = ModelSpec("m", "sim", "", Profile(2, 100, 0.5, 1, ("--x",), {"A": "b"}))
     assert roundtrip(s.Model, convert.model_dict(m), convert.model_from) == m
+    labelled = ModelSpec("m", "sim", "", Profile(node_labels={"rack": "r1", "gpu": "a100"}))
+    assert roundtrip(s.Model, convert.model_dict(labelled), convert.model_from) == labelled
     e = EngineInfo("sim", True, "0.1.0", False, "built in")
     assert roundtrip(s.EngineInfo, convert.engine_dict(e), convert.engine_from) == e
 

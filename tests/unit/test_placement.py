@@ -357,3 +357,41 @@ def test_note_failures_resets_only_on_a_replica_ready_after_the_failure() -> Non
     assert note_failures(book, older_ready, now=60)["m"].count == 3
     newer_ready = fleet(node("a", shards=(shard("m-2", "m", since=55),)))
     assert "m" not in note_failures(book, newer_ready, now=60)
+
+
+def labelled(nid: str, node_labels: dict[str, str], **kwargs) -> NodeView:
+    return attrs.evolve(node(nid, **kwargs), labels=node_labels)
+
+
+def test_node_labels_place_replicas_only_on_nodes_carrying_every_label() -> None:
+    m = attrs.evolve(model("m", replicas=2), profile=Profile(replicas=2, node_labels={"rack": "r1"}))
+    f = fleet(labelled("a", {"rack": "r1"}), labelled("b", {"rack": "r2"}), node("c"),
+              labelled("d", {"rack": "r1", "gpu": "a100"}))
+    assert sorted(summary(run([m], f))) == [("start", "m", "a"), ("start", "m", "d")]
+    # Crowding never overrides labels: a third replica doubles up on a matching node, never b or c.
+    three = attrs.evolve(m, profile=attrs.evolve(m.profile, replicas=3))
+    assert sorted(summary(run([three], f))) == [("start", "m", "a"), ("start", "m", "a"), ("start", "m", "d")]
+
+
+def test_unplaceable_reason_names_the_labels_wanted_and_each_nodes_own() -> None:
+    m = attrs.evolve(model("m"), profile=Profile(node_labels={"rack": "r9"}))
+    (u,) = run([m], fleet(labelled("a", {"rack": "r1"}), node("b")))
+    assert u.reason == ("model m needs engine llama.cpp on a node labelled rack=r9; node a is labelled rack=r1; "
+                        "node b is labelled -")
+
+
+def test_node_labels_change_the_fingerprint_only_when_set() -> None:
+    plain = model("m")
+    assert model_fingerprint(attrs.evolve(plain, profile=Profile(node_labels={}))) == model_fingerprint(plain)
+    r1 = attrs.evolve(plain, profile=Profile(node_labels={"rack": "r1"}))
+    r2 = attrs.evolve(plain, profile=Profile(node_labels={"rack": "r2"}))
+    assert len({model_fingerprint(plain), model_fingerprint(r1), model_fingerprint(r2)}) == 3
+
+
+def test_a_rollout_for_new_labels_surges_onto_a_matching_node() -> None:
+    old = model("m")
+    new = attrs.evolve(old, profile=Profile(node_labels={"rack": "r2"}))
+    f = fleet(labelled("a", {"rack": "r1"}, shards=(shard("m-1", "m", fingerprint=model_fingerprint(old)),)),
+              labelled("b", {"rack": "r2"}))
+    (start,) = run([new], f)
+    assert isinstance(start, StartReplica) and start.node_id == "b"

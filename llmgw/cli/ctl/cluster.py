@@ -12,6 +12,7 @@ import trio
 from llmgw.cli.ctl.common import call, json_option, mb, target_of
 from llmgw.cli.output import fail, print_table
 from llmgw.client import ClientError, ClusterClient, ReplicaRow
+from llmgw.labels import describe as describe_labels
 from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG
 
 
@@ -75,8 +76,9 @@ def _list_nodes(ctx: click.Context, as_json: bool) -> None:
         gpus = f"{len(hw.gpus)}x {hw.gpus[0].name}" if hw.gpus else (hw.gpu_note or "none")
         engines = ",".join(_engine_cell(e) for e in n.engines if _shown(e)) or "-"
         table.append([n.id, n.state, n.address, hw.cpu_count, f"{mb(hw.memory_available_mb)}/{mb(hw.memory_total_mb)}",
-                      gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s"])
-    print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT"],
+                      gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s", describe_labels(n.labels)])
+    print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT",
+                 "LABELS"],
                 table, empty="no nodes have joined")
     for n in rows:
         if n.config_problem:

@@ -16,6 +16,7 @@ from llmgw.catalog import CatalogError, model_to_dict, validate_model
 from llmgw.cli.ctl.common import call, json_option, mb, remove
 from llmgw.cli.output import fail, print_table
 from llmgw.client import Rollout
+from llmgw.labels import parse_pairs
 from llmgw.spec import ModelSpec
 
 
@@ -73,6 +74,8 @@ def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
               help="A LoRA adapter: its name (requests name it as their model) and where its files are (repeat).")
 @click.option("--max-loaded-adapters", type=int,
               help="vllm/sim: at most N adapters loaded per replica, loaded on first use [0: all at start].")
+@click.option("--node-labels", "node_labels", multiple=True, metavar="KEY=VALUE[,...]",
+              help="Place replicas only on nodes carrying these labels (agent.yaml labels, `ctl nodes add --labels`).")
 @click.option("--replace", is_flag=True,
               help="Replace the model if it exists; replicas of the old definition are replaced one at a time.")
 @json_option
@@ -80,7 +83,7 @@ def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
 def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | None, source: str,
                replicas: int | None, memory_mb: int | None, cpu_cores: float | None, gpus: int | None,
                args: tuple[str, ...], envs: tuple[str, ...], adapters: tuple[str, ...],
-               max_loaded_adapters: int | None, replace: bool, as_json: bool) -> None:
+               max_loaded_adapters: int | None, node_labels: tuple[str, ...], replace: bool, as_json: bool) -> None:
     """Add a model to the catalog; the cluster places its replicas."""
     data: dict[str, Any] = {}
     if file is not None:
@@ -111,6 +114,11 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
                 fail(f"--env {item!r}: expected KEY=VALUE")
             env[key] = value
         profile["engine_env"] = env
+    if node_labels:
+        try:
+            profile["node_labels"] = parse_pairs(node_labels)
+        except ValueError as exc:
+            fail(f"--node-labels: {exc}")
     if profile:
         data["profile"] = profile
     if adapters:

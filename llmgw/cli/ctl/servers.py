@@ -15,8 +15,10 @@ import click
 
 from llmgw.cli.ctl.common import call, json_option, target_of
 from llmgw.cli.output import fail, local_time, print_json, print_table
+from llmgw.config.agent import parse_engine_name
 from llmgw.config.values import parse_duration
-from llmgw.jointoken import DEFAULT_TTL_S
+from llmgw.jointoken import DEFAULT_TTL_S, NodeOverrides
+from llmgw.labels import parse_pairs
 
 
 @click.group()
@@ -63,19 +65,37 @@ def _seconds(ttl: str) -> float:
 @click.argument("name", required=False, default="")
 @click.option("--ttl", default=f"{DEFAULT_TTL_S:g}s", show_default=True,
               help="How long the token stays valid (30m, 2h, ...).")
+@click.option("--labels", "label_args", multiple=True, metavar="KEY=VALUE[,...]",
+              help="Labels the node gets in its agent.yaml (profiles' node_labels select nodes by them).")
+@click.option("--disable-engine", "disabled", multiple=True, metavar="ENGINE",
+              help="An engine the node never installs or runs (repeat for more): vllm, sglang, llama.cpp, sim.")
 @json_option
 @click.pass_context
-def nodes_add(ctx: click.Context, name: str, ttl: str, as_json: bool) -> None:
+def nodes_add(ctx: click.Context, name: str, ttl: str, label_args: tuple[str, ...], disabled: tuple[str, ...],
+              as_json: bool) -> None:
     """Mint a one-time join token for a new node and print the command to run on it.
 
     NAME is the node's name; without it the node takes its host name (or `agent join --name`).
+    The node writes --labels and --disable-engine into its agent.yaml when it joins.
     """
     seconds = _seconds(ttl)
-    new = call(ctx, as_json, lambda c: c.create_join_token("node", name, seconds),
+    try:
+        node_labels = parse_pairs(label_args)
+    except ValueError as exc:
+        fail(f"--labels: {exc}")
+    try:
+        overrides = NodeOverrides(node_labels, [parse_engine_name(e) for e in disabled])
+    except ValueError as exc:
+        fail(f"--disable-engine: {exc}")
+    new = call(ctx, as_json, lambda c: c.create_join_token("node", name, seconds, overrides),
                as_data=lambda t: {"name": name, "token": t.token, "expires_at": t.expires_at,
                                   "control_planes": list(t.control_planes),
+                                  "labels": dict(overrides.labels),
+                                  "disabled_engines": list(overrides.disabled_engines),
                                   "command": _join_command(t.control_planes, t.token, "agent")})
     who = f"node {name}" if name else "a node (named by its host name)"
+    if overrides:
+        who += f" with {overrides.describe()}"
     click.echo(f"join token for {who}, valid until {local_time(new.expires_at)} (once):")
     click.echo(f"  {new.token}")
     click.echo("On the new machine, run:")
@@ -118,7 +138,8 @@ def servers_list(ctx: click.Context, show_all: bool, as_json: bool) -> None:
     if shown:
         click.echo()
         print_table(["TOKEN", "FOR", "STATE", "EXPIRES", "BY", "USED FROM"],
-                    [[t.id, f"{t.role} {t.name}", t.state, local_time(t.expires_at), t.created_by, t.used_by or "-"]
+                    [[t.id, " ".join(filter(None, (t.role, t.name, t.overrides.describe() and
+                                                   f"({t.overrides.describe()})"))), t.state, local_time(t.expires_at), t.created_by, t.used_by or "-"]
                      for t in shown])
 
 
@@ -129,7 +150,8 @@ def _plane_data(p: Any) -> dict[str, Any]:
 
 def _token_data(t: Any) -> dict[str, Any]:
     return {"id": t.id, "role": t.role, "name": t.name, "state": t.state, "created_at": t.created_at,
-            "created_by": t.created_by, "expires_at": t.expires_at, "used_by": t.used_by}
+            "created_by": t.created_by, "expires_at": t.expires_at, "used_by": t.used_by,
+            "labels": dict(t.overrides.labels), "disabled_engines": list(t.overrides.disabled_engines)}
 
 
 @servers.command("remove")

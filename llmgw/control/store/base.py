@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Self
 
 import attrs
 
+from llmgw.jointoken import NodeOverrides
 from llmgw.spec import ModelSpec
 
 
@@ -104,6 +105,8 @@ class JoinTokenRecord:
     used_at: float | None = None
     used_by: str | None = None
     revoked_at: float | None = None
+    #: What a node joining with it writes into its agent.yaml (labels, disabled engines).
+    overrides: NodeOverrides = NodeOverrides()
 
     def state(self, now: float) -> str:
         """Returns ``used``, ``revoked``, ``expired`` or ``pending`` at Unix time ``now``."""

@@ -11,6 +11,8 @@ import hmac
 import time
 from typing import Any, Callable, TypeVar
 
+import attrs
+
 from llmgw.control.store.base import (
     CertificateRevokedError,
     ConflictError,
@@ -20,15 +22,17 @@ from llmgw.control.store.base import (
     JoinTokenRefused,
     NodeRemoval,
 )
+from llmgw.jointoken import NodeOverrides
 
 T = TypeVar("T")
 
-_TOKEN_COLUMNS = "id, role, name, created_at, created_by, expires_at, used_at, used_by, revoked_at"
+_TOKEN_COLUMNS = "id, role, name, created_at, created_by, expires_at, used_at, used_by, revoked_at, overrides"
 CONTROL_PLANE_COLUMNS = "name, rpc_address, http_address, first_seen, last_seen, serial"
 
 
 def _token(row: Any) -> JoinTokenRecord:
-    return JoinTokenRecord(*row)
+    *fields, overrides = row
+    return JoinTokenRecord(*fields, overrides=NodeOverrides.from_json(overrides))
 
 
 def _revoke_pending_tokens(tx: Any, role: str, name: str, now: float) -> int:
@@ -84,9 +88,9 @@ class EnrolmentStore:
             if tx.execute("SELECT 1 FROM join_tokens WHERE id = ?", (token.id,)):
                 raise ConflictError(f"a join token with id {token.id!r} already exists")
             tx.execute(
-                f"INSERT INTO join_tokens ({_TOKEN_COLUMNS}, secret_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO join_tokens ({_TOKEN_COLUMNS}, secret_sha256) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (token.id, token.role, token.name, token.created_at, token.created_by, token.expires_at,
-                 token.used_at, token.used_by, token.revoked_at, secret_sha256),
+                 token.used_at, token.used_by, token.revoked_at, token.overrides.to_json(), secret_sha256),
             )
             return token
 
@@ -127,8 +131,7 @@ class EnrolmentStore:
                                  "AND revoked_at IS NULL RETURNING id", (at, used_by, token_id))
             if not updated:
                 raise JoinTokenRefused(f"the join token for {token.name!r} was used already")
-            return JoinTokenRecord(token.id, token.role, token.name, token.created_at, token.created_by,
-                                   token.expires_at, at, used_by, None)
+            return attrs.evolve(token, used_at=at, used_by=used_by, revoked_at=None)
 
         return await self._run(write, write=True)  # type: ignore[no-any-return]
 

@@ -292,6 +292,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=9,
+        name="node join overrides",
+        statements=(
+            # What a node joining with the token writes into its agent.yaml (`llmgw ctl nodes
+            # add --labels ... --disable-engine ...`): llmgw.jointoken.NodeOverrides as JSON.
+            "ALTER TABLE join_tokens ADD COLUMN overrides TEXT NOT NULL DEFAULT '{{}}'",
+        ),
+    ),
 )
 
 

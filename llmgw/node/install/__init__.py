@@ -78,7 +78,7 @@ import importlib
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 import attrs
 import trio
@@ -253,8 +253,15 @@ RETRY_BACKOFF_MIN = 10.0
 RETRY_BACKOFF_MAX = 30 * 60.0
 
 
+#: What a node says of an engine its agent.yaml disables.
+DISABLED_DETAIL = "disabled on this node (agent.yaml disabled_engines)"
+
+
 class Converger:
     """Makes this node's engines match what the control plane wants.
+
+    Engines in ``disabled`` (agent.yaml ``disabled_engines``) are never installed: they are
+    reported as not installed and not installable, saying so.
 
     :meth:`want` sets the wanted ``{engine: version}``; :meth:`run` keeps one task per
     wanted engine, each in its own cancel scope (an engine dropped from the wanted set,
@@ -270,8 +277,10 @@ class Converger:
         recheck_interval: float = RECHECK_INTERVAL,
         backoff_min: float = RETRY_BACKOFF_MIN,
         backoff_max: float = RETRY_BACKOFF_MAX,
+        disabled: Iterable[str] = (),
     ) -> None:
-        self.installers = dict(installers)
+        self.disabled = frozenset(disabled)
+        self.installers = {name: i for name, i in installers.items() if name not in self.disabled}
         self.recheck_interval = recheck_interval
         self.backoff_min = backoff_min
         self.backoff_max = backoff_max
@@ -282,6 +291,8 @@ class Converger:
         self._version = 0
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        for name in sorted(self.disabled):  # reported, so placement says why nothing of it lands here
+            self._infos[name] = EngineInfo(name, installed=False, detail=DISABLED_DETAIL)
 
     # -- what others read ------------------------------------------------------------
 
