@@ -12,11 +12,14 @@ What it does, in order, saying each step:
    only the control planes, the TLS files and what differs from the defaults (the node id
    where it is not the host name, the state directory, the labels and disabled engines the
    token carries from ``ctl nodes add``);
-4. installs and starts ``llmgw-agent.service`` where systemd runs (``--no-start``: not).
+4. creates the engines' user (``--engine-user``, default ``llmgw-engine``) where missing,
+   noting it beside agent.yaml for ``llmgw wipe``;
+5. installs and starts ``llmgw-agent.service`` where systemd runs (``--no-start``: not).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -27,9 +30,10 @@ from llmgw.cli.joining import (install_and_start, join_arguments, joined_as, lay
                                write_private)
 from llmgw.cli.output import fail
 from llmgw.cli.units import UNIT_DIR
-from llmgw.config.agent import AgentTLS
+from llmgw.config.agent import AgentTLS, parse_user_name
 from llmgw.config.defaults import DEFAULT_AGENT_STATE_DIR
 from llmgw.config.values import parse_node_id
+from llmgw.node.engine_user import CREATED_USERS_FILE, DEFAULT_ENGINE_USER
 from llmgw.rpc.tls import IssuedCert, TLSFileError, new_private_key, write_credentials
 
 AGENT_UNIT = "llmgw-agent.service"
@@ -58,6 +62,25 @@ def _hardware_line() -> str:
             f"({hw.memory_available_mb / 1024:.1f} GiB available); {gpus}")
 
 
+def _engine_user_line(name: str, record: Path) -> str:
+    """Creates the engines' user ``name`` where missing (as root, noted in ``record`` for
+    `llmgw wipe`); returns what it did in words. A user that cannot be created is said, not
+    fatal: the agent fails each shard with the same reason until it exists."""
+    from llmgw.node.engine_user import create_user, user_exists
+
+    if not name:
+        return "engines run as the agent's own user (--engine-user \"\")"
+    if user_exists(name):
+        return f"engines run as {name} (the user exists)"
+    if os.geteuid() != 0:
+        return f"WARNING: the engines' user {name} does not exist and only root can create it: replicas fail until it does"
+    try:
+        create_user(name, record=record)
+    except OSError as exc:
+        return f"WARNING: {exc}: replicas fail until the user exists"
+    return f"created the engines' user {name} (no login, no home; engines run as it)"
+
+
 @click.command("join")
 @click.option("--server", "servers", required=True, metavar="ADDR[,ADDR...]",
               help="RPC address(es) of the cluster's control planes, as `ctl nodes add` printed them.")
@@ -67,15 +90,21 @@ def _hardware_line() -> str:
 @click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), default=UNIT_DIR, show_default=True,
               help="Where to install llmgw-agent.service.")
 @click.option("--no-start", is_flag=True, help="Write everything, but do not install or start the unit.")
+@click.option("--engine-user", default=DEFAULT_ENGINE_USER, show_default=True,
+              help='The unprivileged user engines run as, created when missing; "" runs them as the agent\'s user.')
 @release_root_option
 @click.pass_context
 def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, state_dir: Path, unit_dir: Path,
-               no_start: bool, release_root: Path | None) -> None:
+               engine_user: str, no_start: bool, release_root: Path | None) -> None:
     """Join this machine to a cluster as a node, with a token from `llmgw ctl nodes add`."""
     from llmgw.cli.common import run_trio
     from llmgw.client.join import JoinError, redeem
 
     config_path: Path = (ctx.obj or {}).get("config_path") or DEFAULT_AGENT_CONFIG
+    try:
+        engine_user = parse_user_name(engine_user)
+    except ValueError as exc:
+        fail(f"--engine-user: {exc}")
     parsed, addresses = join_arguments(token, servers)
     tls_dir = state_dir / TLS_SUBDIR
     joined = joined_as(tls_dir, parsed.ca_sha256, "node")
@@ -104,11 +133,14 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
     if state_dir != DEFAULT_AGENT_STATE_DIR:
         config["state_dir"] = str(state_dir)
     config.update(grant.overrides.agent_yaml())
+    if engine_user != DEFAULT_ENGINE_USER:
+        config["engine_user"] = engine_user
     write_private(config_path, "# Written by `llmgw agent join`; see docs/config.md (agent.yaml).\n"
                   + yaml.safe_dump(config, sort_keys=False),
                   hint="run as root, or pass `llmgw agent --config PATH join`")
     given = f"; {grant.overrides.describe()}" if grant.overrides else ""
     click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)}{given})")
+    click.echo(f"  {_engine_user_line(engine_user, config_path.parent / CREATED_USERS_FILE.name)}")
     click.echo(f"  this node has {_hardware_line()}")
     root = lay_out_release_root(release_root)
     if no_start:

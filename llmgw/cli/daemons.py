@@ -240,6 +240,7 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
              "set node_id to match, or issue a certificate for this node id")
     from llmgw.node import discovery
     from llmgw.node.agent import Agent
+    from llmgw.node.engine_user import wanted_user
     from llmgw.node.engines import node_engines
     from llmgw.node.fetch import FetchSettings
     from llmgw.node.install import Converger, InstallSettings, build_installers
@@ -273,7 +274,8 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
                 context=client_ssl_context(creds.ca_pem, creds.cert_pem, creds.key_pem),
                 supervisor=Supervisor(config.state_dir / "shards", host=engine_host, fetch_settings=fetch,
                                       engines=node_engines(config.llamacpp_threads, config.engine_paths),
-                                      disabled_engines=config.disabled_engines),
+                                      disabled_engines=config.disabled_engines,
+                                      engine_user=wanted_user(config.engine_user)),
                 engine_host=engine_host,
                 backoff_max=config.reconnect_backoff_max,
                 heartbeat_interval=config.heartbeat_interval,

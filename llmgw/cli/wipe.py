@@ -5,7 +5,8 @@ root for a test or a mounted disk): llmgw's systemd units, the engines the agent
 (from its shard records: pid, start time and command line, so nothing else is signalled),
 llmgw's nft table, ``/etc/llmgw``, the control plane's and the agent's state directories,
 the cluster CA in the system trust store if llmgw put it there, keepalived's configuration
-if ``llmgw server join --vip`` wrote it. The control plane's SQLite store (``--store``) and
+if ``llmgw server join --vip`` wrote it, the users ``llmgw agent join`` created (noted in
+``/etc/llmgw/created-users``). The control plane's SQLite store (``--store``) and
 the agent's model weights (``--models``) stay unless asked for (``--all``: both). It prints
 the plan, asks the operator to type the machine's name (``--yes``: scripts), then carries
 it out, saying each step. Nothing outside the plan is touched: a directory is removed whole
@@ -29,6 +30,7 @@ from llmgw.cli.keepalived import WRITTEN_BY
 from llmgw.cli.output import fail
 from llmgw.cli.service import systemctl_or_fail
 from llmgw.config.defaults import DEFAULT_AGENT_STATE_DIR, DEFAULT_SQLITE_NAME
+from llmgw.node.engine_user import CREATED_USERS_FILE, created_users
 
 #: Paths as on a machine set up by llmgw's own commands, relative to the root.
 CONFIG_DIR = Path("etc/llmgw")
@@ -44,6 +46,10 @@ WEIGHTS_SUBDIR = "weights"
 NFT_TABLE = ("inet", "llmgw")
 #: Seconds an engine gets to exit on SIGTERM before SIGKILL.
 ENGINE_STOP_GRACE_S = 10.0
+#: Seconds userdel may take (it locks /etc/passwd).
+USERDEL_TIMEOUT_S = 60.0
+#: userdel's exit status for a user that does not exist (gone already: nothing to do).
+USERDEL_NO_SUCH_USER = 6
 
 
 @attrs.frozen
@@ -79,6 +85,8 @@ def plan_wipe(root: Path, *, models: bool, store: bool) -> WipePlan:
         plan.steps.append(Step(f"delete nft table {' '.join(NFT_TABLE)}",
                                lambda: _run(["nft", "delete", "table", *NFT_TABLE])))
     weights = _configured(root, "agent.yaml", "weights_dir", agent_state.relative_to(root) / WEIGHTS_SUBDIR)
+    for user in created_users(root / CONFIG_DIR / CREATED_USERS_FILE.name):
+        plan.steps.append(Step(f"remove user {user} (created by llmgw agent join)", _user_remover(root, user)))
     _plan_tree(plan, root / CONFIG_DIR, keep=set())
     store_file = server_state / DEFAULT_SQLITE_NAME
     _plan_tree(plan, server_state,
@@ -142,6 +150,21 @@ def _remover(path: Path) -> Callable[[], None]:
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
+    return remove
+
+
+def _user_remover(root: Path, user: str) -> Callable[[], None]:
+    """Returns the action removing ``user`` from the machine at ``root`` (userdel; ``--root`` for
+    a scratch root, whose own etc/passwd it edits). A user already gone is fine."""
+    def remove() -> None:
+        argv = [shutil.which("userdel") or "/usr/sbin/userdel"]
+        if root != Path("/"):
+            argv += ["--root", str(root.resolve())]
+        argv.append(user)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=USERDEL_TIMEOUT_S)
+        if done.returncode not in (0, USERDEL_NO_SUCH_USER):
+            raise OSError(f"userdel {user} failed: {(done.stderr or done.stdout).strip()}")
+
     return remove
 
 

@@ -6,6 +6,7 @@ returns a frozen :class:`AgentConfig`.
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Any, Mapping
@@ -90,6 +91,9 @@ class AgentConfig:
     labels: Mapping[str, str] = attrs.field(factory=dict, converter=frozen_mapping)
     #: ``disabled_engines``: engines this node never installs or runs (``ctl nodes add --disable-engine``).
     disabled_engines: frozenset[str] = frozenset()
+    #: ``engine_user``: who engines run as (llmgw/node/engine_user.py); None = the default
+    #: (``llmgw-engine`` for an agent running as root), "" = the agent's own user.
+    engine_user: str | None = None
 
 
 def load_agent_config(
@@ -140,9 +144,24 @@ def load_agent_config(
         engine_paths=_read_engine_paths(reader, top.raw("engines")),
         labels=top.get("labels", check_labels, {}),
         disabled_engines=frozenset(top.get_list("disabled_engines", parse_engine_name, ())),
+        engine_user=top.get("engine_user", parse_user_name, None),
     )
     top.finish()
     return config
+
+
+#: A user name as useradd takes it (or "": the agent's own user).
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def parse_user_name(value: Any) -> str:
+    """Returns the user name ``value`` (``engine_user``); "" is the agent's own user. Raises ValueError otherwise."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not _USER_NAME.fullmatch(value):
+        raise ValueError(f"{show(value)} is not a user name (lower-case letters, digits, '_' and '-'), "
+                         'or "" for the agent\'s own user')
+    return value
 
 
 def parse_engine_name(value: Any) -> str:

@@ -31,6 +31,8 @@ import attrs
 import psutil
 import trio
 
+from llmgw.node.engine_user import EngineUser
+
 logger = logging.getLogger(__name__)
 
 # How many of an engine's last output lines are kept in memory per shard: enough for
@@ -254,15 +256,21 @@ def adopt(identity: ProcessIdentity) -> AdoptedProcess | None:
 
 
 async def spawn(
-    argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, cwd: Path | None = None
+    argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, cwd: Path | None = None,
+    user: EngineUser | None = None,
 ) -> SpawnedProcess:
     """Starts ``argv`` in a new session with output appended to ``log_path``; returns its handle.
 
     stdin is /dev/null and stdout+stderr go to the log file, whose descriptor the agent
     closes right after the spawn: the engine holds nothing that ties it to the agent.
-    Raises OSError if the program cannot be started (missing executable, bad cwd).
+    With ``user`` the process runs as that user, its groups exactly ``user.groups`` (the
+    switch happens in the child before exec; None: as the agent). Raises OSError if the
+    program cannot be started (missing executable, bad cwd, a user it cannot switch to).
     """
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    identity: dict[str, object] = {}
+    if user is not None:
+        identity = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
     try:
         proc = await trio.lowlevel.open_process(
             list(argv),
@@ -272,6 +280,7 @@ async def spawn(
             start_new_session=True,
             env=dict(env),
             cwd=cwd,
+            **identity,
         )
     finally:
         os.close(fd)

@@ -43,6 +43,8 @@ from llmgw.node import markers, shard_state
 from llmgw.node.drain import DrainResult
 from llmgw.node.drain import drain as drain_engine
 from llmgw.node.engine_secret import auth_headers, secret_env
+from llmgw.node.engine_user import ENGINE_HOME_DIR, EngineUser, EngineUserError, home_env, prepare_home
+from llmgw.node.engine_user import resolve as resolve_engine_user
 from llmgw.node.engines import Engine, EngineRefused, base_environment
 from llmgw.node.engines import compute as engine_compute
 from llmgw.node.engines.load import in_flight_probe
@@ -157,6 +159,10 @@ class ShardContext:
     policy: RestartPolicy
     fetch_settings: FetchSettings
     taken_ports: Callable[[], set[int]] = set
+    #: Who engines run as (agent.yaml ``engine_user`` as :func:`~llmgw.node.engine_user.wanted_user`
+    #: gives it; "": the agent's own user), and where each shard's home is made for it.
+    engine_user: str = ""
+    engine_home: Path | None = None  # None: ENGINE_HOME_DIR beside the state directory
 
 
 class Shard:
@@ -462,6 +468,9 @@ class Shard:
                     return
                 try:
                     process = await self._spawn()
+                except EngineUserError as exc:  # retrying cannot create the user: say so and stop
+                    await self._give_up(str(exc), ())
+                    return
                 except OSError as exc:
                     outcome = f"the engine could not be started: {exc}"
                 except FetchError as exc:
@@ -563,13 +572,15 @@ class Shard:
             argv = self.engine.argv(spec, self._context.host, self.port, kv_events=self.record.kv_events)  # type: ignore[call-arg]
         else:
             argv = self.engine.argv(spec, self._context.host, self.port)
+        user, home = await trio.to_thread.run_sync(self._engine_home)
         env = {
             **base_environment(),
+            **(home_env(home) if user is not None else {}),
             **self.engine.env(spec),
             **markers.marker_env(self._context.state_dir, spec.id),
             **secret_env(spec),  # in the environment, not argv: /proc/PID/cmdline is world-readable
         }
-        process = await spawn(argv, env=env, log_path=log_path, cwd=self.dir)
+        process = await spawn(argv, env=env, log_path=log_path, cwd=home if user is not None else self.dir, user=user)
         self._process = process  # before any checkpoint: a stop from now on must find it
         self.record.identity = process.identity
         try:
@@ -588,6 +599,14 @@ class Shard:
             adapters=tuple((a.name, a.source) for a in spec.adapters),
         )
         return process
+
+    def _engine_home(self) -> tuple[EngineUser | None, Path]:
+        """Blocking: returns who the engine runs as (None: the agent) and the engines' home (made
+        for that user). Raises EngineUserError for a user that cannot be used, OSError for a home
+        that cannot be made."""
+        user = resolve_engine_user(self._context.engine_user)
+        home = self._context.engine_home or self._context.state_dir.parent / ENGINE_HOME_DIR
+        return user, prepare_home(home, user) if user is not None else home
 
     async def _stop_unrecorded(self, process: EngineProcess, exc: OSError) -> None:
         """Stops an engine whose identity could not be persisted (shielded: never left running)."""

@@ -79,11 +79,14 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         fetch_settings: FetchSettings | None = None,
         disabled_engines: Iterable[str] = (),
+        engine_user: str = "",
     ) -> None:
         self.state_dir = Path(state_dir)
         #: Engines agent.yaml's ``disabled_engines`` names: no new shard of them starts here (one
         #: already running is still adopted and stopped as usual).
         self.disabled_engines = frozenset(disabled_engines)
+        #: Who engines run as (llmgw/node/engine_user.py; "": the agent's own user).
+        self.engine_user = engine_user
         #: Where weights of shards with an http(s)/hf:// source are fetched to before start
         #: (default: ``<state_dir>/../weights``, the agent's default weights directory).
         self.fetch_settings = fetch_settings or FetchSettings(weights_dir=self.state_dir.parent / "weights")
@@ -225,7 +228,8 @@ class Supervisor:
 
     def _new_shard(self, record: ShardRecord, engine: Engine | None, reporter: ShardReporter | None) -> Shard:
         """Returns the (not yet running) shard of ``record``, sharing this supervisor's settings."""
-        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings, taken_ports=self.ports)
+        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings, taken_ports=self.ports,
+                               engine_user=self.engine_user)
         return Shard(record, engine, reporter, context=context, on_stopped=self._forget)
 
     def _forget(self, shard: Shard) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib
 import signal
 import sys
 from typing import Callable
@@ -84,8 +85,19 @@ async def _cancel_on_signal(scope: trio.CancelScope, *, task_status: trio.TaskSt
             return
 
 
+def _undumpable() -> None:
+    """Keeps this engine's secret from other engines of its user when the agent asks for it (the
+    engine path's ``llmgw_undumpable``, on PYTHONPATH where the agent started it)."""
+    try:
+        undumpable = importlib.import_module("llmgw_undumpable")
+    except ImportError:  # run by hand: nothing to keep
+        return
+    undumpable.apply()
+
+
 def main(cfg: SimConfig) -> int:
     """Run the simulated engine in a fresh trio loop (the CLI); return the process exit status."""
+    _undumpable()
 
     def announce(port: int) -> None:
         print(f"llmgw-sim: serving {cfg.model} on http://{cfg.host}:{port}", file=sys.stderr, flush=True)

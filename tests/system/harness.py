@@ -205,6 +205,10 @@ class Cluster:
             # Tests run as root: an agent keeping its nft table would change this machine's
             # firewall. tests/system/test_firewall.py runs one inside a network namespace.
             "firewall": False,
+            # As root, engines would run as llmgw-engine, which this machine need not have (and
+            # which could not run the interpreter under /root): tests/system/test_least_privilege.py
+            # runs them as an engines' user of its own.
+            "engine_user": "",
             **(extra or {}),
         }))
         return path

@@ -28,7 +28,7 @@ def agent_join(tmp_path: Path, node: str, token: str, server: str, *extra: str,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*LLMGW, "agent", "--config", str(tmp_path / f"{node}.yaml"), "join", "--server", server, "--token", token,
-         "--state-dir", str(tmp_path / node), *extra],
+         "--state-dir", str(tmp_path / node), "--engine-user", "", *extra],
         capture_output=True, text=True, timeout=WAIT, env={**os.environ, **(env or {})},
     )
 
@@ -50,7 +50,8 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         assert "node n1" in out.stdout and "this node has " in out.stdout and " CPUs, " in out.stdout
         written = yaml.safe_load((tmp_path / "n1.yaml").read_text())
         assert written["control_planes"] == [cluster.rpc] and written["node_id"] == "n1"
-        assert written["tls"]["key"] == str(tmp_path / "n1" / "tls" / "key.pem")
+        assert written["tls"]["key"] == str(tmp_path / "n1" / "tls" / "key.pem") and written["engine_user"] == ""
+        assert "engines run as the agent's own user" in out.stdout
         assert (tmp_path / "n1" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
         again = agent_join(tmp_path, "n1", token, cluster.rpc, "--no-start")
         assert again.returncode == 0 and "joined this cluster already, as node n1" in again.stdout, again.stderr

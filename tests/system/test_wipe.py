@@ -5,6 +5,7 @@ engines the agent supervises (a real process recorded as a shard's engine)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,3 +115,26 @@ def test_a_keepalived_configuration_llmgw_did_not_write_stays_and_moved_state_is
     assert "keeps " + str(root / "etc/keepalived/keepalived.conf") + ": not written by llmgw" in out.stdout
     assert (root / "etc/keepalived/keepalived.conf").exists()
     assert not (root / "srv/agent/tls").exists() and (root / "srv/agent/weights/w.gguf").exists()
+
+
+@pytest.mark.skipif(shutil.which("userdel") is None, reason="userdel (Debian's passwd package) is not installed")
+@pytest.mark.skipif(os.geteuid() != 0, reason="userdel --root chroots into the scratch root: root only")
+def test_wipe_removes_the_users_llmgw_created_and_no_other(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    etc = root / "etc"
+    (etc / "llmgw").mkdir(parents=True)
+    (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n"
+                                "llmgw-engine:x:998:998:llmgw engines:/nonexistent:/usr/sbin/nologin\n"
+                                "postgres:x:105:110::/var/lib/postgresql:/bin/bash\n")
+    (etc / "group").write_text("root:x:0:\nllmgw-engine:x:998:\npostgres:x:110:\n")
+    (etc / "shadow").write_text("root:*:19000:0:99999:7:::\nllmgw-engine:!:19000::::::\npostgres:!:19000::::::\n")
+    (etc / "gshadow").write_text("root:*::\nllmgw-engine:!::\npostgres:!::\n")
+    (etc / "login.defs").write_text("USERGROUPS_ENAB yes\n")  # as Debian's: a user's own group goes with it
+    (etc / "llmgw" / "created-users").write_text("llmgw-engine\n")
+
+    out = wipe(root, "--yes")
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "remove user llmgw-engine (created by llmgw agent join)" in out.stdout
+    assert [line.split(":")[0] for line in (etc / "passwd").read_text().splitlines()] == ["root", "postgres"]
+    assert [line.split(":")[0] for line in (etc / "group").read_text().splitlines()] == ["root", "postgres"]
+    assert not (etc / "llmgw").exists()

@@ -300,11 +300,13 @@ def test_server_errors(tmp_path: Path, text: str, message: str) -> None:
         ("engine_urls:\n  vllm: ftp://mirror/x\n", 'engine_urls.vllm: expected an http(s) URL, got "ftp://mirror/x"'),
         ("labels:\n  rack: r 1\n", "labels: label rack: 'r 1' cannot be a label value: " + RULE),
         ("labels: [rack=r1]\n", "labels: expected a mapping of label: value, got ['rack=r1']"),
+        ("engine_user: Root\n", 'engine_user: "Root" is not a user name (lower-case letters, digits, \'_\' and '
+                                 "'-'), or \"\" for the agent's own user"),
         ("disabled_engines: [vllm, trtllm]\n",
          'disabled_engines[1]: "trtllm" is not an engine llmgw runs (one of: llama.cpp, sglang, sim, vllm)'),
         ("servers: [a:1]\n",
          "unknown key 'servers' (known keys: cache_dir, control_planes, disabled_engines, engine_host, engine_urls, "
-         "engines, firewall, heartbeat_interval, hf_endpoint, install_dir, labels, llamacpp, log_level, node_id, "
+         "engine_user, engines, firewall, heartbeat_interval, hf_endpoint, install_dir, labels, llamacpp, log_level, node_id, "
          "pypi_index, "
          "reconnect_backoff_max, state_dir, tls, weights_dir)"),
     ],
@@ -320,6 +322,15 @@ def test_agent_labels_and_disabled_engines(tmp_path: Path) -> None:
     assert dict(config.labels) == {"rack": "r1", "tier": "2"}
     assert config.disabled_engines == frozenset({"llama.cpp", "vllm"})
     assert not load_agent_config(None).labels and not load_agent_config(None).disabled_engines
+    assert load_agent_config(None).engine_user is None
+
+
+def test_agent_engine_user(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("engine_user: ml-engines\n")
+    assert load_agent_config(path).engine_user == "ml-engines"
+    path.write_text('engine_user: ""\n')
+    assert load_agent_config(path).engine_user == ""
 
 
 def test_default_node_id_from_an_unusable_hostname(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import sys
 from pathlib import Path
 
@@ -40,7 +42,8 @@ def test_a_keyed_shard_runs_the_launcher_with_the_secret_in_its_environment_only
     assert "--api-key" not in argv and not any(key in a for a in argv)
     env = {**sglang_env(keyed), **secret_env(keyed)}
     assert env["LLMGW_SGLANG_API_KEY"] == key and env["PYTHONPATH"] == ENGINE_PATH
-    assert Path(ENGINE_PATH, f"{LAUNCHER_MODULE}.py").read_text().count("import llmgw") == 0  # SGLang's Python
+    launcher = Path(ENGINE_PATH, f"{LAUNCHER_MODULE}.py").read_text()
+    assert not re.search(r"(import|from) llmgw\b(?!_)", launcher)  # SGLang's Python: no llmgw package
     unkeyed = spec(gpus=(0,))
     assert "PYTHONPATH" not in sglang_env(unkeyed) and secret_env(unkeyed) == {}
 

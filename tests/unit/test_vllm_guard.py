@@ -6,6 +6,7 @@ in the environment."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,8 @@ def test_the_agent_adds_the_guard_and_hands_the_secret_over_in_the_environment()
     env = {**vllm_env(spec), **secret_env(spec)}
     assert env["VLLM_API_KEY"] == KEY and env["PYTHONPATH"] == GUARD_PATH
     modules = sorted(n for n in os.listdir(GUARD_PATH) if n != "__pycache__")
-    assert modules == ["llmgw_sglang_launch.py", "llmgw_vllm_guard.py"]  # llmgw's stdlib-only engine modules
-    assert Path(GUARD_PATH, "llmgw_vllm_guard.py").read_text().count("import llmgw") == 0  # runs in vLLM's Python
+    assert modules == ["llmgw_sglang_launch.py", "llmgw_undumpable.py", "llmgw_vllm_guard.py"]  # stdlib only
+    for module in modules:  # they run in vLLM's and SGLang's Python: no llmgw package there
+        assert not re.search(r"(import|from) llmgw\b(?!_)", Path(GUARD_PATH, module).read_text()), module
     keyless = ShardSpec(id="v", model="m", engine="vllm", source="/w/m")
     assert "--middleware" not in vllm_argv("py", keyless, "h", 1) and "PYTHONPATH" not in vllm_env(keyless)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, check_refused
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, check_refused
 from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.spec import ENGINE_BUILT_IN, EngineInfo, ShardSpec
@@ -107,9 +107,10 @@ class SimEngine:
         return [*argv, *sim_lora_args(spec), *args]
 
     def env(self, spec: ShardSpec) -> dict[str, str]:
-        """Returns the profile's env plus unbuffered output and a PYTHONPATH that finds llmgw."""
+        """Returns the profile's env plus unbuffered output and a PYTHONPATH that finds llmgw
+        (and the engine path's ``llmgw_undumpable``)."""
         inherited = os.environ.get("PYTHONPATH", "")
-        pythonpath = _PACKAGE_ROOT + (os.pathsep + inherited if inherited else "")
+        pythonpath = os.pathsep.join([_PACKAGE_ROOT, ENGINE_PATH] + ([inherited] if inherited else []))
         return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **spec.env}
 
     def check_args(self, spec: ShardSpec) -> None:

@@ -18,6 +18,11 @@ import os
 import runpy
 import sys
 
+try:
+    import llmgw_undumpable  # beside this module on the engine path
+except ImportError:  # imported as part of the llmgw package (its tests)
+    from . import llmgw_undumpable
+
 __all__ = ["API_KEY_ENV", "API_KEY_OPTION", "SERVER_MODULE", "main"]
 
 #: The variable the agent puts the secret in (llmgw.catalog.engine_options.API_KEY_ENV["sglang"]).
@@ -37,6 +42,7 @@ def main() -> None:
     (an unkeyed shard is started as ``python -m sglang.launch_server`` directly); otherwise
     returns or raises what SGLang's server does.
     """
+    llmgw_undumpable.apply()  # before anything: its environment holds the secret
     key = os.environ.pop(API_KEY_ENV, "")  # also unset for every process SGLang starts
     if not key:
         sys.stderr.write(

@@ -20,6 +20,15 @@ import json
 import os
 from typing import Any, Awaitable, Callable
 
+try:
+    import llmgw_undumpable  # beside this module on the engine path
+except ImportError:  # imported as part of the llmgw package (its tests)
+    from . import llmgw_undumpable
+
+# vLLM's API server imports this module as it builds its app: from then on its environment
+# (the secret) is unreadable to the other engines of the engines' user.
+llmgw_undumpable.apply()
+
 #: The variable the secret comes in (the one vLLM's own check reads too).
 API_KEY_ENV = "VLLM_API_KEY"
 #: Paths answered without the secret: vLLM's liveness checks (the agent polls /health).

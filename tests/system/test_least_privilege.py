@@ -1,0 +1,192 @@
+"""Engines run as the engines' user, not root (issue 18), with a real agent, real engines and a real user.
+
+As root (CI runs so): ``llmgw agent join --engine-user`` creates the user and notes it for
+``llmgw wipe``; the agent started from that agent.yaml runs two simulated engines. From /proc:
+each engine's uids and gids are the engines' user's. As that user: the agent's private key,
+the shard records (which hold every shard's secret) and the other engine's environment are
+unreadable (a plain process of the same user, for contrast, has its environment read). After an
+agent restart the engines are adopted with their pids; a shard whose engines' user does not
+exist fails with that reason.
+
+The engines' user must be able to run the agent's Python: this one lives under /root, so the
+agent here runs on the system's interpreter of the same version, with this environment's
+packages (skipped, saying so, where there is none).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+import yaml
+
+from llmgw.node.engine_user import UNDUMPABLE_ENV
+from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, iter_replicas, ready_replicas
+
+USER = "llmgw-test-engine"
+NODE = "lp-1"
+REPO = Path(__file__).resolve().parents[2]
+SITE = Path(sysconfig.get_paths()["purelib"])
+
+
+def reachable_by_others(path: Path) -> bool:
+    """Whether a user other than the owner can reach ``path`` (every directory above it searchable)."""
+    real = path.resolve()
+    return all(parent.stat().st_mode & 0o001 for parent in real.parents) and real.exists()
+
+
+def engine_python() -> str | None:
+    """An interpreter of this Python version that the engines' user can run, or None."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (Path(sys.executable), Path(f"/usr/bin/python{version}")):
+        if candidate.exists() and reachable_by_others(candidate) and reachable_by_others(candidate.resolve().parent):
+            out = subprocess.run([str(candidate), "-c", "import sys; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=WAIT)
+            if out.stdout.strip() == str(sys.version_info[:2]):
+                return str(candidate)
+    return None
+
+
+PYTHON = engine_python()
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="starting engines as another user needs root (CI runs as root)"),
+    pytest.mark.skipif(shutil.which("useradd") is None or shutil.which("userdel") is None,
+                       reason="useradd/userdel (Debian's passwd package) are not installed"),
+    pytest.mark.skipif(PYTHON is None, reason=f"no Python {sys.version_info[0]}.{sys.version_info[1]} that another user "
+                                              "can run (this one is under a private directory)"),
+    pytest.mark.skipif(not (reachable_by_others(REPO) and reachable_by_others(SITE)),
+                       reason="this checkout or its environment is not reachable by another user"),
+]
+
+#: Run by the engines' user: tries to read each path and prints {path: "read" | "denied" | "missing"}.
+PROBE = """
+import json, sys
+seen = {}
+for path in sys.argv[1:]:
+    try:
+        open(path, "rb").read()
+        seen[path] = "read"
+    except PermissionError:
+        seen[path] = "denied"
+    except FileNotFoundError:
+        seen[path] = "missing"
+print(json.dumps(seen))
+"""
+
+
+def agent_proc(config: Path, log: Path) -> Proc:
+    """The agent on the system interpreter with this environment's packages (its engines inherit both)."""
+    boot = (f"import runpy, site, sys; site.addsitedir({str(SITE)!r}); sys.argv = ['llmgw'] + sys.argv[1:]; "
+            "runpy.run_module('llmgw', run_name='__main__')")
+    return Proc([str(PYTHON), "-c", boot, "agent", "-c", str(config)], log, env={"PYTHONPATH": str(SITE)})
+
+
+def ids_of(pid: int) -> tuple[list[int], list[int]]:
+    """The real, effective, saved and filesystem uids and gids of ``pid``, from /proc."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return [int(x) for x in fields["Uid"].split()], [int(x) for x in fields["Gid"].split()]
+
+
+def as_engine_user(*paths: str) -> dict[str, str]:
+    entry = pwd.getpwnam(USER)
+    out = subprocess.run([str(PYTHON), "-c", PROBE, *paths], capture_output=True, text=True, timeout=WAIT,
+                         user=entry.pw_uid, group=entry.pw_gid, extra_groups=[], cwd="/")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def root() -> AsyncIterator[Path]:
+    """A cluster root other users can enter (pytest's own tmp_path is private to root); the
+    engines' user is removed after the test."""
+    path = Path(tempfile.mkdtemp(prefix="llmgw-least-privilege-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        subprocess.run(["userdel", USER], capture_output=True, timeout=WAIT)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secrets(root: Path) -> None:
+    subprocess.run(["userdel", USER], capture_output=True, timeout=WAIT)  # a leftover of a killed run
+    async with Cluster(root) as cluster:
+        token = cluster.ctl_json("nodes", "add", NODE)["token"]
+        config = root / f"{NODE}.yaml"
+        joined = subprocess.run(
+            [*LLMGW, "agent", "--config", str(config), "join", "--server", cluster.rpc, "--token", token,
+             "--state-dir", str(root / NODE), "--engine-user", USER, "--no-start"],
+            capture_output=True, text=True, timeout=WAIT)
+        assert joined.returncode == 0, joined.stderr + joined.stdout
+        assert f"created the engines' user {USER}" in joined.stdout
+        assert (root / "created-users").read_text() == f"{USER}\n"  # beside agent.yaml: what `llmgw wipe` removes
+        settings = yaml.safe_load(config.read_text())
+        assert settings["engine_user"] == USER
+        config.write_text(yaml.safe_dump({**settings, "engine_host": "127.0.0.1", "firewall": False}))
+        engine_uid = pwd.getpwnam(USER).pw_uid
+        engine_gid = pwd.getpwnam(USER).pw_gid
+
+        agent = agent_proc(config, root / "agent-1.log")
+        cluster.agents[NODE] = agent
+        await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
+        assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
+        replicas = await ready_replicas(cluster, "m1", 2)
+        pids = sorted(r["pid"] for r in replicas)
+        for pid in pids:
+            uids, gids = ids_of(pid)
+            assert uids == [engine_uid] * 4 and gids == [engine_gid] * 4, (pid, uids, gids)
+            assert f"{UNDUMPABLE_ENV}=1".encode() in Path(f"/proc/{pid}/environ").read_bytes()  # root reads it
+
+        # A plain process of the engines' user: its environment is readable to that user, so a
+        # denial below is the engines' own doing, not a check that cannot succeed.
+        entry = pwd.getpwnam(USER)
+        plain = subprocess.Popen([str(PYTHON), "-c", "import time; time.sleep(600)"], user=entry.pw_uid,
+                                 group=entry.pw_gid, extra_groups=[], cwd="/", env={"PLAIN": "1"})
+        try:
+            key = root / NODE / "tls" / "key.pem"
+            records = sorted(str(p) for p in (root / NODE / "shards").rglob("state.json"))
+            assert len(records) == 2
+            seen = as_engine_user(str(key), *records, f"/proc/{pids[0]}/environ", f"/proc/{pids[1]}/environ",
+                                  f"/proc/{plain.pid}/environ", f"/proc/{pids[0]}/cmdline")
+        finally:
+            plain.kill()
+            plain.wait()
+        assert seen[str(key)] == "denied" and all(seen[r] == "denied" for r in records), seen
+        assert seen[f"/proc/{pids[0]}/environ"] == seen[f"/proc/{pids[1]}/environ"] == "denied", seen
+        assert seen[f"/proc/{plain.pid}/environ"] == "read" and seen[f"/proc/{pids[0]}/cmdline"] == "read", seen
+
+        # The agent restarts: it adopts the engines, which kept their pids and their user.
+        agent.signal(signal.SIGTERM)
+        await agent.wait_exit()
+        agent = agent_proc(config, root / "agent-2.log")
+        cluster.agents[NODE] = agent
+        await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
+        again = await ready_replicas(cluster, "m1", 2)
+        assert sorted(r["pid"] for r in again) == pids
+
+        # An engines' user that does not exist: the new shard fails, saying so; nothing runs as root.
+        agent.signal(signal.SIGTERM)
+        await agent.wait_exit()
+        config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "engine_user": "llmgw-nobody-here"}))
+        agent = agent_proc(config, root / "agent-3.log")
+        cluster.agents[NODE] = agent
+        await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
+        assert cluster.ctl("models", "add", "m2", "--engine", "sim").returncode == 0
+
+        def m2_failed() -> bool:
+            return any(r["state"] == "failed" and "the engines' user 'llmgw-nobody-here' does not exist" in r["message"]
+                       for r in iter_replicas(cluster, "m2"))
+
+        await eventually(m2_failed, "m2's replica failed for the missing engines' user")
+        assert sorted(r["pid"] for r in await ready_replicas(cluster, "m1", 2)) == pids
