@@ -13,7 +13,8 @@ What it does, in order, saying each step:
    where it is not the host name, the state directory, the labels and disabled engines the
    token carries from ``ctl nodes add``);
 4. creates the engines' user (``--engine-user``, default ``llmgw-engine``) where missing,
-   noting it beside agent.yaml for ``llmgw wipe``;
+   noting it beside agent.yaml for ``llmgw wipe``, and runs ``llmgw doctor`` (what needs
+   attention is printed; the join goes on);
 5. installs and starts ``llmgw-agent.service`` where systemd runs (``--no-start``: not).
 """
 
@@ -81,6 +82,21 @@ def _engine_user_line(name: str, record: Path) -> str:
     return f"created the engines' user {name} (no login, no home; engines run as it)"
 
 
+def _doctor(config_path: Path) -> None:
+    """Runs `llmgw doctor` on the agent.yaml just written (engine checks too) and prints what needs
+    attention; the join goes on whatever it finds (the operator fixes, then runs it again)."""
+    from llmgw.cli.doctor import load_config, print_findings, run_doctor
+
+    click.echo("  llmgw doctor:")
+    config, problem = load_config(config_path)
+    report = run_doctor(config, config_problem=problem, quiet=True)
+    print_findings(report, indent="    ", only_serious=True)
+    fails = sum(f.severity.value == "fail" for f in report.findings)
+    warns = sum(f.severity.value == "warn" for f in report.findings)
+    verdict = "this node can run engines" if not fails else "fix the failures, then `llmgw doctor` again"
+    click.echo(f"    {fails} failure(s), {warns} warning(s): {verdict}")
+
+
 @click.command("join")
 @click.option("--server", "servers", required=True, metavar="ADDR[,ADDR...]",
               help="RPC address(es) of the cluster's control planes, as `ctl nodes add` printed them.")
@@ -142,6 +158,7 @@ def agent_join(ctx: click.Context, servers: str, token: str, name: str | None, s
     click.echo(f"  wrote {config_path} (control planes {', '.join(grant.control_planes)}{given})")
     click.echo(f"  {_engine_user_line(engine_user, config_path.parent / CREATED_USERS_FILE.name)}")
     click.echo(f"  this node has {_hardware_line()}")
+    _doctor(config_path)
     root = lay_out_release_root(release_root)
     if no_start:
         click.echo(f"not started (--no-start): run `llmgw agent --config {config_path}`")

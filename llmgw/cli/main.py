@@ -82,6 +82,8 @@ COMMANDS = {
                         "Remove llmgw from this machine, after listing exactly what goes and asking for the..."),
     "service": LazyCommand("llmgw.cli.service", "service",
                            "This machine's llmgw units (systemd): status, start, stop, restart."),
+    "doctor": LazyCommand("llmgw.cli.doctor", "doctor",
+                          "Check this node: what is wrong and how to fix it, most serious first (exit 1 on a..."),
     "firewall": LazyCommand("llmgw.cli.firewall", "firewall",
                             "llmgw's nft table on this machine (a control plane's; agents keep their own)."),
 }

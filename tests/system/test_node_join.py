@@ -12,6 +12,7 @@ a stand-in systemctl: systemd cannot run here).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -52,6 +53,7 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         assert written["control_planes"] == [cluster.rpc] and written["node_id"] == "n1"
         assert written["tls"]["key"] == str(tmp_path / "n1" / "tls" / "key.pem") and written["engine_user"] == ""
         assert "engines run as the agent's own user" in out.stdout
+        assert "  llmgw doctor:\n" in out.stdout and " failure(s), " in out.stdout  # onboarding runs the doctor
         assert (tmp_path / "n1" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
         again = agent_join(tmp_path, "n1", token, cluster.rpc, "--no-start")
         assert again.returncode == 0 and "joined this cluster already, as node n1" in again.stdout, again.stderr
@@ -76,6 +78,15 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
                   for n in ("n1", "n2")]
         cluster.agents.update(zip(("n1", "n2"), agents))
         await eventually(lambda: online(cluster) == {"n1", "n2"}, "both joined nodes online")
+        # The doctor on a joined node: the control plane answers its certificate; --json has the facts.
+        doctor = subprocess.run([*LLMGW, "doctor", "-c", str(tmp_path / "n1.yaml"), "--json", "--no-engine-checks"],
+                                capture_output=True, text=True, timeout=WAIT)
+        report = json.loads(doctor.stdout)
+        assert doctor.returncode == (0 if report["ok"] else 1), doctor.stderr
+        planes = [f for f in report["findings"] if f["topic"] == "control-plane"]
+        assert planes == [{"severity": "ok", "topic": "control-plane", "fix": "",
+                           "message": f"reachable with this node's certificate: {cluster.rpc}"}], planes
+        assert report["facts"]["control_planes"][0]["reachable"] and report["facts"]["cpus"] == os.cpu_count()
         nodes = {n["id"]: n for n in cluster.ctl_json("nodes")}
         assert nodes["n2"]["labels"] == {"rack": "r2", "zone": "eu"} and nodes["n1"]["labels"] == {}
         vllm_on_n2 = next(e for e in nodes["n2"]["engines"] if e["name"] == "vllm")
@@ -143,5 +154,6 @@ async def test_a_node_joins_with_a_token_once_serves_and_is_refused_once_removed
         assert f"ExecStart={root}/current/bin/python -m llmgw agent" in unit
         assert os.readlink(root / "current") == f"releases/{__version__}"
         assert (root / "current" / "bin" / "python").exists()
-        assert calls.read_text().splitlines() == ["is-system-running", "daemon-reload",
+        assert calls.read_text().splitlines() == ["show -p LimitMEMLOCK --value llmgw-agent.service",  # the doctor
+                                                  "is-system-running", "daemon-reload",
                                                   "enable --now llmgw-agent.service"]
