@@ -29,13 +29,52 @@ class ShardState(str, enum.Enum):
         return self in (ShardState.FAILED, ShardState.STOPPED)
 
 
+#: A MIG instance n on card c is placed as GPU MIG_INDEX_BASE + MIG_CARD_STRIDE * c + n. The base
+#: keeps MIG numbers clear of plain card indexes (a node has far fewer than 1000 cards); the
+#: stride is more than the 7 instances an A100/H100 can be cut into.
+MIG_INDEX_BASE = 1000
+MIG_CARD_STRIDE = 100
+
+
+def is_mig(index: int) -> bool:
+    """Returns whether placement index ``index`` is a MIG instance (not a whole card)."""
+    return index >= MIG_INDEX_BASE
+
+
+def gpu_display(index: int) -> str:
+    """Returns how every view shows a placement index: "0" for a card, "0/mig2" for a MIG instance."""
+    if not is_mig(index):
+        return str(index)
+    card, n = divmod(index - MIG_INDEX_BASE, MIG_CARD_STRIDE)
+    return f"{card}/mig{n}"
+
+
+def is_mig_class(gpu_class: str) -> bool:
+    """Returns whether ``gpu_class`` names MIG instances ("a100-80g-mig-3g.40gb")."""
+    return "-mig" in gpu_class
+
+
+def gpu_summary(gpus: Iterable[GpuInfo]) -> str:
+    """Returns ``gpus`` counted by class, as tables show them: "4x a100-80g-mig-1g.20gb, 3x a100-80g"
+    (a GPU of unknown class by its name); "" for none."""
+    counts: dict[str, int] = {}
+    for gpu in gpus:
+        key = gpu.gpu_class or gpu.name
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n}x {key}" for key, n in counts.items())
+
+
 @attrs.frozen
 class GpuInfo:
+    """One unit placement may use: a whole card, or a MIG instance (``index`` >= :data:`MIG_INDEX_BASE`,
+    ``uuid`` its MIG-... UUID). ``gpu_class``: "a100-80g", "a100-80g-mig-3g.40gb" ("" = unknown)."""
+
     index: int
     uuid: str
     name: str
     memory_total_mb: int
     memory_free_mb: int
+    gpu_class: str = ""
 
 
 @attrs.frozen
@@ -49,6 +88,11 @@ class Hardware:
     gpu_note: str = ""  # e.g. "no GPUs: NVML library not found"
     disk_free_mb: int = 0  # free space on the file system of the agent's weights directory (0 = unknown)
     disk_total_mb: int = 0
+    driver_version: str = ""  # the NVIDIA driver ("" = none)
+    cuda_version: str = ""  # the newest CUDA that driver supports
+    os: str = ""  # "Debian GNU/Linux 12 (bookworm)"
+    arch: str = ""  # "x86_64"
+    cpu_flags: tuple[str, ...] = ()  # the CPU's vector extensions (avx2, avx512f, asimd, sve, ...)
 
 
 @attrs.frozen
@@ -181,6 +225,8 @@ class ShardSpec:
     # The model definition this shard runs (llmgw.catalog.fingerprint): the agent keeps it across
     # adoption; a rollout replaces shards whose fingerprint is not their catalog model's ("" = unknown).
     fingerprint: str = ""
+    #: The UUID of each of ``gpus`` (GPU-... or MIG-...): a MIG instance is named to CUDA by it.
+    gpu_uuids: tuple[str, ...] = ()
 
 
 #: How an "unknown shard" answer begins, on the node and across the RPC (where only the
@@ -289,6 +335,8 @@ class Profile:
     engine_env: Mapping[str, str] = attrs.field(factory=dict, converter=lambda d: dict(d))
     #: Labels a node must carry (every one, same value) for a replica to be placed there; {} = any node.
     node_labels: Mapping[str, str] = attrs.field(factory=dict, converter=lambda d: dict(d))
+    #: The class of GPU each replica runs on ("h100-80g", "a100-80g-mig-3g.40gb"); "" = any.
+    gpu_class: str = ""
 
 
 @attrs.frozen
@@ -321,6 +369,7 @@ def model_to_dict(spec: ModelSpec) -> dict[str, Any]:
             "engine_env": dict(profile.engine_env),
             # Only when set: a catalog without labels reads (and exports) as it did before.
             **({"node_labels": dict(profile.node_labels)} if profile.node_labels else {}),
+            **({"gpu_class": profile.gpu_class} if profile.gpu_class else {}),
         },
         "adapters": adapters_to_dicts(spec.adapters),
         "max_loaded_adapters": spec.max_loaded_adapters,

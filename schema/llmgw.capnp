@@ -14,6 +14,7 @@ struct Gpu {
   name @2 :Text;
   memoryTotalMb @3 :UInt64;
   memoryFreeMb @4 :UInt64;
+  gpuClass @5 :Text;       # "a100-80g", "a100-80g-mig-3g.40gb"; index >= 1000: a MIG instance (card/migN)
 }
 
 struct Hardware {
@@ -24,6 +25,11 @@ struct Hardware {
   gpuNote @4 :Text;        # why there are no GPUs, in words ("no GPUs: NVML library not found")
   diskFreeMb @5 :UInt64;   # free space where the agent keeps model weights (0 = unknown)
   diskTotalMb @6 :UInt64;
+  driverVersion @7 :Text;  # NVIDIA driver ("" = none)
+  cudaVersion @8 :Text;    # the newest CUDA the driver supports
+  os @9 :Text;
+  arch @10 :Text;
+  cpuFlags @11 :List(Text); # the CPU's vector extensions
 }
 
 struct EngineInfo {
@@ -50,6 +56,7 @@ struct Profile {
   engineArgs @4 :List(Text);
   engineEnv @5 :List(KeyValue);
   nodeLabels @6 :List(Text);   # "key=value": a node must carry every one to run a replica
+  gpuClass @7 :Text;           # the GPU class each replica runs on ("" = any)
 }
 
 struct Model {
@@ -75,6 +82,7 @@ struct ShardSpec {
   maxLoadedAdapters @10 :UInt32; # 0: every adapter loaded at start; N: at most N at a time (vLLM, runtime API)
   fingerprint @11 :Text;        # the model definition this shard runs (rollouts compare it; kept across adoption)
   apiKey @12 :Text;             # the engine's secret: the gateway sends it as a Bearer token; never logged or shown
+  gpuUuids @13 :List(Text);     # the UUID of each of gpus (a MIG instance is named to CUDA by its MIG-... UUID)
 }
 
 enum ShardState {

@@ -3,7 +3,7 @@
 A rollout replaces replicas whose fingerprint differs from their catalog model's. The
 fingerprint covers what the model decides about each of its shards: engine, source,
 engine arguments and environment, adapters, ``max_loaded_adapters`` and the resources a
-replica reserves (memory, cores, GPU count), and the node labels it asks for. It leaves out what placement decides (shard id,
+replica reserves (memory, cores, GPU count), and the node labels and GPU class it asks for. It leaves out what placement decides (shard id,
 node, which GPU indices) and the replica count (scaling is not a rollout).
 
 Public API::
@@ -39,6 +39,7 @@ def definition_fingerprint(
     cpu_cores: float,
     gpus: int,
     node_labels: Mapping[str, str] | None = None,
+    gpu_class: str = "",
 ) -> str:
     """Returns the fingerprint (16 hex digits) of one definition's shard-deciding fields.
 
@@ -60,6 +61,8 @@ def definition_fingerprint(
     }
     if node_labels:
         data["node_labels"] = sorted(node_labels.items())
+    if gpu_class:  # likewise: only when set
+        data["gpu_class"] = gpu_class
     blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:FINGERPRINT_HEX_DIGITS]
 
@@ -78,6 +81,7 @@ def model_fingerprint(model: ModelSpec) -> str:
         cpu_cores=p.cpu_cores,
         gpus=p.gpus,
         node_labels=p.node_labels,
+        gpu_class=p.gpu_class,
     )
 
 

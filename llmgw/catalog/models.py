@@ -19,6 +19,7 @@ from llmgw.catalog.engine_options import device_violations, violations
 from llmgw.catalog.sources import SourceError, is_remote, parse_source
 from llmgw.labels import check_labels
 from llmgw.spec import ADAPTER_ENGINES, FREE_SOURCE_ENGINES, ON_DEMAND_ADAPTER_ENGINES, Adapter, ModelSpec, Profile
+from llmgw.spec import is_mig_class
 
 __all__ = [
     "KNOWN_ENGINES",
@@ -38,7 +39,7 @@ _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _TOP_KEYS = ("name", "engine", "source", "profile", "adapters", "max_loaded_adapters")
 _ADAPTER_KEYS = ("name", "source")
-_PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env", "node_labels")
+_PROFILE_KEYS = ("replicas", "memory_mb", "cpu_cores", "gpus", "engine_args", "engine_env", "node_labels", "gpu_class")
 
 
 class CatalogError(ValueError):
@@ -156,6 +157,7 @@ def _profile(engine: str, data: Any) -> Profile:
         node_labels = check_labels(data.get("node_labels") or {})
     except ValueError as exc:
         raise CatalogError("profile.node_labels", str(exc)) from None
+    gpu_class = _gpu_class(data.get("gpu_class") or "", gpus)
     return Profile(
         replicas=replicas,
         memory_mb=memory_mb,
@@ -164,7 +166,31 @@ def _profile(engine: str, data: Any) -> Profile:
         engine_args=args,
         engine_env=env,
         node_labels=node_labels,
+        gpu_class=gpu_class,
     )
+
+
+#: A GPU class as discovery names them: "h100-80g", "rtx-3080-10g", "a100-80g-mig-3g.40gb".
+_GPU_CLASS = re.compile(r"[a-z0-9][a-z0-9.-]{0,79}")
+def _gpu_class(value: Any, gpus: int) -> str:
+    """Returns ``profile.gpu_class`` checked; a MIG class takes exactly one instance per replica.
+
+    Raises CatalogError for a malformed class, or a MIG class with ``gpus`` other than 1 (tensor,
+    pipeline and data parallelism and several nodes come only from ``gpus``: the engine policy
+    refuses those options in ``engine_args``, so one instance means one device).
+    """
+    if not value:
+        return ""
+    if not isinstance(value, str) or not _GPU_CLASS.fullmatch(value):
+        raise CatalogError("profile.gpu_class", f"expected a GPU class as `llmgw ctl nodes` shows them "
+                           f"(lower case, e.g. h100-80g or a100-80g-mig-3g.40gb), got {value!r}")
+    if is_mig_class(value):
+        if gpus != 1:
+            raise CatalogError("profile.gpus", f"a replica on a MIG class ({value}) runs on exactly one instance: "
+                               f"gpus must be 1, got {gpus}")
+    elif gpus < 1:
+        raise CatalogError("profile.gpu_class", f"a GPU class ({value}) needs gpus of 1 or more, got {gpus}")
+    return value
 
 
 def _check_source(source: str, path: str, engine: str, what: str) -> None:

@@ -55,10 +55,11 @@ def _wanted_name(given: str | None) -> str:
 def _hardware_line() -> str:
     """Returns what the agent will report of this machine, in words (CPUs, memory, GPUs or why none)."""
     from llmgw.node.discovery import read_hardware
+    from llmgw.spec import gpu_display
 
     hw = read_hardware()
-    gpus = (", ".join(f"GPU {g.index} {g.name} ({g.memory_total_mb / 1024:.0f} GiB)" for g in hw.gpus)
-            if hw.gpus else hw.gpu_note or "no GPUs")
+    gpus = (", ".join(f"GPU {gpu_display(g.index)} {g.gpu_class or g.name} ({g.memory_total_mb / 1024:.0f} GiB)"
+                      for g in hw.gpus) if hw.gpus else hw.gpu_note or "no GPUs")
     return (f"{hw.cpu_count} CPUs, {hw.memory_total_mb / 1024:.1f} GiB memory "
             f"({hw.memory_available_mb / 1024:.1f} GiB available); {gpus}")
 

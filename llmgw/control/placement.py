@@ -59,7 +59,7 @@ import attrs
 from llmgw.catalog.fingerprint import model_fingerprint, shard_fingerprint
 from llmgw.control.registry import Fleet, NodeState, NodeView, ShardView
 from llmgw.labels import describe as describe_labels, matches as labels_match
-from llmgw.spec import GpuInfo, ModelSpec, ShardSpec, ShardState
+from llmgw.spec import GpuInfo, ModelSpec, ShardSpec, ShardState, is_mig, is_mig_class
 
 # A model whose replicas keep failing is started again after BASE, 2*BASE, 4*BASE, ...
 # seconds, capped at MAX: long enough not to spin on a broken model or weights, short
@@ -226,18 +226,30 @@ class _Need:
     cpu_cores: float
     gpus: int
     labels: tuple[tuple[str, str], ...] = ()  # node labels the profile asks for (every one)
+    gpu_class: str = ""  # the GPU class each replica runs on ("" = any)
 
     @classmethod
     def of(cls, model: ModelSpec) -> "_Need":
         p = model.profile
         return cls(model.engine, max(0, p.memory_mb), max(0.0, p.cpu_cores), max(0, p.gpus),
-                   tuple(sorted(p.node_labels.items())))
+                   tuple(sorted(p.node_labels.items())), p.gpu_class)
+
+    def usable(self, gpu: GpuInfo) -> bool:
+        """Whether ``gpu`` (free) may take one of this replica's GPUs: its class where one is asked
+        for, its free memory, and never a MIG instance for a replica spread over several GPUs
+        (an instance is a slice of a card: it runs one replica on itself alone)."""
+        if self.gpu_class and gpu.gpu_class != self.gpu_class:
+            return False
+        if self.gpus > 1 and is_mig(gpu.index):
+            return False
+        return gpu.memory_free_mb >= self.memory_mb
 
     def describe(self) -> str:
         parts = []
         if self.gpus:
             each = f" with {self.memory_mb} MB free each" if self.memory_mb else ""
-            parts.append(f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}{each}")
+            kind = f" of class {self.gpu_class}" if self.gpu_class else ""
+            parts.append(f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}{kind}{each}")
         elif self.memory_mb:
             parts.append(f"{self.memory_mb} MB memory")
         if self.cpu_cores:
@@ -265,6 +277,10 @@ class _Capacity:
         self._gpus_by_index = {g.index: g for g in hw.gpus}
         self.version = 0  # bumped on every reservation; stale heap entries are skipped
         self.pools: list[_Pool] = []
+
+    def uuids(self, gpus: tuple[int, ...]) -> tuple[str, ...]:
+        """Returns the UUID of each of ``gpus`` (as the node reported them)."""
+        return tuple(self._gpus_by_index[i].uuid for i in gpus)
 
     def reserve(self, spec: ShardSpec) -> None:
         if spec.gpus:
@@ -297,7 +313,9 @@ class _Capacity:
         if need.cpu_cores and self.cores_free + _EPSILON < need.cpu_cores:
             return None
         if need.gpus:
-            picked = [g.index for g in self.free_gpus if g.memory_free_mb >= need.memory_mb]
+            if need.gpus > 1 and is_mig_class(need.gpu_class):  # the catalog refuses it too
+                return None
+            picked = [g.index for g in self.free_gpus if need.usable(g)]
             if len(picked) < need.gpus:
                 return None
             return tuple(picked[: need.gpus])
@@ -322,11 +340,15 @@ class _Capacity:
             if self.gpu_total == 0:
                 note = self.node.hardware.gpu_note
                 short.append(("gpus", f"no GPUs{f' ({note})' if note else ''}"))
+            elif need.gpus > 1 and is_mig_class(need.gpu_class):
+                short.append(("gpus", f"MIG instances, which take one replica each, not {need.gpus}"))
             else:
-                fitting = [g for g in self.free_gpus if g.memory_free_mb >= need.memory_mb]
+                fitting = [g for g in self.free_gpus if need.usable(g)]
                 if len(fitting) < need.gpus:
                     with_mem = f" with {need.memory_mb} MB free" if need.memory_mb else ""
-                    short.append(("gpus", f"{len(fitting)} of {self.gpu_total} GPUs free{with_mem}"))
+                    kind = f" of class {need.gpu_class}" if need.gpu_class else ""
+                    whole = " whole" if need.gpus > 1 and any(is_mig(g.index) for g in self.free_gpus) else ""
+                    short.append(("gpus", f"{len(fitting)} of {self.gpu_total}{whole} GPUs{kind} free{with_mem}"))
         elif need.memory_mb and self.mem_free < need.memory_mb:
             short.append(("memory", f"{max(0, self.mem_free)} MB free"))
         if need.cpu_cores and self.cores_free + _EPSILON < need.cpu_cores:
@@ -626,6 +648,7 @@ def plan(
                 max_loaded_adapters=model.max_loaded_adapters,
                 fingerprint=fingerprint,
                 api_key=new_secret(),
+                gpu_uuids=cap.uuids(gpus),
             )
             cap.reserve(spec)
             cap.version += 1

@@ -78,6 +78,7 @@ class ShardRecord:
                 "max_loaded_adapters": spec.max_loaded_adapters,
                 "api_key": spec.api_key,
                 "fingerprint": spec.fingerprint,
+                "gpu_uuids": list(spec.gpu_uuids),
             },
             "port": self.port,
             "identity": None if self.identity is None else self.identity.to_json(),
@@ -109,6 +110,7 @@ class ShardRecord:
             max_loaded_adapters=int(s.get("max_loaded_adapters", 0)),
             api_key=str(s.get("api_key", "")),  # "": an engine started before engines had secrets
             fingerprint=str(s.get("fingerprint", "")),
+            gpu_uuids=tuple(str(u) for u in s.get("gpu_uuids", ())),
         )
         identity = data.get("identity")
         kv_events = data.get("kv_events")

@@ -49,12 +49,18 @@ def hardware_dict(hw: Hardware) -> dict[str, Any]:
                 "name": g.name,
                 "memoryTotalMb": g.memory_total_mb,
                 "memoryFreeMb": g.memory_free_mb,
+                "gpuClass": g.gpu_class,
             }
             for g in hw.gpus
         ],
         "gpuNote": hw.gpu_note,
         "diskFreeMb": hw.disk_free_mb,
         "diskTotalMb": hw.disk_total_mb,
+        "driverVersion": hw.driver_version,
+        "cudaVersion": hw.cuda_version,
+        "os": hw.os,
+        "arch": hw.arch,
+        "cpuFlags": list(hw.cpu_flags),
     }
 
 
@@ -64,11 +70,16 @@ def hardware_from(r: Any) -> Hardware:
         memory_total_mb=r.memoryTotalMb,
         memory_available_mb=r.memoryAvailableMb,
         gpus=tuple(
-            GpuInfo(g.index, g.uuid, g.name, g.memoryTotalMb, g.memoryFreeMb) for g in r.gpus
+            GpuInfo(g.index, g.uuid, g.name, g.memoryTotalMb, g.memoryFreeMb, g.gpuClass) for g in r.gpus
         ),
         gpu_note=r.gpuNote,
         disk_free_mb=r.diskFreeMb,
         disk_total_mb=r.diskTotalMb,
+        driver_version=r.driverVersion,
+        cuda_version=r.cudaVersion,
+        os=r.os,
+        arch=r.arch,
+        cpu_flags=tuple(r.cpuFlags),
     )
 
 
@@ -105,6 +116,7 @@ def shard_spec_dict(s: ShardSpec) -> dict[str, Any]:
         "maxLoadedAdapters": s.max_loaded_adapters,
         "apiKey": s.api_key,
         "fingerprint": s.fingerprint,
+        "gpuUuids": list(s.gpu_uuids),
     }
 
 
@@ -151,6 +163,7 @@ def shard_spec_from(r: Any) -> ShardSpec:
         max_loaded_adapters=r.maxLoadedAdapters,
         api_key=r.apiKey,
         fingerprint=r.fingerprint,
+        gpu_uuids=tuple(r.gpuUuids),
     )
 
 
@@ -254,6 +267,7 @@ def model_from(r: Any) -> ModelSpec:
             engine_args=tuple(p.engineArgs),
             engine_env=_from_kv(p.engineEnv),
             node_labels=labels.parse_pairs(p.nodeLabels),
+            gpu_class=p.gpuClass,
         ),
         adapters=adapters_from(r.adapters),
         max_loaded_adapters=r.maxLoadedAdapters,

@@ -353,3 +353,20 @@ def test_node_labels_are_checked_and_round_trip_only_when_set() -> None:
     assert "node_labels" not in model_to_dict(validate_model({"name": "m", "engine": "sim"}))["profile"]
     with pytest.raises(CatalogError, match=r"^profile\.node_labels: 'a b' cannot be a label key"):
         validate_model({"name": "m", "engine": "sim", "profile": {"node_labels": {"a b": "x"}}})
+
+
+def test_a_gpu_class_is_checked_and_a_mig_class_takes_exactly_one_instance() -> None:
+    spec = validate_model({"name": "m", "engine": "vllm", "source": "/w/m",
+                           "profile": {"gpus": 1, "gpu_class": "a100-80g-mig-3g.40gb"}})
+    assert spec.profile.gpu_class == "a100-80g-mig-3g.40gb" and validate_model(model_to_dict(spec)) == spec
+    with pytest.raises(CatalogError, match=r"^profile\.gpus: a replica on a MIG class .* gpus must be 1, got 2"):
+        validate_model({"name": "m", "engine": "vllm", "source": "/w/m",
+                        "profile": {"gpus": 2, "gpu_class": "a100-80g-mig-3g.40gb"}})
+    with pytest.raises(CatalogError, match=r"^profile\.engine_args\[0\]: --tensor-parallel-size is not allowed"):
+        validate_model({"name": "m", "engine": "vllm", "source": "/w/m",
+                        "profile": {"gpus": 1, "gpu_class": "a100-80g-mig-3g.40gb",
+                                    "engine_args": ["--tensor-parallel-size=2"]}})
+    with pytest.raises(CatalogError, match=r"^profile\.gpu_class: expected a GPU class"):
+        validate_model({"name": "m", "engine": "vllm", "source": "/w/m", "profile": {"gpus": 1, "gpu_class": "A100!"}})
+    with pytest.raises(CatalogError, match=r"^profile\.gpu_class: a GPU class \(h100-80g\) needs gpus of 1 or more"):
+        validate_model({"name": "m", "engine": "vllm", "source": "/w/m", "profile": {"gpu_class": "h100-80g"}})

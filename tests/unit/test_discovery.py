@@ -1,107 +1,57 @@
-"""Discovery: node id, route address, hardware (NVML faked; the no-NVML path for real)."""
+"""Discovery: node id, route address, hardware (GPUs from recorded nvidia-smi output; this machine for real)."""
 
 from __future__ import annotations
 
 import socket
-import sys
-import types
+from pathlib import Path
 
 import psutil
 import pytest
 
 from llmgw.node import discovery
-from llmgw.spec import Hardware
-
-GIB = 1024**3
-
-
-class FakeNVMLError(Exception):
-    pass
+from llmgw.node.gpus.inventory import GpuInventory, assemble
+from llmgw.node.gpus.nvsmi import combine, parse_list, parse_query_xml
+from llmgw.spec import Hardware, gpu_display
 
 
-class FakeMemory:
-    def __init__(self, total: int, free: int) -> None:
-        self.total, self.free, self.used = total, free, total - free
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
 
 
-def fake_pynvml(gpus: list[tuple[str, str, int, int]], *, fail_init: str | None = None, fail_at: int | None = None):
-    """Returns a module shaped like nvidia-ml-py's pynvml, serving ``gpus`` (uuid, name, total, free bytes)."""
-    mod = types.ModuleType("pynvml")
-    mod.calls = []  # type: ignore[attr-defined]
-
-    def nvmlInit() -> None:
-        mod.calls.append("init")
-        if fail_init:
-            raise FakeNVMLError(fail_init)
-
-    def nvmlShutdown() -> None:
-        mod.calls.append("shutdown")
-
-    def nvmlDeviceGetCount() -> int:
-        return len(gpus)
-
-    def nvmlDeviceGetHandleByIndex(index: int) -> int:
-        if index == fail_at:
-            raise FakeNVMLError("GPU is lost")
-        return index
-
-    mod.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
-    mod.nvmlInit = nvmlInit  # type: ignore[attr-defined]
-    mod.nvmlShutdown = nvmlShutdown  # type: ignore[attr-defined]
-    mod.nvmlDeviceGetCount = nvmlDeviceGetCount  # type: ignore[attr-defined]
-    mod.nvmlDeviceGetHandleByIndex = nvmlDeviceGetHandleByIndex  # type: ignore[attr-defined]
-    mod.nvmlDeviceGetUUID = lambda h: gpus[h][0]  # type: ignore[attr-defined]
-    mod.nvmlDeviceGetName = lambda h: gpus[h][1]  # type: ignore[attr-defined]
-    mod.nvmlDeviceGetMemoryInfo = lambda h: FakeMemory(gpus[h][2], gpus[h][3])  # type: ignore[attr-defined]
-    return mod
+def recorded(xml: str, listing: str | None = None) -> GpuInventory:
+    """The inventory of a recorded ``nvidia-smi -q -x`` (and ``-L``) output."""
+    query = parse_query_xml((FIXTURES / xml).read_text())
+    return combine(query, parse_list((FIXTURES / listing).read_text())) if listing else query
 
 
-H100 = ("GPU-5f8c1a3e-7b2d-4c9e-a1f0-3d6b8e2c4a91", "NVIDIA H100 80GB HBM3", 81559 * 1024 * 1024, 80910 * 1024 * 1024)
-H200 = (
-    "GPU-0b7e9d21-44c3-4f8a-9e6d-1c2b3a4d5e6f",
-    b"NVIDIA H200",  # older bindings return bytes
-    143771 * 1024 * 1024,
-    1200 * 1024 * 1024,
-)
+def test_whole_cards_are_placed_by_index_with_their_class() -> None:
+    hw = discovery.read_hardware(lambda: recorded("telegraf-dual-rtx-a5000.xml"))
+    assert hw.gpu_note == "" and hw.driver_version and hw.cuda_version
+    assert [(g.index, g.name, g.gpu_class) for g in hw.gpus] == [(0, "NVIDIA RTX A5000", "rtx-a5000-24g"),
+                                                                 (1, "NVIDIA RTX A5000", "rtx-a5000-24g")]
+    assert all(g.uuid.startswith("GPU-") and 0 <= g.memory_free_mb <= g.memory_total_mb for g in hw.gpus)
 
 
-def test_nvml_lists_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    mod = fake_pynvml([H100, H200])
-    monkeypatch.setitem(sys.modules, "pynvml", mod)
-    hw = discovery.read_hardware()
-    assert hw.gpu_note == ""
-    assert [(g.index, g.uuid, g.name, g.memory_total_mb, g.memory_free_mb) for g in hw.gpus] == [
-        (0, H100[0], "NVIDIA H100 80GB HBM3", 81559, 80910),
-        (1, H200[0], "NVIDIA H200", 143771, 1200),
-    ]
-    assert mod.calls == ["init", "shutdown"]
+def test_a_card_in_mig_mode_is_its_instances() -> None:
+    gpus, note = discovery.gpus_of(recorded("telegraf-a100-sxm4-80gb-mig.xml", "telegraf-issue-5812-a100-sxm4-80gb-mig-L.txt"))
+    migs = [g for g in gpus if g.index >= 1000]
+    assert note == "" and [g.index for g in migs] == [1000, 1001, 1002, 1003]
+    assert {g.gpu_class for g in migs} == {"a100-80g-mig-1g.20gb"} and all(g.uuid.startswith("MIG-") for g in migs)
+    assert migs[0].name == "NVIDIA A100-SXM4-80GB MIG 1g.20gb" and gpu_display(migs[2].index) == "0/mig2"
+    assert [g.index for g in gpus if g.index < 1000] == [1, 2, 3]  # the whole cards beside it
 
 
-def test_nvml_init_failure_means_no_gpus_with_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([H100], fail_init="Driver Not Loaded"))
-    hw = discovery.read_hardware()
-    assert hw.gpus == ()
-    assert hw.gpu_note.startswith("no GPUs: ") and "Driver Not Loaded" in hw.gpu_note
+def test_a_card_in_mig_mode_with_nothing_carved_gives_nothing_and_says_why() -> None:
+    whole = recorded("telegraf-a100-sxm4-80gb-mig.xml")
+    inventory = assemble(whole.cards, (), driver_version=whole.driver_version, cuda_version=whole.cuda_version,
+                         source=whole.source, note="")
+    gpus, note = discovery.gpus_of(inventory)
+    assert gpus == () and note.startswith("no GPUs: ") and "MIG mode with no instance carved" in note
 
 
-def test_nvml_failure_midway_means_no_gpus_and_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
-    mod = fake_pynvml([H100, H200], fail_at=1)
-    monkeypatch.setitem(sys.modules, "pynvml", mod)
-    hw = discovery.read_hardware()
-    assert hw.gpus == () and "GPU is lost" in hw.gpu_note
-    assert mod.calls == ["init", "shutdown"]
-
-
-def test_nvml_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([]))
-    hw = discovery.read_hardware()
-    assert hw.gpus == () and hw.gpu_note == "no GPUs: the NVIDIA driver reports none"
-
-
-def test_bindings_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
-    hw = discovery.read_hardware()
-    assert hw.gpus == () and "nvidia-ml-py" in hw.gpu_note
+def test_no_nvidia_gpus_says_why() -> None:
+    gpus, note = discovery.gpus_of(GpuInventory(note="no NVIDIA GPUs: nvidia-smi is not installed"))
+    assert gpus == () and note == "no NVIDIA GPUs: nvidia-smi is not installed"
+    assert discovery.gpus_of(GpuInventory(source="nvml")) == ((), "no GPUs: the NVIDIA driver reports none")
 
 
 def test_real_machine_hardware() -> None:
@@ -114,7 +64,8 @@ def test_real_machine_hardware() -> None:
     if hw.gpus:
         assert hw.gpu_note == ""
     else:  # this CI machine: no GPU, so NVML is missing or reports none
-        assert hw.gpu_note.startswith("no GPUs: ")
+        assert hw.gpu_note.startswith("no ") and "GPUs: " in hw.gpu_note
+    assert hw.arch and hw.os and set(hw.cpu_flags) <= discovery.VECTOR_EXTENSIONS
 
 
 def test_node_id_is_the_host_name() -> None:

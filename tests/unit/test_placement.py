@@ -395,3 +395,33 @@ def test_a_rollout_for_new_labels_surges_onto_a_matching_node() -> None:
               labelled("b", {"rack": "r2"}))
     (start,) = run([new], f)
     assert isinstance(start, StartReplica) and start.node_id == "b"
+
+
+def mig(card: int, n: int, free: int = 20000, cls: str = "a100-80g-mig-1g.20gb") -> GpuInfo:
+    return GpuInfo(1000 + 100 * card + n, f"MIG-{card}-{n}", "A100 MIG 1g.20gb", 20096, free, cls)
+
+
+def whole(index: int) -> GpuInfo:
+    return GpuInfo(index, f"GPU-{index}", "A100", 81920, 81920, "a100-80g")
+
+
+def test_a_mig_class_replica_takes_one_instance_and_carries_its_uuid() -> None:
+    m = ModelSpec("m", LLAMA, "/w/m", Profile(replicas=2, gpus=1, gpu_class="a100-80g-mig-1g.20gb"))
+    starts = run([m], fleet(node("a", gpus=(mig(0, 0), mig(0, 1), whole(1)))))
+    assert sorted((s.shard_spec.gpus, s.shard_spec.gpu_uuids) for s in starts) == [
+        ((1000,), ("MIG-0-0",)), ((1001,), ("MIG-0-1",))]
+
+
+def test_a_multi_gpu_replica_never_takes_mig_instances_and_says_why() -> None:
+    pair = ModelSpec("m", LLAMA, "/w/m", Profile(gpus=2))
+    (u,) = run([pair], fleet(node("a", gpus=(mig(0, 0), mig(0, 1), whole(1)))))
+    assert isinstance(u, Unplaceable) and "node a has 1 of 3 whole GPUs free" in u.reason
+    (start,) = run([pair], fleet(node("a", gpus=(mig(0, 0), whole(1), whole(2)))))
+    assert start.shard_spec.gpus == (1, 2) and start.shard_spec.gpu_uuids == ("GPU-1", "GPU-2")
+
+
+def test_a_gpu_class_places_only_on_that_class() -> None:
+    m = ModelSpec("m", LLAMA, "/w/m", Profile(gpus=1, gpu_class="h100-80g"))
+    (u,) = run([m], fleet(node("a", gpus=(whole(0),))))
+    assert u.reason == ("model m needs 1 GPU of class h100-80g and engine llama.cpp; "
+                        "node a has 0 of 1 GPUs of class h100-80g free")

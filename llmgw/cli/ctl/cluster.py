@@ -13,7 +13,7 @@ from llmgw.cli.ctl.common import call, json_option, mb, target_of
 from llmgw.cli.output import fail, print_table
 from llmgw.client import ClientError, ClusterClient, ReplicaRow
 from llmgw.labels import describe as describe_labels
-from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG
+from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG, gpu_summary
 
 
 @click.command()
@@ -73,7 +73,7 @@ def _list_nodes(ctx: click.Context, as_json: bool) -> None:
     table = []
     for n in rows:
         hw = n.hardware
-        gpus = f"{len(hw.gpus)}x {hw.gpus[0].name}" if hw.gpus else (hw.gpu_note or "none")
+        gpus = gpu_summary(hw.gpus) or hw.gpu_note or "none"
         engines = ",".join(_engine_cell(e) for e in n.engines if _shown(e)) or "-"
         table.append([n.id, n.state, n.address, hw.cpu_count, f"{mb(hw.memory_available_mb)}/{mb(hw.memory_total_mb)}",
                       gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s", describe_labels(n.labels)])

@@ -74,6 +74,8 @@ def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
               help="A LoRA adapter: its name (requests name it as their model) and where its files are (repeat).")
 @click.option("--max-loaded-adapters", type=int,
               help="vllm/sim: at most N adapters loaded per replica, loaded on first use [0: all at start].")
+@click.option("--gpu-class", help="The GPU class each replica runs on, as `ctl nodes` shows them "
+                                 "(h100-80g, a100-80g-mig-3g.40gb: a MIG instance).")
 @click.option("--node-labels", "node_labels", multiple=True, metavar="KEY=VALUE[,...]",
               help="Place replicas only on nodes carrying these labels (agent.yaml labels, `ctl nodes add --labels`).")
 @click.option("--replace", is_flag=True,
@@ -83,7 +85,8 @@ def _adapter_options(items: tuple[str, ...]) -> list[dict[str, str]]:
 def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | None, source: str,
                replicas: int | None, memory_mb: int | None, cpu_cores: float | None, gpus: int | None,
                args: tuple[str, ...], envs: tuple[str, ...], adapters: tuple[str, ...],
-               max_loaded_adapters: int | None, node_labels: tuple[str, ...], replace: bool, as_json: bool) -> None:
+               max_loaded_adapters: int | None, gpu_class: str | None, node_labels: tuple[str, ...], replace: bool,
+               as_json: bool) -> None:
     """Add a model to the catalog; the cluster places its replicas."""
     data: dict[str, Any] = {}
     if file is not None:
@@ -101,7 +104,8 @@ def models_add(ctx: click.Context, name: str | None, file: Any, engine: str | No
     if source:
         data["source"] = source
     profile = dict(data.get("profile") or {})
-    for key, value in (("replicas", replicas), ("memory_mb", memory_mb), ("cpu_cores", cpu_cores), ("gpus", gpus)):
+    for key, value in (("replicas", replicas), ("memory_mb", memory_mb), ("cpu_cores", cpu_cores), ("gpus", gpus),
+                       ("gpu_class", gpu_class)):
         if value is not None:
             profile[key] = value
     if args:

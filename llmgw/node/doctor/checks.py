@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import attrs
 
+from llmgw.node.discovery import VECTOR_EXTENSIONS
 from llmgw.node.doctor.report import Finding, Report, Severity
 from llmgw.node.gpus.inventory import GpuInventory
 from llmgw.node.gpus.telemetry import GpuReading
@@ -192,8 +193,7 @@ def check_foreign_processes(facts: NodeFacts) -> list[Finding]:
 
 def check_cpu(facts: NodeFacts) -> list[Finding]:
     x86 = facts.arch in ("x86_64", "amd64", "i686")
-    extensions = sorted(f for f in facts.cpu_flags if f in ("avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16",
-                                                            "fma", "f16c", "asimd", "sve", "sve2"))
+    extensions = sorted(facts.cpu_flags & VECTOR_EXTENSIONS)
     base = f"{facts.cpus} CPUs, {facts.cpu_model or facts.arch}; vector extensions: {', '.join(extensions) or 'none'}"
     if x86 and "avx2" not in facts.cpu_flags:
         return [Finding(Severity.WARN, "cpu", f"{base}: no AVX2, so CPU engines (llama.cpp, vLLM's CPU build) run "

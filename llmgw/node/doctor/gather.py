@@ -22,6 +22,7 @@ import trio
 
 from llmgw.config import AgentConfig
 from llmgw.node import engine_user, markers
+from llmgw.node.discovery import cpu_flags, os_name
 from llmgw.node.doctor.checks import ControlPlaneProbe, EngineProbe, EngineUserFacts, NodeFacts
 from llmgw.node.gpus.discover import import_pynvml, read_gpu_inventory
 from llmgw.node.gpus.inventory import GpuInventory
@@ -69,8 +70,8 @@ def _machine(config: AgentConfig) -> dict[str, object]:
     memlock, memlock_source = _memlock()
     synchronized, clock_detail = _clock()
     return {
-        "os": _os_name(), "kernel": platform.release(), "arch": platform.machine(),
-        "cpu_model": _cpu_model(cpuinfo), "cpu_flags": _cpu_flags(cpuinfo), "cpus": os.cpu_count() or 0,
+        "os": os_name(), "kernel": platform.release(), "arch": platform.machine(),
+        "cpu_model": _cpu_model(cpuinfo), "cpu_flags": cpu_flags(), "cpus": os.cpu_count() or 0,
         "memory_total_mb": memory[0], "memory_available_mb": memory[1],
         "weights_dir": str(config.weights_dir), "disk_free_mb": free_mb, "disk_total_mb": total_mb,
         "gpus": inventory, "readings": tuple(_readings(inventory)),
@@ -106,20 +107,9 @@ def _uptime_s() -> float:
         return 24 * 3600.0
 
 
-def _os_name() -> str:
-    match = re.search(r'^PRETTY_NAME="?([^"\n]*)"?', _read("/etc/os-release"), re.M)
-    return match.group(1) if match else platform.system()
-
-
 def _cpu_model(cpuinfo: str) -> str:
     match = re.search(r"^(?:model name|Model|cpu model)\s*:\s*(.+)$", cpuinfo, re.M)
     return match.group(1).strip() if match else ""
-
-
-def _cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The first CPU's flags (x86 ``flags``, Arm ``Features``)."""
-    match = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", cpuinfo, re.M)
-    return frozenset(match.group(1).split()) if match else frozenset()
 
 
 def _memory() -> tuple[int, int | None]:

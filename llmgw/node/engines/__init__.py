@@ -22,7 +22,7 @@ from typing import Mapping, Protocol, runtime_checkable
 
 from llmgw.catalog import engine_options
 from llmgw.catalog.engine_flags import Table
-from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo, ShardSpec
+from llmgw.spec import ENGINE_FROM_CONFIG, EngineInfo, ShardSpec, is_mig
 
 __all__ = [
     "DEFAULT_HEALTH_PATH",
@@ -106,6 +106,15 @@ class Engine(Protocol):
 #: proxies, library paths, the agent's own settings) stays with the agent: an engine gets this,
 #: plus what its adapter and the model's validated profile add.
 INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LC_*")
+
+
+def cuda_env(spec: ShardSpec) -> dict[str, str]:
+    """Returns the GPU selection every shard gets: CUDA numbering GPUs in PCI bus order, as
+    placement does, and only the shard's GPUs visible ("" for none: a CPU shard sees no GPU).
+    A MIG instance is named by its MIG-... UUID (CUDA takes no index for one)."""
+    uuids = dict(zip(spec.gpus, spec.gpu_uuids))
+    devices = [uuids[g] if is_mig(g) and uuids.get(g) else str(g) for g in spec.gpus]
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
 
 def base_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -31,7 +31,7 @@ import os
 import re
 from pathlib import Path
 
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, EngineRefused, check_refused, configured_probe
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, EngineRefused, check_refused, configured_probe, cuda_env
 from llmgw.node.engines.load import LLAMACPP_SLOTS, InFlightProbe
 from llmgw.node.install import llamacpp as install
 from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
@@ -185,11 +185,7 @@ class LlamaCppEngine:
 
     def env(self, spec: ShardSpec) -> dict[str, str]:
         """Returns the GPU selection (PCI bus order, the shard's GPUs only) plus the profile's env."""
-        return {
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus),
-            **spec.env,
-        }
+        return {**cuda_env(spec), **spec.env}
 
     def check_args(self, spec: ShardSpec) -> None:
         """Raises EngineRefused for refused args/env (see :func:`check_llamacpp_args`)."""

@@ -29,6 +29,7 @@ from llmgw.node.engines import (
     ENGINE_PATH,
     check_refused,
     configured_probe,
+    cuda_env,
 )
 from llmgw.node.engines.vllm import MultiNode
 from llmgw.node.install import python_env
@@ -102,8 +103,7 @@ def sglang_env(spec: ShardSpec) -> dict[str, str]:
     if spec.api_key:
         env["PYTHONPATH"] = LAUNCHER_PATH  # finds LAUNCHER_MODULE, nothing else
     if spec.gpus:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+        env.update(cuda_env(spec))
     return {**env, **spec.env}
 
 

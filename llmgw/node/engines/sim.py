@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, check_refused
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, check_refused, cuda_env
 from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.spec import ENGINE_BUILT_IN, EngineInfo, ShardSpec
@@ -111,7 +111,8 @@ class SimEngine:
         (and the engine path's ``llmgw_undumpable``)."""
         inherited = os.environ.get("PYTHONPATH", "")
         pythonpath = os.pathsep.join([_PACKAGE_ROOT, ENGINE_PATH] + ([inherited] if inherited else []))
-        return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **spec.env}
+        gpus = cuda_env(spec) if spec.gpus else {}  # as a real engine would get them (tests read them back)
+        return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **gpus, **spec.env}
 
     def check_args(self, spec: ShardSpec) -> None:
         """Raises :class:`~llmgw.node.engines.EngineRefused` for refused args/env."""

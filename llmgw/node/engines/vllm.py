@@ -58,6 +58,7 @@ from llmgw.node.engines import (
     ENGINE_PATH,
     check_refused,
     configured_probe,
+    cuda_env,
 )
 from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.install import python_env
@@ -241,8 +242,7 @@ def vllm_env(spec: ShardSpec) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
     }
     if spec.gpus:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+        env.update(cuda_env(spec))
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_SPACE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # several engines share the node's cores

@@ -18,11 +18,8 @@ from typing import Iterable
 
 import attrs
 
-#: Placement index of MIG instance n on card c is MIG_INDEX_BASE + MIG_CARD_STRIDE * c + n.
-#: The base keeps MIG numbers clear of plain card indexes (a node has far fewer than
-#: 1000 cards); the stride is more than the 7 instances an A100/H100 can be cut into.
-MIG_INDEX_BASE = 1000
-MIG_CARD_STRIDE = 100
+from llmgw.spec import MIG_CARD_STRIDE, MIG_INDEX_BASE, gpu_display as display_name
+
 
 #: Memory sizes (GB) NVIDIA sells cards with. A card reports a little less than its
 #: marketed size (the driver keeps some: an H100 80GB shows 81559 MiB, an H200 143771 MiB,
@@ -165,14 +162,6 @@ def placement_index(card: int, n: int) -> int:
     if card < 0 or not 0 <= n < MIG_CARD_STRIDE:
         raise ValueError(f"no placement index for MIG instance {n} of card {card}")
     return MIG_INDEX_BASE + MIG_CARD_STRIDE * card + n
-
-
-def display_name(index: int) -> str:
-    """Returns how every view shows a placement index: "0" for a card, "0/mig2" for a MIG instance."""
-    if index < MIG_INDEX_BASE:
-        return str(index)
-    card, n = divmod(index - MIG_INDEX_BASE, MIG_CARD_STRIDE)
-    return f"{card}/mig{n}"
 
 
 def gpu_class(name: str, memory_total_mb: int | None) -> str:
