@@ -160,9 +160,8 @@ class ShardContext:
     fetch_settings: FetchSettings
     taken_ports: Callable[[], set[int]] = set
     #: Who engines run as (agent.yaml ``engine_user`` as :func:`~llmgw.node.engine_user.wanted_user`
-    #: gives it; "": the agent's own user), and where each shard's home is made for it.
+    #: gives it; "": the agent's own user). Their home is ENGINE_HOME_DIR beside the state directory.
     engine_user: str = ""
-    engine_home: Path | None = None  # None: ENGINE_HOME_DIR beside the state directory
 
 
 class Shard:
@@ -605,7 +604,7 @@ class Shard:
         for that user). Raises EngineUserError for a user that cannot be used, OSError for a home
         that cannot be made."""
         user = resolve_engine_user(self._context.engine_user)
-        home = self._context.engine_home or self._context.state_dir.parent / ENGINE_HOME_DIR
+        home = self._context.state_dir.parent / ENGINE_HOME_DIR
         return user, prepare_home(home, user) if user is not None else home
 
     async def _stop_unrecorded(self, process: EngineProcess, exc: OSError) -> None:

@@ -105,9 +105,9 @@ def test_parse_smi_readings_na_is_none_not_zero() -> None:
 
 
 def test_parse_smi_readings_refuses_what_is_not_nvidia_smi_xml() -> None:
-    with pytest.raises(ValueError, match="no readable XML"):
+    with pytest.raises(ValueError, match="unreadable XML"):
         telemetry.parse_smi_readings("NVIDIA-SMI has failed because it couldn't communicate", NOW)
-    with pytest.raises(ValueError, match="root element"):
+    with pytest.raises(ValueError, match="gave <html>, not <nvidia_smi_log>"):
         telemetry.parse_smi_readings("<html></html>", NOW)
 
 

@@ -59,6 +59,18 @@ def parse_list(text: str) -> tuple[tuple[GpuCard, ...], tuple[MigInstance, ...]]
     return tuple(attrs.evolve(c, mig_mode=c.index in with_migs) for c in cards), tuple(migs)
 
 
+def parse_log(text: str | bytes) -> ET.Element:
+    """Returns the root of an ``nvidia-smi -q -x`` log; raises ValueError for text that is not XML,
+    or XML that is not nvidia-smi's log."""
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as exc:
+        raise ValueError(f"nvidia-smi -q -x gave unreadable XML ({exc})") from None
+    if root.tag != "nvidia_smi_log":
+        raise ValueError(f"nvidia-smi -q -x gave <{root.tag}>, not <nvidia_smi_log>")
+    return root
+
+
 def parse_query_xml(text: str) -> GpuInventory:
     """Returns what ``nvidia-smi -q -x`` says: cards, MIG instances, processes, versions.
 
@@ -68,12 +80,7 @@ def parse_query_xml(text: str) -> GpuInventory:
     "N/A" or missing figures become None, never 0. The result's source is "nvidia-smi".
     Raises ValueError for text that is not an nvidia-smi XML log.
     """
-    try:
-        root = ET.fromstring(text)
-    except ET.ParseError as exc:
-        raise ValueError(f"nvidia-smi -q -x gave unreadable XML ({exc})") from None
-    if root.tag != "nvidia_smi_log":
-        raise ValueError(f"nvidia-smi -q -x gave <{root.tag}>, not <nvidia_smi_log>")
+    root = parse_log(text)
     cards: list[GpuCard] = []
     migs: list[MigInstance] = []
     processes: list[GpuProcess] = []

@@ -21,6 +21,8 @@ from typing import Any
 
 import attrs
 
+from llmgw.node.gpus.nvsmi import parse_log
+
 logger = logging.getLogger(__name__)
 
 # How often an agent samples its cards, and so the shortest gap between two readings it
@@ -263,12 +265,7 @@ def parse_smi_readings(xml_text: str | bytes, now: float) -> list[GpuReading]:
     Values nvidia-smi prints as "N/A" (or leaves out) are None. A card without a <uuid> is
     left out. Raises ValueError when the text is not XML or not nvidia-smi's log.
     """
-    try:
-        root = ET.fromstring(xml_text)
-    except ET.ParseError as exc:
-        raise ValueError(f"nvidia-smi printed no readable XML ({exc})") from exc
-    if root.tag != "nvidia_smi_log":
-        raise ValueError(f"not nvidia-smi's XML: the root element is <{root.tag}>")
+    root = parse_log(xml_text)
     readings = []
     for index, gpu in enumerate(root.findall("gpu")):
         uuid = _smi_text(gpu, "uuid")
