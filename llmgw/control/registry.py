@@ -340,6 +340,11 @@ class Registry:
         node = self._live(node_id, epoch)
         node.last_heartbeat = self._clock()
         changed = _placement_facts(node.hardware) != _placement_facts(hardware)
+        if changed:
+            old = node.hardware
+            log.info("node %s now has %d CPUs, %d MB memory and %d GPU(s) (was %d, %d MB and %d): placing with that",
+                     node_id, hardware.cpu_count, hardware.memory_total_mb, len(hardware.gpus), old.cpu_count,
+                     old.memory_total_mb, len(old.gpus))
         node.hardware = hardware
         if node.state is not NodeState.ONLINE:
             log.info("node %s is heartbeating again", node_id)

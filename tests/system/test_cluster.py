@@ -29,7 +29,7 @@ async def test_two_nodes_serve_a_model_through_the_gateway(cluster: Cluster) -> 
     nodes = cluster.ctl_json("nodes")
     assert sorted(n["id"] for n in nodes) == ["node-a", "node-b"]
     assert all(n["state"] == "online" and n["hardware"]["cpu_count"] > 0 for n in nodes)
-    assert all("no GPUs" in n["hardware"]["gpu_note"] for n in nodes)
+    assert all(n["hardware"]["gpu_note"].startswith("no NVIDIA GPUs: ") for n in nodes)
 
     out = cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2")
     assert out.returncode == 0, out.stderr
