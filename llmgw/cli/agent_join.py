@@ -92,8 +92,7 @@ def _doctor(config_path: Path) -> None:
     config, problem = load_config(config_path)
     report = run_doctor(config, config_problem=problem, quiet=True)
     print_findings(report, indent="    ", only_serious=True)
-    fails = sum(f.severity.value == "fail" for f in report.findings)
-    warns = sum(f.severity.value == "warn" for f in report.findings)
+    fails, warns = report.counts()
     verdict = "this node can run engines" if not fails else "fix the failures, then `llmgw doctor` again"
     click.echo(f"    {fails} failure(s), {warns} warning(s): {verdict}")
 

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import click
 
+from llmgw.cli.agent_join import DEFAULT_AGENT_CONFIG
 from llmgw.cli.output import print_json
 from llmgw.config import AgentConfig, ConfigError, load_agent_config
 
 
-#: Where agent.yaml is looked for when --config is not given (as `llmgw agent` does).
-ETC_DIR = Path("/etc/llmgw")
 #: How each severity is shown, as wide as the widest.
 LABELS = {"fail": "FAIL", "warn": "WARN", "info": "INFO", "ok": " ok "}
 
@@ -56,7 +55,7 @@ def print_findings(report, *, indent: str = "", only_serious: bool = False) -> N
 def load_config(config_path: Path | None) -> tuple[AgentConfig, str]:
     """Returns agent.yaml (``config_path``, else /etc/llmgw/agent.yaml where it exists, else the
     defaults) and why it does not load ("" when it does: then the defaults stand in)."""
-    path = config_path if config_path is not None else (ETC_DIR / "agent.yaml")
+    path = config_path if config_path is not None else DEFAULT_AGENT_CONFIG
     if config_path is None and not path.exists():
         return load_agent_config(None), ""
     try:
@@ -78,7 +77,6 @@ def doctor(config_path: Path | None, no_engine_checks: bool, as_json: bool) -> N
         print_json(report.to_json())
     else:
         print_findings(report)
-        fails = sum(f.severity.value == "fail" for f in report.findings)
-        warns = sum(f.severity.value == "warn" for f in report.findings)
+        fails, warns = report.counts()
         click.echo(f"\n{fails} failure(s), {warns} warning(s)" + ("" if fails else ": this node can run engines"))
     sys.exit(1 if report.failed else 0)

@@ -9,7 +9,7 @@ from typing import Any, NoReturn, Sequence
 
 import click
 
-from llmgw.client.jsonable import to_jsonable
+from llmgw.jsonable import to_jsonable
 
 
 def local_time(ts: float | None) -> str:

@@ -32,7 +32,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from llmgw.client import ClientError, ClusterClient
-from llmgw.client.jsonable import to_jsonable
+from llmgw.jsonable import to_jsonable
 from llmgw.control.admin_tokens import AdminAuthError, authenticate
 from llmgw.control.store import Store
 from llmgw.router.interface import ApiRequest, ApiResponse, api_error

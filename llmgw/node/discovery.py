@@ -8,12 +8,13 @@ none and says why in ``Hardware.gpu_note``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import re
 import socket
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 
@@ -84,10 +85,15 @@ def read_hardware(read_inventory: Callable[[], GpuInventory] = read_gpu_inventor
         gpu_note=note,
         driver_version=inventory.driver_version or "",
         cuda_version=inventory.cuda_version or "",
-        os=os_name(),
-        arch=platform.machine(),
-        cpu_flags=tuple(sorted(cpu_flags() & VECTOR_EXTENSIONS)),
+        **_platform(),
     )
+
+
+@functools.cache
+def _platform() -> dict[str, Any]:
+    """What cannot change while the agent runs (OS, architecture, vector extensions): read once,
+    not every heartbeat."""
+    return {"os": os_name(), "arch": platform.machine(), "cpu_flags": tuple(sorted(cpu_flags() & VECTOR_EXTENSIONS))}
 
 
 def read_gpus() -> tuple[tuple[GpuInfo, ...], str]:

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import attrs
 
+from llmgw.jsonable import to_jsonable
 from llmgw.node.discovery import VECTOR_EXTENSIONS
 from llmgw.node.doctor.report import Finding, Report, Severity
 from llmgw.node.gpus.inventory import GpuInventory
@@ -293,21 +294,10 @@ def check_clock(facts: NodeFacts) -> list[Finding]:
 
 
 def facts_json(facts: NodeFacts) -> dict[str, Any]:
-    """Returns ``facts`` as plain JSON data (``llmgw doctor --json``)."""
-    def plain(value: Any) -> Any:
-        if attrs.has(type(value)):
-            return {f.name: plain(getattr(value, f.name)) for f in attrs.fields(type(value))}
-        if isinstance(value, (frozenset, set)):
-            return sorted(value)
-        if isinstance(value, dict):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return value
-
-    data = plain(facts)
-    data["gpu_units"] = [plain(u) | {"display": u.display} for u in facts.gpus.units()]
-    return data  # type: ignore[no-any-return]
+    """Returns ``facts`` as plain JSON data (``llmgw doctor --json``), with the GPU units placement sees."""
+    data: dict[str, Any] = to_jsonable(facts)
+    data["gpu_units"] = [to_jsonable(u) | {"display": u.display} for u in facts.gpus.units()]
+    return data
 
 
 def serious(findings: Iterable[Finding]) -> list[Finding]:

@@ -56,5 +56,10 @@ class Report:
         """Whether anything failed (``llmgw doctor`` then exits non-zero)."""
         return any(f.severity is Severity.FAIL for f in self.findings)
 
+    def counts(self) -> tuple[int, int]:
+        """Returns how many findings failed and how many warn."""
+        return (sum(f.severity is Severity.FAIL for f in self.findings),
+                sum(f.severity is Severity.WARN for f in self.findings))
+
     def to_json(self) -> dict[str, Any]:
         return {"ok": not self.failed, "findings": [f.to_json() for f in self.findings], "facts": dict(self.facts)}
