@@ -32,6 +32,52 @@ struct Hardware {
   cpuFlags @11 :List(Text); # the CPU's vector extensions
 }
 
+# A node's live telemetry (llmgw/telemetry.py): readings by name; a sensor not read is absent.
+struct Reading {
+  name @0 :Text;
+  value @1 :Float64;
+}
+
+struct GpuTelemetry {
+  index @0 :UInt32;        # the card's index
+  uuid @1 :Text;
+  gpuClass @2 :Text;
+  ageMs @3 :UInt32;        # how old the readings are
+  readings @4 :List(Reading);
+  throttleReasons @5 :List(Text);
+  throttleKnown @6 :Bool;  # false: the reasons could not be read (the list is empty)
+}
+
+struct ShardUsage {
+  shardId @0 :Text;
+  cores @1 :Float64;       # NaN: not known yet (a rate needs two samples)
+  memoryBytes @2 :UInt64;
+}
+
+struct ForeignGpuProcess {
+  pid @0 :UInt32;
+  name @1 :Text;
+  gpu @2 :UInt32;          # placement index (>= 1000: a MIG instance)
+  usedMemoryMb @3 :Int64;  # -1: the driver does not say
+}
+
+struct XidCount {
+  pciAddress @0 :Text;
+  xid @1 :UInt32;
+  count @2 :UInt64;
+  lastMessage @3 :Text;
+}
+
+struct Telemetry {
+  ageMs @0 :UInt32;        # how old the host sample is
+  host @1 :List(Reading);
+  gpus @2 :List(GpuTelemetry);
+  shards @3 :List(ShardUsage);
+  foreignProcesses @4 :List(ForeignGpuProcess);
+  xids @5 :List(XidCount);
+  note @6 :Text;
+}
+
 struct EngineInfo {
   name @0 :Text;
   installed @1 :Bool;
@@ -223,7 +269,8 @@ interface ControlPeer {
 
 interface NodeDesk {
   # The control plane's side of one node session.
-  heartbeat @0 (hardware :Hardware) -> ();
+  heartbeat @0 (hardware :Hardware, telemetry :Telemetry) -> ();
+  # telemetry: the latest sample (unset from agents before issue 16)
   reportEngines @1 (engines :List(EngineInfo)) -> ();
   # The node's engines changed (install progress, installed, failed): the full list, replacing the last.
   reportConfigProblem @2 (problem :Text) -> ();
@@ -314,6 +361,7 @@ struct NodeView {
   version @7 :Text;
   configProblem @8 :Text;  # why the node runs on an older configuration (refused settings, bad agent.yaml); "": none
   labels @9 :List(Text);   # "key=value"
+  telemetry @10 :Telemetry; # the latest sample, ages as of this answer, stale readings left out
 }
 
 struct ReplicaView {

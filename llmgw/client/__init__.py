@@ -38,6 +38,7 @@ from llmgw.rpc.kjtrio import capnp_runtime, runtime_active
 from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
 from llmgw.spec import EngineInfo, Hardware, ModelSpec
 from llmgw.spec import Compute
+from llmgw.telemetry import NodeTelemetry
 
 __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "Rollout", "connect",
            "ControlPlaneRow", "JoinTokenRow", "KeyRow", "NewJoinToken", "SettingRow", "TenantAdmission", "TenantRow",
@@ -71,6 +72,8 @@ class NodeRow:
     config_problem: str = ""
     #: The node's labels (agent.yaml ``labels``), which profiles' ``node_labels`` select.
     labels: Mapping[str, str] = attrs.field(factory=dict)
+    #: Its latest telemetry, readings older than a minute left out (empty: none sent).
+    telemetry: NodeTelemetry = attrs.field(factory=NodeTelemetry)
 
 
 @attrs.frozen
@@ -406,7 +409,7 @@ class ClusterClient:
             NodeRow(
                 n.id, n.address, n.state, convert.hardware_from(n.hardware),
                 tuple(convert.engine_from(e) for e in n.engines), n.secondsSinceHeartbeat, n.shards, n.version,
-                n.configProblem, labels.parse_pairs(n.labels),
+                n.configProblem, labels.parse_pairs(n.labels), convert.telemetry_from(n.telemetry),
             )
             for n in result.nodes
         ]

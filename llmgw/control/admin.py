@@ -37,6 +37,7 @@ from llmgw.releases import UPGRADE_EXIT_STATUS, install_here, release_root
 from llmgw.rpc import convert, schema
 from llmgw.router.interface import GatewayInterface
 from llmgw.spec import ShardState
+from llmgw.telemetry import NodeTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
                     "version": services.sessions.agent_versions.get(node.id, ""),
                     "configProblem": _config_problem(services.sessions, node.id),
                     "labels": labels.to_pairs(node.labels),
+                    "telemetry": convert.telemetry_dict(node.live_telemetry(now) or NodeTelemetry()),
                 }
                 for node in sorted(fleet.nodes.values(), key=lambda n: n.id)
             ]

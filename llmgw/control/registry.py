@@ -11,7 +11,7 @@ except the two ``async`` ones)::
 
     reg = Registry(lost_after=15.0, replace_grace=60.0)
     epoch = reg.node_joined(node_id, address, hardware, engines, [(spec, status), ...])
-    reg.heartbeat(node_id, hardware, epoch=epoch)          # epoch optional
+    reg.heartbeat(node_id, hardware, telemetry=t, epoch=epoch)  # telemetry, epoch optional
     reg.shard_status(node_id, status, epoch=epoch)          # -> bool (False: shard unknown)
     reg.shard_started(node_id, spec)                        # placement reserved it: STARTING
     reg.shard_removed(node_id, shard_id)                    # idempotent
@@ -54,6 +54,7 @@ import trio
 
 from llmgw.config.defaults import DEFAULT_NODE_LOST_AFTER, DEFAULT_REPLACE_GRACE
 from llmgw.spec import EngineInfo, Hardware, ShardSpec, ShardState, ShardStatus
+from llmgw.telemetry import NodeTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,17 @@ class NodeView:
     lost_since: float | None = None
     #: The node's labels (agent.yaml ``labels``): profiles' ``node_labels`` select nodes by them.
     labels: Mapping[str, str] = attrs.field(factory=dict)
+    #: The last telemetry the node sent (None: none yet, or an agent from before issue 16),
+    #: with its ages as received, and when it was received (the registry's clock).
+    telemetry: NodeTelemetry | None = None
+    telemetry_received: float = 0.0
+
+    def live_telemetry(self, now: float) -> NodeTelemetry | None:
+        """Returns the node's telemetry as it stands at ``now`` (the registry's clock), its ages
+        grown and every reading older than READING_MAX_AGE_S left out; None if it sent none."""
+        if self.telemetry is None:
+            return None
+        return self.telemetry.fresh(max(0.0, now - self.telemetry_received))
 
     def engine(self, name: str) -> EngineInfo | None:
         """Return this node's report for engine ``name``, or None if it has none."""
@@ -195,6 +207,8 @@ class _Node:
     grace_announced: bool = False
     shards: dict[str, _Shard] = attrs.field(factory=dict)
     labels: Mapping[str, str] = attrs.field(factory=dict)
+    telemetry: NodeTelemetry | None = None
+    telemetry_received: float = 0.0
 
 
 def _held_ready(prev: _Shard | None, spec: ShardSpec, status: ShardStatus) -> ShardStatus | None:
@@ -331,8 +345,11 @@ class Registry:
         self._bump()
         return node.epoch
 
-    def heartbeat(self, node_id: str, hardware: Hardware, *, epoch: int | None = None) -> None:
-        """Record a heartbeat with the node's current hardware figures.
+    def heartbeat(
+        self, node_id: str, hardware: Hardware, *, telemetry: NodeTelemetry | None = None, epoch: int | None = None
+    ) -> None:
+        """Record a heartbeat with the node's current hardware figures and telemetry (None:
+        the agent sent none; the last one is kept and ages out).
 
         A LOST node that heartbeats on its current session becomes ONLINE again.
         Raises :class:`UnknownNode` or :class:`StaleSession`.
@@ -346,6 +363,8 @@ class Registry:
                      node_id, hardware.cpu_count, hardware.memory_total_mb, len(hardware.gpus), old.cpu_count,
                      old.memory_total_mb, len(old.gpus))
         node.hardware = hardware
+        if telemetry is not None:
+            node.telemetry, node.telemetry_received = telemetry, node.last_heartbeat
         if node.state is not NodeState.ONLINE:
             log.info("node %s is heartbeating again", node_id)
             node.state = NodeState.ONLINE
@@ -497,6 +516,8 @@ class Registry:
                     shards={k: ShardView(s.spec, s.status, s.since) for k, s in node.shards.items()},
                     lost_since=node.lost_since,
                     labels=node.labels,
+                    telemetry=node.telemetry,
+                    telemetry_received=node.telemetry_received,
                 )
             nodes[node_id] = view
         return Fleet(nodes=nodes, replace_grace=self.replace_grace, version=self._version)

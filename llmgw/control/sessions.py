@@ -174,10 +174,11 @@ class NodeSession:
         session = self
 
         class NodeDeskServer(s.NodeDesk.Server):
-            async def heartbeat(self, hardware: Any, **_: Any) -> None:
-                hw = convert.hardware_from(hardware)
+            async def heartbeat(self, hardware: Any, telemetry: Any, **_: Any) -> None:
+                # An agent from before issue 16 sends no telemetry: it reads as an empty sample.
+                hw, sample = convert.hardware_from(hardware), convert.telemetry_from(telemetry)
                 session.last_heartbeat = trio.current_time()
-                session.registry.heartbeat(session.node_id, hw, epoch=session.epoch)
+                session.registry.heartbeat(session.node_id, hw, telemetry=sample, epoch=session.epoch)
 
             async def reportConfigProblem(self, problem: str, **_: Any) -> None:
                 session.file_problem = str(problem)[:MAX_PROBLEM_CHARS]

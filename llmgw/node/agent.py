@@ -40,6 +40,7 @@ from llmgw.releases import (UPGRADE_EXIT_STATUS, clear_pending, find_root, insta
 from llmgw.releasefiles import ReleaseError, ReleaseInbox
 from llmgw.node.install import Converger, InstallError, SimInstaller
 from llmgw.node.supervisor import Supervisor
+from llmgw.node.telemetry.sampler import NodeSampler
 from llmgw.node.weights import disk_usage, prepare_weights_dir
 from llmgw.rpc import convert, net, schema
 from llmgw.rpc.connection import open_client
@@ -273,6 +274,8 @@ class Agent:
     firewall: NodeFirewall | None = attrs.field(init=False, default=None)
     #: Set once a control plane accepted this agent's join.
     _joined: trio.Event = attrs.field(init=False, factory=trio.Event)
+    #: Reads the cards, the host and the engines' use of it for registrations and heartbeats.
+    sampler: NodeSampler = attrs.field(factory=NodeSampler)
 
     def __attrs_post_init__(self) -> None:
         if self.converger is None:
@@ -383,10 +386,16 @@ class Agent:
 
     def _read_hardware(self) -> Any:
         """Blocking: discovery's figures plus the weights directory's disk (run in a thread)."""
-        hardware = discovery.read_hardware()
+        hardware = discovery.read_hardware(self.sampler.inventory)
         assert self.weights_dir is not None
         free_mb, total_mb = disk_usage(self.weights_dir)
         return attrs.evolve(hardware, disk_free_mb=free_mb, disk_total_mb=total_mb)
+
+    def _sample(self, engine_groups: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Blocking: a heartbeat's hardware and telemetry, as capnp dicts (run in a thread).
+        ``engine_groups``: each running shard's engine process group, by shard id."""
+        hardware = self._read_hardware()
+        return convert.hardware_dict(hardware), convert.telemetry_dict(self.sampler.sample(engine_groups))
 
     def _engine_dicts(self) -> list[dict[str, Any]]:
         """The engines to report: the converger's view, plus adapters it has no installer for."""
@@ -480,9 +489,10 @@ class Agent:
                     try:
                         while True:
                             await trio.sleep(interval)
-                            beat = convert.hardware_dict(await trio.to_thread.run_sync(self._read_hardware))
+                            groups = {spec.id: status.pid for spec, status in self.supervisor.shards() if status.pid}
+                            hardware, telemetry = await trio.to_thread.run_sync(self._sample, groups)
                             with trio.fail_after(interval * HEARTBEAT_MISSES):
-                                await desk.heartbeat(beat)
+                                await desk.heartbeat(hardware, telemetry)
                     except (trio.TooSlowError, capnp.KjException) as exc:
                         failure = exc
                     session_nursery.cancel_scope.cancel()

@@ -104,6 +104,12 @@ class GatewayInterface(abc.ABC):
     def set_admin_api(self, handler: AdminApiHandler | None) -> None:
         """Answer ``/api/v1/*`` on the gateway's port with ``handler`` (None: 404, no admin API)."""
 
+    @abc.abstractmethod
+    def set_extra_metrics(self, collector: Any) -> None:
+        """Serve ``collector``'s series (a ``prometheus_client`` Collector, read at scrape time) on
+        the gateway's ``/metrics`` too, in place of the one set before: the control plane's fleet
+        telemetry (a pool: from this process, beside the workers' merged samples)."""
+
     # -- access (down) -------------------------------------------------------------------
 
     @abc.abstractmethod

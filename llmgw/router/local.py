@@ -31,6 +31,7 @@ class GatewayState(GatewayInterface):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self._demand_mark: dict[str, TenantCounters] = gateway.admission.snapshot()
+        self._extra_metrics: Any = None  # set_extra_metrics
 
     def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
         self.gateway.table.replace_all({model: replicas.get(model, ()) for model in models}, models)
@@ -49,6 +50,13 @@ class GatewayState(GatewayInterface):
 
     def set_admin_api(self, handler: AdminApiHandler | None) -> None:
         self.gateway.admin_api = handler
+
+    def set_extra_metrics(self, collector: Any) -> None:
+        registry = self.gateway.metrics.registry
+        if self._extra_metrics is not None:
+            registry.unregister(self._extra_metrics)
+        registry.register(collector)
+        self._extra_metrics = collector
 
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)

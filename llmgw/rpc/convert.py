@@ -7,9 +7,11 @@ method can copy its params before its first await.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from llmgw import labels
+from llmgw.telemetry import ForeignGpuProcess, GpuTelemetry, NodeTelemetry, ShardUsage, XidCount
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
 from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta, adapters_to_dicts, model_to_dict
 
@@ -80,6 +82,68 @@ def hardware_from(r: Any) -> Hardware:
         os=r.os,
         arch=r.arch,
         cpu_flags=tuple(r.cpuFlags),
+    )
+
+
+def _readings(values: Mapping[str, float]) -> list[dict[str, Any]]:
+    return [{"name": name, "value": float(value)} for name, value in values.items()]
+
+
+def _ms(seconds: float) -> int:
+    """Returns ``seconds`` as whole milliseconds for a UInt32 age (clamped to its range)."""
+    return min(max(0, int(seconds * 1000)), 0xFFFF_FFFF)
+
+
+def telemetry_dict(t: NodeTelemetry) -> dict[str, Any]:
+    return {
+        "ageMs": _ms(t.age_s),
+        "host": _readings(t.host),
+        "gpus": [
+            {
+                "index": g.index, "uuid": g.uuid, "gpuClass": g.gpu_class, "ageMs": _ms(g.age_s),
+                "readings": _readings(g.readings), "throttleReasons": list(g.throttle_reasons or ()),
+                "throttleKnown": g.throttle_reasons is not None,
+            }
+            for g in t.gpus
+        ],
+        "shards": [
+            {"shardId": u.shard_id, "cores": math.nan if u.cores is None else u.cores, "memoryBytes": u.memory_bytes}
+            for u in t.shards
+        ],
+        "foreignProcesses": [
+            {"pid": p.pid, "name": p.name, "gpu": p.gpu,
+             "usedMemoryMb": -1 if p.used_memory_mb is None else p.used_memory_mb}
+            for p in t.foreign_processes
+        ],
+        "xids": [
+            {"pciAddress": x.pci_address, "xid": x.xid, "count": x.count, "lastMessage": x.last_message}
+            for x in t.xids
+        ],
+        "note": t.note,
+    }
+
+
+def telemetry_from(r: Any) -> NodeTelemetry:
+    """Returns the telemetry in ``r`` (a ``Telemetry`` reader); an unset one is empty."""
+    return NodeTelemetry(
+        age_s=r.ageMs / 1000,
+        host={reading.name: reading.value for reading in r.host},
+        gpus=tuple(
+            GpuTelemetry(
+                g.index, g.uuid, g.gpuClass, {reading.name: reading.value for reading in g.readings},
+                tuple(g.throttleReasons) if g.throttleKnown else None, g.ageMs / 1000,
+            )
+            for g in r.gpus
+        ),
+        shards=tuple(
+            ShardUsage(u.shardId, None if math.isnan(u.cores) else u.cores, u.memoryBytes) for u in r.shards
+        ),
+        foreign_processes=tuple(
+            ForeignGpuProcess(p.pid, p.name, p.gpu, None if p.usedMemoryMb < 0 else p.usedMemoryMb)
+            for p in r.foreignProcesses
+        ),
+        xids=tuple(XidCount(x.pciAddress, x.xid, x.count, x.lastMessage) for x in r.xids),
+        note=r.note,
     )
 
 

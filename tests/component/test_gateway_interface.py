@@ -35,6 +35,7 @@ class RecordingGateway(GatewayInterface):
         self.counted: dict[tuple[str, str], UsageCounts] = {}
         self.last: dict[tuple[str, str], UsageCounts] = {}
         self.readiness: list[str | None] = []
+        self.collectors: list[object] = []
         self.readiness_changed = trio.Event()
 
     def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
@@ -53,6 +54,9 @@ class RecordingGateway(GatewayInterface):
 
     def set_admin_api(self, handler: object) -> None:
         self.admin_api = handler
+
+    def set_extra_metrics(self, collector: object) -> None:
+        self.collectors.append(collector)
 
     def set_readiness(self, not_ready: str | None) -> None:
         self.readiness.append(not_ready)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llmgw.node.gpus.discover import import_pynvml
 from llmgw.spec import gpu_display
-from tests.system.harness import LLMGW, Cluster, Proc, ready_replicas
+from tests.system.harness import LLMGW, Cluster, Proc, eventually, metric_sum, ready_replicas
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
 QUERY = FIXTURES / "telegraf-a100-sxm4-80gb-mig.xml"
@@ -81,3 +82,30 @@ async def test_mig_instances_are_registered_placed_one_replica_each_and_named_by
         [pair] = await ready_replicas(cluster, "pair", 1)
         devices = environ(pair["pid"])["CUDA_VISIBLE_DEVICES"].split(",")
         assert len(devices) == 2 and set(devices) <= {"1", "2", "3"}  # whole cards, never slices
+
+        # The control plane's /metrics carries the node, its cards and its engines (issue 16):
+        # each card's readings from the same recorded nvidia-smi answer, the host's from this
+        # machine's /proc, each engine's resident memory from its process group.
+        async with httpx.AsyncClient(timeout=30) as http:
+            async def scraped() -> str | None:
+                text = (await http.get(cluster.gateway + "/metrics")).text
+                return text if metric_sum(text, "llmgw_shard_memory_bytes", shard=slice_replica["id"]) else None
+
+            text = await eventually(scraped, "the slice's engine memory on the control plane's /metrics")
+        node = {"node": "gpu-a"}
+        assert metric_sum(text, "llmgw_node_gpus", **node, **{"class": MIG_CLASS}) == 4
+        assert metric_sum(text, "llmgw_node_cpus", **node) == os.cpu_count()
+        assert metric_sum(text, "llmgw_node_memory_available_bytes", **node) > 0
+        assert metric_sum(text, "llmgw_shard_memory_bytes", **node, model="pair") > 0
+        # The recorded -q -x has card 0 (in MIG mode) alone; cards 1-3 come from -L, without readings.
+        card0 = {**node, "gpu": "0", "class": "a100-80g"}
+        assert metric_sum(text, "llmgw_gpu_power_limit_watts", **card0) == 500
+        assert metric_sum(text, "llmgw_gpu_memory_temperature_celsius", **card0) == 44
+        assert "llmgw_gpu_utilization_percent{" not in text  # N/A in MIG mode: absent, not 0
+
+        shown = cluster.ctl("nodes", "gpu-a")
+        assert shown.returncode == 0, shown.stderr
+        assert "0/mig3" in shown.stdout and slice_replica["id"] in shown.stdout and "available of" in shown.stdout
+        detail = cluster.ctl_json("nodes", "gpu-a")
+        assert [g["index"] for g in detail["node"]["telemetry"]["gpus"]] == [0]
+        assert {r["id"] for r in detail["replicas"]} == {slice_replica["id"], pair["id"]}

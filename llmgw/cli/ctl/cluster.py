@@ -11,7 +11,9 @@ import trio
 
 from llmgw.cli.ctl.common import call, json_option, mb, target_of
 from llmgw.cli.output import fail, print_table
-from llmgw.client import ClientError, ClusterClient, ReplicaRow
+from llmgw.cli.ctl.node_detail import print_node
+from llmgw.client import ClientError, ClusterClient, NodeRow, ReplicaRow
+from llmgw.jsonable import to_jsonable
 from llmgw.labels import describe as describe_labels
 from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG, gpu_summary
 
@@ -20,8 +22,13 @@ from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG, gpu_summary
 @json_option
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """Cluster summary: who leads, nodes, replicas, models, what could not be placed."""
-    st = call(ctx, as_json, lambda c: c.status())
+    """Cluster summary: who leads, nodes with their devices by class and live CPU and memory,
+    replicas, models, what could not be placed."""
+
+    async def both(c: ClusterClient) -> tuple[Any, list[NodeRow]]:
+        return await c.status(), await c.nodes()
+
+    st, rows = call(ctx, as_json, both, as_data=lambda found: {**to_jsonable(found[0]), "fleet": fleet_summary(found[1])})
     click.echo(f"llmgw {st.version}  gateway {st.gateway_url}")
     if st.leader:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.leader_since))
@@ -30,6 +37,12 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo("control planes: " + ", ".join(f"{p.name} {p.role}" + (f" {p.version}" if p.version else "")
                                                   for p in st.control_planes))
     click.echo(f"nodes: {st.nodes_online} online, {st.nodes_lost} lost")
+    fleet = fleet_summary(rows)
+    if fleet["devices"]:
+        click.echo("devices: " + ", ".join(f"{n}x {kind}" for kind, n in fleet["devices"].items()))
+    busy = fleet["cpu_utilization_percent"]
+    click.echo(f"CPUs: {fleet['cpus']}" + ("" if busy is None else f", {busy:.0f}% busy")
+               + f"   memory: {mb(fleet['memory_available_mb'])} available of {mb(fleet['memory_total_mb'])}")
     click.echo(f"replicas: {st.replicas_ready}/{st.replicas_total} ready   models: {st.models}")
     if st.routing:
         click.echo(f"routing: {st.routing}")
@@ -45,11 +58,21 @@ def status(ctx: click.Context, as_json: bool) -> None:
                     [[a.tenant, a.admitted, a.queued, a.shed, a.in_flight, f"{a.share:.2f}"] for a in st.admission])
 
 
-@click.group(invoke_without_command=True)
+class _NodesGroup(click.Group):
+    """``ctl nodes``: a word that is no subcommand is a node's name (``ctl nodes NODE`` = ``nodes show NODE``)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
+            return "show", self.commands["show"], args
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=_NodesGroup, invoke_without_command=True)
 @json_option
 @click.pass_context
 def nodes(ctx: click.Context, as_json: bool) -> None:
-    """Nodes of the cluster with their hardware and engines (`nodes list`); `nodes add`, `nodes remove`.
+    """Nodes of the cluster with their hardware and engines (`nodes list`); `nodes NODE` shows one
+    with its cards, replicas and live readings; `nodes add`, `nodes remove`.
 
     Under the table, per node, each engine's version, the llama-server or Python it runs and
     where that comes from ("agent.yaml" when the operator named it, "installed"), or why an
@@ -68,6 +91,26 @@ def nodes_list(ctx: click.Context, as_json: bool) -> None:
     _list_nodes(ctx, as_json)
 
 
+@nodes.command("show")
+@click.argument("node")
+@json_option
+@click.pass_context
+def nodes_show(ctx: click.Context, node: str, as_json: bool) -> None:
+    """One node: its hardware, each card with its live readings, the replicas on it and what
+    they use, processes that are not llmgw's on its GPUs, XID errors. Readings older than a
+    minute are not shown."""
+
+    async def shown(c: ClusterClient) -> tuple[NodeRow, list[ReplicaRow]]:
+        row = next((n for n in await c.nodes() if n.id == node), None)
+        if row is None:
+            raise ClientError(f"no node {node!r} (see `llmgw ctl nodes`)")
+        replicas, _ = await c.replicas()
+        return row, [r for r in replicas if r.node_id == node]
+
+    row, on_node = call(ctx, as_json, shown, as_data=lambda found: {"node": found[0], "replicas": found[1]})
+    print_node(row, on_node)
+
+
 def _list_nodes(ctx: click.Context, as_json: bool) -> None:
     rows = call(ctx, as_json, lambda c: c.nodes())
     table = []
@@ -75,10 +118,12 @@ def _list_nodes(ctx: click.Context, as_json: bool) -> None:
         hw = n.hardware
         gpus = gpu_summary(hw.gpus) or hw.gpu_note or "none"
         engines = ",".join(_engine_cell(e) for e in n.engines if _shown(e)) or "-"
-        table.append([n.id, n.state, n.address, hw.cpu_count, f"{mb(hw.memory_available_mb)}/{mb(hw.memory_total_mb)}",
+        busy = n.telemetry.host.get("cpu_utilization_percent")
+        table.append([n.id, n.state, n.address, hw.cpu_count, "-" if busy is None else f"{busy:.0f}%",
+                      f"{mb(hw.memory_available_mb)}/{mb(hw.memory_total_mb)}",
                       gpus, engines, n.shards, f"{n.seconds_since_heartbeat:.1f}s", describe_labels(n.labels)])
-    print_table(["NODE", "STATE", "ADDRESS", "CPUS", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS", "HEARTBEAT",
-                 "LABELS"],
+    print_table(["NODE", "STATE", "ADDRESS", "CPUS", "CPU BUSY", "MEM FREE/TOTAL", "GPUS", "ENGINES", "REPLICAS",
+                 "HEARTBEAT", "LABELS"],
                 table, empty="no nodes have joined")
     for n in rows:
         if n.config_problem:
@@ -118,6 +163,30 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
                 click.echo(f"    {line}")
     for reason in unplaceable:
         click.echo(f"not placed: {reason}")
+
+
+def fleet_summary(rows: list[NodeRow]) -> dict[str, Any]:
+    """Returns the online nodes' devices by class (GPU classes, then "cpu" for nodes without
+    GPUs), CPUs and their live use (weighted by CPUs, over nodes that sent a reading; None if
+    none did), and memory, for `ctl status`."""
+    online = [n for n in rows if n.state == "online"]
+    devices: dict[str, int] = {}
+    for n in online:
+        for gpu in n.hardware.gpus:
+            devices[gpu.gpu_class or gpu.name] = devices.get(gpu.gpu_class or gpu.name, 0) + 1
+    cpu_only = sum(1 for n in online if not n.hardware.gpus)
+    if cpu_only:
+        devices["CPU-only node"] = cpu_only
+    measured = [(n.hardware.cpu_count, n.telemetry.host["cpu_utilization_percent"]) for n in online
+                if "cpu_utilization_percent" in n.telemetry.host]
+    cpus = sum(count for count, _ in measured)
+    return {
+        "devices": dict(sorted(devices.items())),
+        "cpus": sum(n.hardware.cpu_count for n in online),
+        "cpu_utilization_percent": sum(c * busy for c, busy in measured) / cpus if cpus else None,
+        "memory_total_mb": sum(n.hardware.memory_total_mb for n in online),
+        "memory_available_mb": sum(n.hardware.memory_available_mb for n in online),
+    }
 
 
 def _definition_cell(r: ReplicaRow) -> str:
