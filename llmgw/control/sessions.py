@@ -174,9 +174,11 @@ class NodeSession:
         session = self
 
         class NodeDeskServer(s.NodeDesk.Server):
-            async def heartbeat(self, hardware: Any, telemetry: Any, **_: Any) -> None:
-                # An agent from before issue 16 sends no telemetry: it reads as an empty sample.
-                hw, sample = convert.hardware_from(hardware), convert.telemetry_from(telemetry)
+            async def heartbeat(self, hardware: Any, telemetry: Any, _context: Any, **_: Any) -> None:
+                # Agents send telemetry only with a new sample (every 10 s, heartbeats every 2 s);
+                # without one the last stays and ages. Agents before issue 16 send none.
+                hw = convert.hardware_from(hardware)
+                sample = convert.telemetry_from(telemetry) if _context.params._has("telemetry") else None
                 session.last_heartbeat = trio.current_time()
                 session.registry.heartbeat(session.node_id, hw, telemetry=sample, epoch=session.epoch)
 

@@ -391,11 +391,13 @@ class Agent:
         free_mb, total_mb = disk_usage(self.weights_dir)
         return attrs.evolve(hardware, disk_free_mb=free_mb, disk_total_mb=total_mb)
 
-    def _sample(self, engine_groups: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Blocking: a heartbeat's hardware and telemetry, as capnp dicts (run in a thread).
-        ``engine_groups``: each running shard's engine process group, by shard id."""
+    def _sample(self, engine_groups: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, Any], int]:
+        """Blocking: a heartbeat's hardware and telemetry, as capnp dicts, and the sampler's
+        generation (run in a thread). ``engine_groups``: each running shard's engine process
+        group, by shard id."""
         hardware = self._read_hardware()
-        return convert.hardware_dict(hardware), convert.telemetry_dict(self.sampler.sample(engine_groups))
+        telemetry = convert.telemetry_dict(self.sampler.sample(engine_groups))
+        return convert.hardware_dict(hardware), telemetry, self.sampler.generation
 
     def _engine_dicts(self) -> list[dict[str, Any]]:
         """The engines to report: the converger's view, plus adapters it has no installer for."""
@@ -486,13 +488,19 @@ class Agent:
                     session_nursery.start_soon(self._report_engines, desk, engines_seen)
                     if self.cluster_settings is not None:
                         session_nursery.start_soon(self._report_config_problem, desk, self.cluster_settings)
+                    sent_generation = -1
                     try:
                         while True:
                             await trio.sleep(interval)
                             groups = {spec.id: status.pid for spec, status in self.supervisor.shards() if status.pid}
-                            hardware, telemetry = await trio.to_thread.run_sync(self._sample, groups)
+                            hardware, telemetry, generation = await trio.to_thread.run_sync(self._sample, groups)
+                            # Telemetry goes only with a new sample: the control plane keeps the last.
                             with trio.fail_after(interval * HEARTBEAT_MISSES):
-                                await desk.heartbeat(hardware, telemetry)
+                                if generation != sent_generation:
+                                    await desk.heartbeat(hardware, telemetry)
+                                    sent_generation = generation
+                                else:
+                                    await desk.heartbeat(hardware)
                     except (trio.TooSlowError, capnp.KjException) as exc:
                         failure = exc
                     session_nursery.cancel_scope.cancel()

@@ -724,8 +724,8 @@ class Shard:
     async def _read_compute(self) -> str | None:
         """Reads what the engine computes on (its output, else nvidia-smi, else CPU) and persists it.
 
-        Returns the reason the shard must FAIL (given GPUs, the engine says it has none),
-        in the engine's words, or None. Called once per run, when the engine is first healthy.
+        Returns the reason the shard must FAIL (given GPUs, the engine says it has none, in
+        its words, or holds memory on none of them: compute.unused_gpus), or None. Called once per run, when the engine is first healthy.
         """
         assert self.engine is not None
         # The engine wrote its startup lines before it answered the health check, but the
@@ -742,6 +742,8 @@ class Shard:
         if compute != self.record.compute:
             self.record.compute = compute
             await self._save()
+        if failure is None and pid:
+            failure = await trio.to_thread.run_sync(engine_compute.unused_gpus, self.engine, self.spec, pid)
         return failure
 
     async def _refresh_identity(self) -> None:

@@ -14,6 +14,8 @@ import trio
 from llmgw.node import shard_state
 from llmgw.node.engines import compute as cm
 from llmgw.node.engines.llamacpp import gpu_failure, parse_output
+from llmgw.node.gpus.inventory import GpuInventory
+from llmgw.node.gpus.nvsmi import read_nvidia_smi
 from llmgw.node.shard_state import ShardRecord
 from llmgw.node.shard import RestartPolicy
 from llmgw.node.supervisor import Supervisor
@@ -183,3 +185,51 @@ async def test_gpu_shard_whose_engine_found_no_gpu_is_failed_in_its_words(tmp_pa
         assert record.failed and record.identity is None
         await sup.stop_shard("s-0", grace=5)
         nursery.cancel_scope.cancel()
+
+
+# -- a shard given GPUs holds memory on each before it is READY (issue 16) ------------------
+
+T4_QUERY = Path(__file__).resolve().parents[1] / "fixtures" / "gpu-telemetry" / "telegraf-tesla-t4.xml"
+
+
+def t4_inventory() -> GpuInventory:
+    """The recorded T4 (card 0) with its two processes, pids 675 and 5762."""
+    text = T4_QUERY.read_text()
+    return read_nvidia_smi(lambda argv, timeout: text if "-x" in argv else "")
+
+
+class GpuEngine:
+    name = "gpu-engine"
+
+
+class NoGpuEngine:
+    name = "sim"
+    holds_gpu_memory = False
+
+
+def test_a_shard_holding_memory_on_its_gpu_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The recorded pids are the recording machine's: here 5762 is taken to be in our engine's group.
+    monkeypatch.setattr(cm.os, "getpgid", lambda pid: 4242 if pid == 5762 else pid)
+    spec = ShardSpec("m-1", "m", "vllm", "/w", (), {}, 0, 0.0, (0,))
+    assert cm.unused_gpus(GpuEngine(), spec, 4242, t4_inventory) is None
+
+
+def test_a_shard_holding_no_memory_on_a_given_gpu_fails_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cm.os, "getpgid", lambda pid: pid)  # every listed process is someone else's
+    spec = ShardSpec("m-1", "m", "vllm", "/w", (), {}, 0, 0.0, (0,))
+    reason = cm.unused_gpus(GpuEngine(), spec, 4242, t4_inventory)
+    assert reason is not None and "holds no memory on GPU 0" in reason and "nvidia-smi" in reason
+
+
+def test_unknowable_cases_never_fail_a_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = ShardSpec("m-1", "m", "vllm", "/w", (), {}, 0, 0.0, (0,))
+    assert cm.unused_gpus(NoGpuEngine(), spec, 4242, t4_inventory) is None  # the simulator
+    assert cm.unused_gpus(GpuEngine(), spec, 4242, lambda: GpuInventory(note="no NVIDIA GPUs")) is None
+
+    def foreign_namespace(pid: int) -> int:
+        raise ProcessLookupError(pid)
+
+    monkeypatch.setattr(cm.os, "getpgid", foreign_namespace)  # a container: no listed pid is here
+    assert cm.unused_gpus(GpuEngine(), spec, 4242, t4_inventory) is None
+    cpu = ShardSpec("m-1", "m", "vllm", "/w", (), {}, 0, 0.0, ())
+    assert cm.unused_gpus(GpuEngine(), cpu, 4242, t4_inventory) is None

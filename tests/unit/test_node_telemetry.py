@@ -78,12 +78,15 @@ def test_one_nvidia_smi_answer_gives_inventory_and_readings_at_most_every_interv
     assert sample.host["memory_available_bytes"] > 0 and "load1" in sample.host
     assert "cpu_utilization_percent" not in sample.host
 
+    first = node.generation
     clock.now += SAMPLE_INTERVAL_S / 2
     again = node.sample({})
     assert len(smi.runs) == 2 and again.gpus[0].age_s == SAMPLE_INTERVAL_S / 2  # not asked again, older
+    assert node.generation == first  # nothing new: the heartbeat sends no telemetry
     clock.now += SAMPLE_INTERVAL_S
     later = node.sample({})
     assert len(smi.runs) == 4 and later.gpus[0].age_s == 0 and later.age_s == 0
+    assert node.generation > first
 
 
 def test_readings_older_than_a_minute_are_never_sent() -> None:

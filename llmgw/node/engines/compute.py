@@ -18,6 +18,7 @@ nvidia-smi means "not known from nvidia-smi".
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -25,7 +26,9 @@ from typing import Callable, Iterable, Sequence
 
 import psutil
 
-from llmgw.spec import Compute, ComputeDevice, ShardSpec
+from llmgw.node.gpus.discover import read_gpu_inventory
+from llmgw.node.gpus.inventory import GpuInventory, placement_index
+from llmgw.spec import Compute, ComputeDevice, ShardSpec, gpu_display
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +205,43 @@ def engine_gpu_failure(engine: object, compute: Compute | None, spec: ShardSpec)
     """Returns ``engine.gpu_failure(compute, spec)``, or None if the adapter has no such check."""
     check = getattr(engine, "gpu_failure", None)
     return None if check is None else check(compute, spec)
+
+
+def unused_gpus(
+    engine: object, spec: ShardSpec, engine_group: int, read_inventory: Callable[[], GpuInventory] = read_gpu_inventory,
+) -> str | None:
+    """Returns why a shard given GPUs is not ready: the GPUs (placement indexes, MIG instances
+    included) on which no process of the engine's process group holds memory, in words; None
+    when each holds some, and when the node cannot tell: no NVML nor nvidia-smi, an engine that
+    holds no GPU memory by design (``holds_gpu_memory = False``: the simulator), or process
+    lists whose pids are all foreign to this PID namespace (an agent in a container).
+
+    Blocks (NVML or nvidia-smi): call it in a thread.
+    """
+    if not spec.gpus or not getattr(engine, "holds_gpu_memory", True):
+        return None
+    inventory = read_inventory()
+    if not inventory.source or not inventory.processes:
+        return None
+    held: set[int] = set()
+    visible = False
+    for process in inventory.processes:
+        try:
+            group = os.getpgid(process.pid)
+        except OSError:
+            continue
+        visible = True
+        if group == engine_group:
+            held.add(process.card if process.mig is None else placement_index(process.card, process.mig))
+    if not visible:
+        return None
+    missing = [gpu for gpu in spec.gpus if gpu not in held]
+    if not missing:
+        return None
+    names = ", ".join(gpu_display(gpu) for gpu in missing)
+    return (f"the engine answers but holds no memory on GPU {names} it was given ({inventory.source} lists its "
+            "processes on none of them): it would compute on the CPU or elsewhere; see its output "
+            "(`llmgw ctl logs REPLICA`)")
 
 
 def compute_to_json(c: Compute | None) -> dict | None:

@@ -71,6 +71,8 @@ class SimEngine:
 
     name = "sim"
     health_path = DEFAULT_HEALTH_PATH
+    #: The simulator computes nothing: GPUs placed for it stay empty (compute.unused_gpus skips it).
+    holds_gpu_memory = False
     startup_timeout = SIM_STARTUP_TIMEOUT
 
     def probe(self) -> EngineInfo:

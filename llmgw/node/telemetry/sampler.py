@@ -67,6 +67,10 @@ class NodeSampler:
         self._xids_at: float | None = None
         self._notes: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._host_at: float | None = None
+        #: Counts the samples that read something anew (cards, host, kernel log): a heartbeat
+        #: sends telemetry only when this moved since the last one it sent.
+        self.generation = 0
 
     def inventory(self) -> GpuInventory:
         """Returns the cards as last asked, asking again if that was SAMPLE_INTERVAL_S ago or more."""
@@ -77,6 +81,7 @@ class NodeSampler:
         now = self._clock()
         if self._inventory is None or not 0 <= now - self._inventory_at < SAMPLE_INTERVAL_S:
             self._read_cards(now)
+            self.generation += 1
         assert self._inventory is not None
         return self._inventory
 
@@ -90,7 +95,11 @@ class NodeSampler:
         inventory = self._current_inventory()
         now = self._clock()
         host = self._host.sample(now, engine_groups)
-        self._poll_kernel_log(now)
+        if host.taken_at != self._host_at:
+            self._host_at = host.taken_at
+            self.generation += 1
+        if self._poll_kernel_log(now):
+            self.generation += 1
         return NodeTelemetry(
             age_s=max(0.0, now - host.taken_at),
             host=_host_readings(host),
@@ -174,12 +183,13 @@ class NodeSampler:
 
     # -- kernel log --------------------------------------------------------------------
 
-    def _poll_kernel_log(self, now: float) -> None:
-        """Counts the kernel log's new XID lines, once every XID_INTERVAL_S, on nodes with cards."""
+    def _poll_kernel_log(self, now: float) -> bool:
+        """Counts the kernel log's new XID lines, once every XID_INTERVAL_S, on nodes with cards;
+        returns whether it read the log."""
         if self._inventory is None or not self._inventory.cards:
-            return
+            return False
         if self._xids_at is not None and 0 <= now - self._xids_at < XID_INTERVAL_S:
-            return
+            return False
         self._xids_at = now
         try:
             events, note = self._poll_xids()
@@ -190,6 +200,7 @@ class NodeSampler:
             key = (event.pci_address, event.xid)
             before = self._xids.get(key)
             self._xids[key] = XidCount(event.pci_address, event.xid, (before.count if before else 0) + 1, event.line)
+        return True
 
 
 def _host_readings(host: HostTelemetry) -> dict[str, float]:
