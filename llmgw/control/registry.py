@@ -386,6 +386,14 @@ class Registry:
         engines = tuple(engines)
         if node.engines == engines:
             return
+        before = {e.name: e for e in node.engines if e.installed}
+        after = {e.name: e for e in engines if e.installed}
+        for name in sorted(before.keys() ^ after.keys()):
+            if name in after:
+                log.info("node %s now has engine %s %s: placing with it", node_id, name, after[name].version)
+            else:
+                log.info("node %s no longer has engine %s: %s", node_id, name,
+                         next((e.detail for e in engines if e.name == name), "") or "not reported")
         node.engines = engines
         self._touch(node_id)
         self._bump()

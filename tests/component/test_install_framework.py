@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.node.install import (DISABLED_DETAIL, Converger, InstallError, Progress, SimInstaller, build_installers,
+from llmgw.node.install import (DISABLED_DETAIL, PROBE_INTERVAL, Converger, InstallError, Progress, SimInstaller, build_installers,
                                 InstallSettings)
 from llmgw.node.install.apt import apt_install
 from llmgw.spec import EngineInfo
@@ -86,6 +86,22 @@ async def test_converges_on_the_default_version_with_progress() -> None:
     assert fake.installs == ["1.0"]
     assert states[-1] == "installing: downloading fake-1.0.tar.gz (16 MB)"
     assert await converger.check("fake") == "fake 1.0"
+
+
+async def test_an_engine_installed_beside_the_agent_is_reported_within_a_probe_interval(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fake = FakeInstaller()
+    converger = Converger({"fake": fake, "sim": SimInstaller()})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(converger.run)
+        assert not {e.name: e for e in converger.engines()}["fake"].installed
+        started = trio.current_time()
+        fake.installed_version = "1.0"  # installed by hand: nobody asked this node for it
+        await _states_until(converger, lambda e: e.installed and e.version == "1.0", deadline=2 * PROBE_INTERVAL)
+        assert trio.current_time() - started <= PROBE_INTERVAL
+        nursery.cancel_scope.cancel()
+    assert fake.installs == []
 
 
 async def test_a_disabled_engine_is_reported_as_such_and_never_installed() -> None:

@@ -22,7 +22,9 @@ The control plane says which engines every node should have, at which version (s
 ``engines:``, pushed in the join result). :class:`Converger` makes the node match: one
 task per engine, each install in its own cancel scope, progress reported in the
 installer's own words, a failed pass retried with backoff, an installed engine re-checked
-every :data:`RECHECK_INTERVAL` seconds.
+every :data:`RECHECK_INTERVAL` seconds. Every engine not being converged is probed again
+every :data:`PROBE_INTERVAL` seconds (a probe reads a marker or stats a file), so one
+installed or removed beside the agent is reported within a minute.
 
 Contract every installer keeps (read this before implementing one):
 
@@ -88,6 +90,7 @@ from llmgw.spec import ENGINE_BUILT_IN, ENGINE_FROM_CONFIG, EngineInfo
 __all__ = [
     "Converger",
     "INSTALLER_MODULES",
+    "PROBE_INTERVAL",
     "InstallError",
     "InstallSettings",
     "Installer",
@@ -247,6 +250,10 @@ def build_installers(settings: InstallSettings) -> dict[str, Installer]:
 #: An installed engine is probed again this often: a deleted directory, a broken library
 #: or a changed wanted version is noticed within ten minutes.
 RECHECK_INTERVAL = 10 * 60.0
+#: Engines nobody asked this node for are probed again this often (probes are cheap: a
+#: marker file read, a stat): one an operator installs by hand becomes a placement
+#: candidate within a minute, with no agent restart (issue 16).
+PROBE_INTERVAL = 60.0
 #: First pause after a failed install; doubles per failure up to RETRY_BACKOFF_MAX, so a
 #: node with a broken mirror does not hammer it, and a transient failure is retried soon.
 RETRY_BACKOFF_MIN = 10.0
@@ -358,6 +365,7 @@ class Converger:
                     watch = getattr(installer, "watch", None)
                     if watch is not None:
                         nursery.start_soon(self._watch, name, watch)
+                nursery.start_soon(self._probe_idle)
                 self._sync_tasks()
                 task_status.started()
                 await trio.sleep_forever()
@@ -395,6 +403,14 @@ class Converger:
                 log.warning("install: watching %s failed: %s", name, exc)
                 self._record(name, EngineInfo(name, installed=False, detail=f"check failed: {exc}"))
             await trio.sleep(self.recheck_interval)
+
+    async def _probe_idle(self) -> None:
+        """Every PROBE_INTERVAL, probes each engine that no converge task or watch looks after."""
+        while True:
+            await trio.sleep(PROBE_INTERVAL)
+            for name, installer in list(self.installers.items()):
+                if name not in self._scopes and getattr(installer, "watch", None) is None:
+                    self._record(name, await self._probe(installer))
 
     async def _converge_one(self, name: str, version: str, scope: trio.CancelScope) -> None:
         """Installs ``name`` at ``version`` until it probes installed, then re-checks it forever.
