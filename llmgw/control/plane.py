@@ -54,7 +54,7 @@ from llmgw.control.keys import SERVING_STOPPED, AccessSync
 from llmgw.control.leader import LEADER_LEASE_S, LeaderElection
 from llmgw.control.peers import FeedTee, Follower
 from llmgw.control.reconciler import Reconciler
-from llmgw.control.fleet_metrics import FleetCollector
+from llmgw.control.fleet_metrics import FleetMetrics
 from llmgw.control.registry import Registry
 from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.sessions import NodeSessions
@@ -259,8 +259,8 @@ async def run_control_plane(
                                  http_port=bound_http, gateway_url=gateway_url)
             plane_ref.append(plane)
             # The fleet's telemetry on the gateway's /metrics, from the leader's registry.
-            gateway.set_extra_metrics(FleetCollector(
-                lambda: plane.term.registry.snapshot() if plane.term is not None else None, trio.current_time))
+            gateway.set_extra_metrics(FleetMetrics(
+                lambda: plane.term.registry.snapshot() if plane.term is not None else None, trio.current_time).render)
 
             async def leadership() -> dict[str, Any]:
                 return await _leadership_fields(store, election, plane.term, follower)

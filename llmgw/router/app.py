@@ -23,11 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import attrs
 import httpx
 from quart import Response, request
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -168,6 +169,9 @@ class Gateway:
         #: ``metrics:`` of server.yaml: who may read /metrics here, or that it moved to its
         #: own address (llmgw/router/metrics_access.py).
         self.metrics_config = metrics_config if metrics_config is not None else MetricsConfig()
+        #: More series for /metrics, appended to the gateway's own (the control plane's fleet:
+        #: GatewayInterface.set_extra_metrics); None: none.
+        self.extra_metrics: Callable[[], Awaitable[bytes]] | None = None
         #: The relayed streams' upstream reads; a stopping server cuts them when its
         #: shutdown grace runs out (each stream then ends with an SSE error event).
         self.streams = StreamCuts()
@@ -304,8 +308,12 @@ class Gateway:
         return upstream
 
     async def _metrics(self) -> Response:
-        body, content_type = self.metrics.render()
-        return Response(body, status=200, content_type=content_type)
+        return Response(await self.metrics_body(), status=200, content_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_body(self) -> bytes:
+        """Returns this gateway's ``/metrics`` body: its own series, then ``extra_metrics()``'s."""
+        body = self.metrics.render()[0]
+        return body + (await self.extra_metrics() if self.extra_metrics is not None else b"")
 
     async def _list_models(self) -> Response:
         tenant = self.auth.authenticate(request.headers.get("authorization"))

@@ -19,7 +19,7 @@ nothing else of the router.
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -105,10 +105,11 @@ class GatewayInterface(abc.ABC):
         """Answer ``/api/v1/*`` on the gateway's port with ``handler`` (None: 404, no admin API)."""
 
     @abc.abstractmethod
-    def set_extra_metrics(self, collector: Any) -> None:
-        """Serve ``collector``'s series (a ``prometheus_client`` Collector, read at scrape time) on
-        the gateway's ``/metrics`` too, in place of the one set before: the control plane's fleet
-        telemetry (a pool: from this process, beside the workers' merged samples)."""
+    def set_extra_metrics(self, render: Callable[[], Awaitable[bytes]] | None) -> None:
+        """Append what ``render()`` returns (series in the Prometheus text format, families of
+        their own) to every scrape of the gateway's ``/metrics`` (None: nothing): the control
+        plane's fleet telemetry, written outside the trio thread. A pool appends it to the
+        workers' merged samples, from this process."""
 
     # -- access (down) -------------------------------------------------------------------
 

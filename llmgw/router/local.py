@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import trio
 
@@ -31,7 +31,6 @@ class GatewayState(GatewayInterface):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self._demand_mark: dict[str, TenantCounters] = gateway.admission.snapshot()
-        self._extra_metrics: Any = None  # set_extra_metrics
 
     def replace_routes(self, replicas: Mapping[str, Sequence[Replica]], models: Mapping[str, ModelInfo]) -> None:
         self.gateway.table.replace_all({model: replicas.get(model, ()) for model in models}, models)
@@ -51,12 +50,8 @@ class GatewayState(GatewayInterface):
     def set_admin_api(self, handler: AdminApiHandler | None) -> None:
         self.gateway.admin_api = handler
 
-    def set_extra_metrics(self, collector: Any) -> None:
-        registry = self.gateway.metrics.registry
-        if self._extra_metrics is not None:
-            registry.unregister(self._extra_metrics)
-        registry.register(collector)
-        self._extra_metrics = collector
+    def set_extra_metrics(self, render: Callable[[], Awaitable[bytes]] | None) -> None:
+        self.gateway.extra_metrics = render
 
     async def apply_access(self, access: AccessState) -> None:
         self.gateway.auth.replace(access.keys)
@@ -97,7 +92,7 @@ class GatewayState(GatewayInterface):
     async def scrape(self) -> bytes | None:
         """Returns the Prometheus text exposition of the gateway's metrics (a pool: every
         worker's, merged), for ``metrics.listen`` (llmgw/router/metrics_access.py)."""
-        return self.gateway.metrics.render()[0]
+        return await self.gateway.metrics_body()
 
 
 class LocalGateway(GatewayState):

@@ -55,8 +55,8 @@ class RecordingGateway(GatewayInterface):
     def set_admin_api(self, handler: object) -> None:
         self.admin_api = handler
 
-    def set_extra_metrics(self, collector: object) -> None:
-        self.collectors.append(collector)
+    def set_extra_metrics(self, render: object) -> None:
+        self.collectors.append(render)
 
     def set_readiness(self, not_ready: str | None) -> None:
         self.readiness.append(not_ready)

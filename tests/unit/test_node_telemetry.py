@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.control.fleet_metrics import FleetCollector
+from llmgw.control.fleet_metrics import FleetMetrics, render_fleet
 from llmgw.control.registry import Registry
 from llmgw.node.gpus.xid import parse_xid_lines
 from llmgw.node.telemetry.sampler import NodeSampler
@@ -156,8 +156,9 @@ def test_fresh_drops_what_is_older_than_a_minute() -> None:
     assert later.xids == FULL.xids
 
 
-def series(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = generate_latest(registry).decode()
+def series(reg: Registry, clock: Clock) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The fleet's series as a scrape shows them, parsed by prometheus_client's own parser."""
+    text = render_fleet(reg.snapshot(), clock()).decode()
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
@@ -171,10 +172,8 @@ def test_fleet_series_come_from_the_registry_and_age_out() -> None:
     reg.shard_started("n1", ShardSpec("m-1", "m", "sim", "/w", (), {}, 512, 1.0, ()))
     reg.shard_status("n1", ShardStatus("m-1", ShardState.READY, "http://10.0.0.1:1"), epoch=epoch)
     reg.heartbeat("n1", hw, telemetry=FULL, epoch=epoch)
-    registry = CollectorRegistry()
-    registry.register(FleetCollector(reg.snapshot, clock))
 
-    got = series(registry)
+    got = series(reg, clock)
     assert got[("llmgw_node_cpus", (("node", "n1"),))] == 16
     assert got[("llmgw_node_gpus", (("class", "h100-80g"), ("node", "n1")))] == 1
     assert got[("llmgw_node_cpu_utilization_percent", (("node", "n1"),))] == 12.5
@@ -191,16 +190,28 @@ def test_fleet_series_come_from_the_registry_and_age_out() -> None:
     assert got[("llmgw_gpu_xid_errors_total", (("node", "n1"), ("pci", "0000:3b:00"), ("xid", "79")))] == 2
 
     clock.now += READING_MAX_AGE_S  # no heartbeat for a minute: the readings go, the node stays
-    got = series(registry)
+    got = series(reg, clock)
     assert ("llmgw_node_cpu_utilization_percent", (("node", "n1"),)) not in got
     assert not any(name.startswith("llmgw_gpu_temperature") for name, _ in got)
     assert got[("llmgw_node_cpus", (("node", "n1"),))] == 16
 
     reg.heartbeat("n1", hw, telemetry=FULL, epoch=epoch)  # the next heartbeat brings them back
-    assert ("llmgw_node_cpu_utilization_percent", (("node", "n1"),)) in series(registry)
+    assert ("llmgw_node_cpu_utilization_percent", (("node", "n1"),)) in series(reg, clock)
 
 
-def test_a_control_plane_that_does_not_lead_exports_no_fleet() -> None:
-    registry = CollectorRegistry()
-    registry.register(FleetCollector(lambda: None, Clock()))
-    assert not series(registry)
+def test_label_values_are_escaped() -> None:
+    clock = Clock()
+    reg = Registry(clock=clock)
+    odd = 'n"1\\x\ny'
+    epoch = reg.node_joined(odd, "10.0.0.1", Hardware(4, 1000, 500), ())
+    reg.heartbeat(odd, Hardware(4, 1000, 500), telemetry=FULL, epoch=epoch)
+    assert series(reg, clock)[("llmgw_node_cpus", (("node", odd),))] == 4
+
+
+async def test_the_fleet_is_written_in_a_thread_and_nothing_while_not_leading() -> None:
+    reg = Registry()
+    epoch = reg.node_joined("n1", "10.0.0.1", Hardware(4, 1000, 500), ())
+    reg.heartbeat("n1", Hardware(4, 1000, 500), telemetry=FULL, epoch=epoch)
+    text = (await FleetMetrics(reg.snapshot, trio.current_time).render()).decode()
+    assert 'llmgw_node_cpu_utilization_percent{node="n1"} 12.5' in text
+    assert await FleetMetrics(lambda: None, trio.current_time).render() == b""

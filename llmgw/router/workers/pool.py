@@ -37,11 +37,10 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import trio
-from prometheus_client import CollectorRegistry
 
 from llmgw.spec import KvDelta, split_delta
 from llmgw.trioutil import unwrap_single_group
@@ -57,7 +56,7 @@ from ..replicas import ModelInfo, Replica, ReplicaTable
 from ..settings import GatewaySettings
 from .channel import Channel, ChannelClosed, Message
 from .protocol import (
-    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_metrics, encode_shares, encode_table, merge_metrics,
+    decode_admission, decode_usage, encode_keys, encode_kv_delta, encode_shares, encode_table, merge_metrics,
     worker_config,
 )
 
@@ -229,17 +228,14 @@ class GatewayPool(GatewayState):
         self._collects: dict[int, dict[int, Message]] = {}
         self._generations = itertools.count()
         self._nursery: trio.Nursery | None = None
-        #: Series served from this process beside the workers' (set_extra_metrics: the fleet's).
-        self._own_metrics = CollectorRegistry(auto_describe=True)
         for observed in (master.table, master.auth):
             if isinstance(observed, (ObservedTable, ObservedAuthTable)):
                 observed.on_change = self.state_changed
 
     # -- the gateway interface, beyond the master's own state (GatewayState) ------------
 
-    def set_extra_metrics(self, collector: Any) -> None:
-        self._own_metrics = CollectorRegistry(auto_describe=True)
-        self._own_metrics.register(collector)
+    def set_extra_metrics(self, render: Callable[[], Awaitable[bytes]] | None) -> None:
+        self.master.extra_metrics = render
 
     async def apply_access(self, access: AccessState) -> None:
         """Apply ``access`` to the master, then wait (bounded by :data:`SYNC_TIMEOUT_S`)
@@ -520,8 +516,9 @@ class GatewayPool(GatewayState):
         """Returns every worker's metrics merged into one exposition (a worker that did not
         report within :data:`COLLECT_TIMEOUT_S` is missing from it)."""
         reports = await self.collect(metrics=True)
-        parts = [r["metrics"] for r in reports if r.get("metrics") is not None]
-        return merge_metrics([*parts, encode_metrics(self._own_metrics)])
+        merged = merge_metrics(r["metrics"] for r in reports if r.get("metrics") is not None)
+        extra = self.master.extra_metrics
+        return merged + (await extra() if extra is not None else b"")
 
     async def _serve_scrape(self, slot: _Slot, scrape_id: Any) -> None:
         body = await self.scrape()
