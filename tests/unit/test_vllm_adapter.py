@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 import sys
 from pathlib import Path
@@ -64,6 +66,8 @@ def test_cpu_env() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert env["OMP_NUM_THREADS"] == "2"
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    # Without cpu_cores, half the node's CPUs: two engines on every core each run far slower.
+    assert vllm_env(spec())["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 2) // 2))
     assert vllm_env(spec(VLLM_CPU_KVCACHE_SPACE="4"))["VLLM_CPU_KVCACHE_SPACE"] == "4", "the profile tunes it"
 
 

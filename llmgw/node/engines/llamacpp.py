@@ -27,13 +27,13 @@ Health: GET /health answers 503 while the model loads, 200 once it serves.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from llmgw.node.engines import DEFAULT_HEALTH_PATH, EngineRefused, check_refused, configured_probe, cuda_env
 from llmgw.node.engines.load import LLAMACPP_SLOTS, InFlightProbe
 from llmgw.node.install import llamacpp as install
+from llmgw.node.engines.threads import default_threads
 from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
 __all__ = ["AGENT_FLAGS", "LlamaCppEngine", "READING_FLAGS", "gpu_failure", "parse_output"]
@@ -112,16 +112,6 @@ def check_llamacpp_args(spec: ShardSpec, *, version: str | None = None) -> None:
         if reason:
             raise EngineRefused(f"shard {spec.id}: environment variable {name!r} (= {flag}) is refused: {reason}; "
                                 "remove it from the model's profile engine_env")
-
-
-def default_threads(spec: ShardSpec, node_threads: int | None = None, cpu_count: int | None = None) -> int:
-    """Returns the thread count for ``spec``: its reserved cpu_cores, else the node's
-    override, else half this machine's CPUs (at least 1)."""
-    if spec.cpu_cores >= 1:
-        return int(spec.cpu_cores)
-    if node_threads:
-        return node_threads
-    return max(1, (cpu_count or os.cpu_count() or 2) // 2)
 
 
 class LlamaCppEngine:

@@ -62,6 +62,7 @@ from llmgw.node.engines import (
 )
 from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.install import python_env
+from llmgw.node.engines.threads import default_threads
 from llmgw.spec import ENGINE_INSTALLED, Compute, ComputeDevice, EngineInfo, ShardSpec
 
 __all__ = [
@@ -246,8 +247,7 @@ def vllm_env(spec: ShardSpec) -> dict[str, str]:
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_SPACE_GIB)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # several engines share the node's cores
-        if spec.cpu_cores >= 1:
-            env["OMP_NUM_THREADS"] = str(int(spec.cpu_cores))
+        env["OMP_NUM_THREADS"] = str(default_threads(spec))
     if spec.adapters or _has_option(spec.args, "--enable-lora"):
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if NO_KV_EVENTS_OPTION not in llmgw_options("vllm", spec.args)[0]:
