@@ -277,6 +277,72 @@ interface NodeDesk {
   # Why the agent runs on an older configuration (an edited agent.yaml that does not load); "": none now.
 }
 
+# LoRA fine-tuning jobs (issue 17): the control plane keeps them, a node trains.
+struct TrainingParams {
+  steps @0 :UInt32;          # optimiser steps (0: run `epochs` passes over the pairs)
+  epochs @1 :Float64;
+  rank @2 :UInt32;
+  alpha @3 :Float64;
+  learningRate @4 :Float64;
+  seed @5 :UInt32;
+  maxSeqLen @6 :UInt32;
+}
+
+struct TrainingJobView {
+  id @0 :Text;
+  adapter @1 :Text;          # the name the result is registered under
+  model @2 :Text;            # the catalog model it is for
+  weights @3 :Text;          # the safetensors source trained on (the model's own by default)
+  node @4 :Text;             # the node asked for ("" = any that fits)
+  assignedNode @5 :Text;     # where it trains ("" while queued)
+  gpuMib @6 :UInt64;         # card memory it needs (0: trains on the CPU)
+  gpu @7 :Int32;             # the placement index it trains on (-1: CPU or not yet placed)
+  params @8 :TrainingParams;
+  state @9 :Text;            # queued | running | succeeded | failed | cancelled
+  message @10 :Text;
+  step @11 :UInt32;
+  steps @12 :UInt32;
+  loss @13 :Float64;         # NaN: none yet
+  firstLoss @14 :Float64;
+  peakMemoryBytes @15 :UInt64;
+  device @16 :Text;
+  pairs @17 :UInt32;
+  createdBy @18 :Text;
+  createdAt @19 :Float64;
+  updatedAt @20 :Float64;
+  resultBytes @21 :UInt64;   # 0: no result kept
+  resultSha256 @22 :Text;
+  resultFormat @23 :Text;    # "peft" (a .tar of the PEFT directory) or "gguf"
+}
+
+struct TrainingJobSpec {
+  # What a node gets to train: sent by the leader's scheduler over the node's session.
+  id @0 :Text;
+  model @1 :Text;
+  weights @2 :Text;
+  params @3 :TrainingParams;
+  gpu @4 :Int32;             # placement index of the card (-1: the CPU)
+  gpuUuid @5 :Text;
+  gguf @6 :Bool;             # the model is served by llama.cpp: convert the adapter to GGUF
+}
+
+interface JobReporter {
+  # Handed by the control plane per job: what the trainer does flows up through it, for that job only.
+  event @0 (json :Text) -> ();
+  # One trainer event (start, progress, done, error) as the trainer printed it.
+  result @1 (offset :UInt64, chunk :Data, total :UInt64, sha256 :Text, format :Text) -> ();
+  # A piece of the result file (checksummed as a whole: sha256 of all TOTAL bytes); OFFSET 0 starts afresh.
+  finished @2 (ok :Bool, message :Text) -> ();
+  # The job ended: ok once the whole result was sent; message says why it failed or was cancelled.
+}
+
+interface TrainingJob {
+  # Handed by the agent per job.
+  cancel @0 () -> ();
+  # Cancels the job's nursery: the trainer's process group is killed, nothing is left running.
+  logs @1 (lines :UInt32) -> (lines :List(Text));
+}
+
 interface Agent {
   # The agent's side of one node session, handed over in the registration.
   startShard @0 (spec :ShardSpec, reporter :ShardReporter) -> (shard :Shard);
@@ -315,6 +381,10 @@ interface Agent {
   # ROLLBACK_AFTER_MS (0: no limit) switches back by itself.
   rollback @11 () -> (release :Text, previous :Text);
   # Switches `current` back to the previous release, answers, exits with status 75.
+  startJob @13 (spec :TrainingJobSpec, pairs :Data, reporter :JobReporter) -> (job :TrainingJob);
+  # Trains SPEC on PAIRS (JSONL) in a nursery of its own, reporting through REPORTER; fails with the
+  # reason when it cannot start (another job trains here, no vLLM environment to train with). Agents
+  # listing the feature "training" answer it.
   firewall @12 (json :Text) -> ();
   # The cluster setting `firewall` ({"enabled": bool, "networks": [CIDR, ...]}) as JSON: the agent keeps
   # it and keeps its engines' ports reachable only from the control planes and those networks
@@ -524,6 +594,19 @@ interface Admin {
   upgradeControlPlane @31 (name :Text, release :Text, sha256 :Text) -> (release :Text, previous :Text);
   # Installs the uploaded wheel RELEASE on control plane NAME (the leader itself, or an attached standby
   # through its GatewayFeed) and has it restart on it (exit status 75) once this call has answered.
+
+  trainJob @32 (adapter :Text, model :Text, weights :Text, node :Text, gpuMib :UInt64, params :TrainingParams,
+                pairs :Data) -> (job :TrainingJobView);
+  # Queues a LoRA training job: PAIRS (JSONL) are checked first (bad lines refused with their numbers),
+  # MODEL must be in the catalog, ADAPTER a free name. The leader's scheduler sends it to a node.
+  listJobs @33 () -> (jobs :List(TrainingJobView));
+  cancelJob @34 (id :Text) -> (job :TrainingJobView);
+  # A queued job is cancelled at once; a running one once its node has killed the trainer.
+  jobLogs @35 (id :Text, lines :UInt32) -> (lines :List(Text));
+  # The job's events as the trainer printed them, and what the control plane did with it.
+  downloadJob @36 (id :Text, offset :UInt64, length :UInt32) -> (chunk :Data, total :UInt64, sha256 :Text,
+                                                                 format :Text);
+  # A piece of a finished job's result.
 }
 
 struct AdminTokenView {

@@ -30,13 +30,14 @@ class Dialect:
     json: str  # a JSON document; the store always reads and writes it as JSON text
     ts: str  # Unix seconds as a float (the same on both backends; no time-zone surprises)
     id_pk: str  # an integer primary key the database assigns in insertion order
+    blob: str  # bytes (result files, training pairs)
     #: Appended to a SELECT to hold its rows against concurrent updates until COMMIT
     #: ("" where the transaction already excludes every other writer, as SQLite's does).
     for_share: str = ""
 
     def render(self, statement: str) -> str:
         """Return ``statement`` with this dialect's types in place of the placeholders."""
-        return statement.format(json=self.json, ts=self.ts, id_pk=self.id_pk)
+        return statement.format(json=self.json, ts=self.ts, id_pk=self.id_pk, blob=self.blob)
 
 
 SQLITE = Dialect(
@@ -45,12 +46,14 @@ SQLITE = Dialect(
     ts="REAL",
     # AUTOINCREMENT: ids are never reused, even after the newest rows are deleted.
     id_pk="INTEGER PRIMARY KEY AUTOINCREMENT",
+    blob="BLOB",
 )
 POSTGRES = Dialect(
     name="postgres",
     json="JSONB",
     ts="DOUBLE PRECISION",
     id_pk="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+    blob="BYTEA",
     for_share=" FOR SHARE",
 )
 
@@ -299,6 +302,50 @@ MIGRATIONS: tuple[Migration, ...] = (
             # What a node joining with the token writes into its agent.yaml (`llmgw ctl nodes
             # add --labels ... --disable-engine ...`): llmgw.jointoken.NodeOverrides as JSON.
             "ALTER TABLE join_tokens ADD COLUMN overrides TEXT NOT NULL DEFAULT '{{}}'",
+        ),
+    ),
+    Migration(
+        version=10,
+        name="training jobs",
+        statements=(
+            # LoRA training jobs (issue 17, llmgw/training.py): what to train, where it trains and
+            # how far it got. params and progress are JSON (llmgw.training.TrainingParams; step,
+            # steps, loss, first_loss, peak_memory_bytes, device).
+            """
+            CREATE TABLE training_jobs (
+                id TEXT PRIMARY KEY,
+                adapter TEXT NOT NULL,
+                model TEXT NOT NULL,
+                weights TEXT NOT NULL,
+                node TEXT NOT NULL,
+                gpu_mib BIGINT NOT NULL,
+                params TEXT NOT NULL,
+                state TEXT NOT NULL,
+                message TEXT NOT NULL,
+                assigned_node TEXT NOT NULL,
+                gpu INTEGER NOT NULL,
+                progress TEXT NOT NULL,
+                pairs INTEGER NOT NULL,
+                created_by TEXT NOT NULL,
+                created_at {ts} NOT NULL,
+                updated_at {ts} NOT NULL,
+                result_bytes BIGINT NOT NULL,
+                result_sha256 TEXT NOT NULL,
+                result_format TEXT NOT NULL
+            )
+            """,
+            # A job's files in pieces: its pairs (kind "pairs") and its result ("result"), each
+            # piece with the SHA-256 of its bytes, so a damaged piece is found when it is read.
+            """
+            CREATE TABLE training_files (
+                job_id TEXT NOT NULL,
+                kind TEXT NOT NULL,
+                seq INTEGER NOT NULL,
+                data {blob} NOT NULL,
+                sha256 TEXT NOT NULL,
+                PRIMARY KEY (job_id, kind, seq)
+            )
+            """,
         ),
     ),
 )

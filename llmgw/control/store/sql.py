@@ -31,6 +31,7 @@ from llmgw.control.store.base import (
     Store,
     StoreClosedError,
 )
+from llmgw.control.store.training import TrainingStore
 from llmgw.control.store.enrolment import EnrolmentStore
 from llmgw.control.store.migrations import (
     SCHEMA_MIGRATIONS_TABLE,
@@ -201,7 +202,7 @@ def apply_migrations(driver: Driver, migrations: Sequence[Migration]) -> int:
     return max(current, known)
 
 
-class SqlStore(EnrolmentStore, Store):
+class SqlStore(EnrolmentStore, TrainingStore, Store):
     """A Store over one :class:`Driver`; all access to it is serialised by a trio.Lock."""
 
     def __init__(self, driver: Driver) -> None:
