@@ -20,9 +20,10 @@ SUPPORTED_PROTOCOLS = frozenset({1})
 LOGS = "logs"  # Agent.logs: `llmgw ctl logs NODE`
 UPGRADE = "upgrade"  # Agent.receiveRelease, upgrade, rollback: `llmgw ctl upgrade`
 FIREWALL = "firewall"  # Agent.firewall: the cluster setting firewall (an agent managing its nft table)
+TRAINING = "training"  # Agent.startJob: LoRA training jobs (`llmgw ctl jobs train`)
 #: What this release's agent says it can do (an agent that leaves its firewall to the operator
 #: leaves out FIREWALL).
-AGENT_FEATURES = (f"protocol:{NODE_PROTOCOL}", "adopt", "stop-grace", LOGS, UPGRADE, FIREWALL)
+AGENT_FEATURES = (f"protocol:{NODE_PROTOCOL}", "adopt", "stop-grace", LOGS, UPGRADE, FIREWALL, TRAINING)
 
 
 def protocol_of(features: Iterable[str]) -> int:

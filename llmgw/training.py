@@ -10,11 +10,12 @@ store until registered as an adapter.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import attrs
+
+from llmgw.training_pairs import parse_pairs
 
 #: States of a job; the last three are final.
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
@@ -111,63 +112,10 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-#: At most this many bad lines are named in an error (the count says how many there were).
-MAX_NAMED_BAD_LINES = 10
-_ROLES = frozenset({"system", "user", "assistant"})
-
-
 def check_pairs(data: bytes) -> int:
-    """Returns how many training pairs ``data`` (JSON Lines) holds; raises ValueError naming
-    the bad lines by number (up to MAX_NAMED_BAD_LINES) and what is wrong with each.
-
-    A line is ``{"prompt": "...", "completion": "..."}`` or ``{"messages": [{"role": ...,
-    "content": ...}, ...]}`` ending with the assistant's answer; blank lines are skipped.
-    """
+    """Returns how many training pairs ``data`` (JSON Lines, :mod:`llmgw.training_pairs`) holds;
+    raises ValueError naming the bad lines by number and what is wrong with each, or when the
+    file is larger than MAX_PAIRS_BYTES. The node's trainer applies the same checks."""
     if len(data) > MAX_PAIRS_BYTES:
         raise ValueError(f"the pairs file is {len(data)} bytes; at most {MAX_PAIRS_BYTES} are accepted")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"the pairs file is not UTF-8 (byte {exc.start})") from None
-    count, bad = 0, []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        problem = _pair_problem(line)
-        if problem is None:
-            count += 1
-        else:
-            bad.append(f"line {number}: {problem}")
-    if bad:
-        shown = "; ".join(bad[:MAX_NAMED_BAD_LINES]) + (f"; and {len(bad) - MAX_NAMED_BAD_LINES} more"
-                                                         if len(bad) > MAX_NAMED_BAD_LINES else "")
-        raise ValueError(f"{len(bad)} bad line(s) in the pairs file, nothing was sent: {shown}")
-    if not count:
-        raise ValueError("the pairs file holds no pairs: one JSON object per line, "
-                         '{"prompt": "...", "completion": "..."} or {"messages": [...]}')
-    return count
-
-
-def _pair_problem(line: str) -> str | None:
-    try:
-        pair = json.loads(line)
-    except ValueError as exc:
-        return f"not JSON ({exc.args[0] if exc.args else exc})"
-    if not isinstance(pair, dict):
-        return "not a JSON object"
-    if "messages" in pair:
-        messages = pair["messages"]
-        if not isinstance(messages, list) or not messages:
-            return '"messages" must be a non-empty list'
-        for i, message in enumerate(messages):
-            if (not isinstance(message, dict) or message.get("role") not in _ROLES
-                    or not isinstance(message.get("content"), str)):
-                return f'message {i + 1} must be {{"role": system|user|assistant, "content": "..."}}'
-        if messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
-            return "the last message must be the assistant's answer (what the adapter learns)"
-        return None
-    if not isinstance(pair.get("prompt"), str) or not isinstance(pair.get("completion"), str):
-        return 'needs "prompt" and "completion" strings (or "messages")'
-    if not pair["completion"]:
-        return '"completion" is empty: nothing to learn'
-    return None
+    return len(parse_pairs(data.split(b"\n")))

@@ -275,6 +275,8 @@ interface NodeDesk {
   # The node's engines changed (install progress, installed, failed): the full list, replacing the last.
   reportConfigProblem @2 (problem :Text) -> ();
   # Why the agent runs on an older configuration (an edited agent.yaml that does not load); "": none now.
+  jobResult @3 (id :Text, offset :UInt64) -> (chunk :Data, total :UInt64, sha256 :Text, format :Text);
+  # A piece of finished training job ID's result (an adapter source llmgw-job://ID), from OFFSET.
 }
 
 # LoRA fine-tuning jobs (issue 17): the control plane keeps them, a node trains.

@@ -6,7 +6,9 @@ A source is one of:
 - an http(s) URL of one file (``https://host/x.gguf``, optionally ``#sha256=HEX`` to check it);
 - a Hugging Face repository: ``hf://org/repo`` or ``hf://org/repo@revision``, or a repository
   page URL on the configured endpoint (``https://huggingface.co/org/repo``,
-  ``.../org/repo/tree/REV``), read as the repository id.
+  ``.../org/repo/tree/REV``), read as the repository id;
+- a training job's result kept by the control plane: ``llmgw-job://JOB`` (an adapter trained by
+  ``llmgw ctl jobs train``), fetched over the node's session.
 
 The catalog parses a source when a model is added (so a malformed one never enters it);
 the agent parses it again to fetch the weights (:mod:`llmgw.node.fetch`). Pure: no I/O.
@@ -21,7 +23,7 @@ import attrs
 
 from llmgw.config.defaults import DEFAULT_HF_ENDPOINT
 
-__all__ = ["SourceError", "WeightsSource", "is_remote", "parse_source"]
+__all__ = ["JOB_SCHEME", "SourceError", "WeightsSource", "is_remote", "job_source", "parse_source"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -33,17 +35,28 @@ class SourceError(ValueError):
 
 @attrs.frozen
 class WeightsSource:
-    """A parsed ``source``. ``kind`` is "local", "url" or "hf"."""
+    """A parsed ``source``. ``kind`` is "local", "url", "hf" or "job"."""
 
     kind: str
-    location: str  # the path (local), the URL without fragment (url), or "org/repo" (hf)
+    location: str  # the path (local), the URL without fragment (url), "org/repo" (hf) or the job id (job)
     revision: str = "main"  # hf only
     sha256: str = ""  # url only: from a "#sha256=HEX" fragment
 
 
+#: The scheme of a training job's result as a source (``llmgw-job://job-1a2b3c4d``).
+JOB_SCHEME = "llmgw-job://"
+_JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
 def is_remote(source: str) -> bool:
-    """Returns True when ``source`` must be downloaded (an http(s) URL or hf:// repository)."""
-    return source.startswith(("http://", "https://", "hf://"))
+    """Returns True when ``source`` must be downloaded (an http(s) URL, an hf:// repository, or a
+    training job's result on the control plane)."""
+    return source.startswith(("http://", "https://", "hf://", JOB_SCHEME))
+
+
+def job_source(job_id: str) -> str:
+    """Returns the source naming training job ``job_id``'s result."""
+    return JOB_SCHEME + job_id
 
 
 def parse_source(source: str, hf_endpoint: str = DEFAULT_HF_ENDPOINT) -> WeightsSource:
@@ -57,6 +70,11 @@ def parse_source(source: str, hf_endpoint: str = DEFAULT_HF_ENDPOINT) -> Weights
     source = source.strip()
     if not source:
         raise SourceError("the model has no weights source; set the model's source to a path, URL or hf://org/repo")
+    if source.startswith(JOB_SCHEME):
+        job_id = source[len(JOB_SCHEME):]
+        if not _JOB_ID.match(job_id):
+            raise SourceError(f"source {source!r}: write {JOB_SCHEME}JOB with a job id from `llmgw ctl jobs list`")
+        return WeightsSource("job", job_id)
     if source.startswith("hf://"):
         repo, _, rev = source[len("hf://") :].partition("@")
         return _hf_source(source, repo.strip("/"), rev or "main")

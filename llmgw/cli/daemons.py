@@ -239,11 +239,14 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
         fail(f"the certificate in {config.tls.cert} is for {creds.identity}, but node_id is {config.node_id!r}: "
              "set node_id to match, or issue a certificate for this node id")
     from llmgw.node import discovery
-    from llmgw.node.agent import Agent
-    from llmgw.node.engine_user import wanted_user
+    from llmgw.node.agent import Agent, DeskLink
+    from llmgw.node.engine_user import ENGINE_HOME_DIR, wanted_user
     from llmgw.node.engines import node_engines
     from llmgw.node.fetch import FetchSettings
     from llmgw.node.install import Converger, InstallSettings, build_installers
+    from llmgw.node.install.python_env import default_root
+    from llmgw.node.job_training import make_train
+    from llmgw.node.jobs import JobRunner
     from llmgw.node.statelock import StateDirLocked
     from llmgw.node.supervisor import Supervisor
     from llmgw.rpc.kjtrio import capnp_runtime
@@ -266,8 +269,14 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
                 has_nvidia_gpu=bool(gpus),
                 engine_paths=config.engine_paths,
             ))
+            desk_link = DeskLink()
             fetch = FetchSettings(weights_dir=config.weights_dir, hf_endpoint=config.hf_endpoint,
-                                  hf_token=os.environ.get("HF_TOKEN", ""))
+                                  hf_token=os.environ.get("HF_TOKEN", ""), job_results=desk_link.piece)
+            engine_user = wanted_user(config.engine_user)
+            jobs = JobRunner(config.state_dir / "jobs", make_train(
+                engines_root=config.install_dir or default_root(), llamacpp_cache=config.cache_dir / "llama.cpp",
+                fetch=fetch, engine_user=engine_user,
+                engine_home=config.state_dir / ENGINE_HOME_DIR))
             node = Agent(
                 node_id=config.node_id,
                 control_planes=planes,
@@ -275,7 +284,7 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
                 supervisor=Supervisor(config.state_dir / "shards", host=engine_host, fetch_settings=fetch,
                                       engines=node_engines(config.llamacpp_threads, config.engine_paths),
                                       disabled_engines=config.disabled_engines,
-                                      engine_user=wanted_user(config.engine_user)),
+                                      engine_user=engine_user),
                 engine_host=engine_host,
                 backoff_max=config.reconnect_backoff_max,
                 heartbeat_interval=config.heartbeat_interval,
@@ -284,6 +293,8 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
                 labels=config.labels,
                 cluster_settings=settings,
                 manage_firewall=config.firewall,
+                jobs=jobs,
+                desk_link=desk_link,
             )
             await node.run()
 

@@ -19,9 +19,10 @@ with the control plane's own message when it refuses or fails.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import attrs
 import capnp
@@ -39,6 +40,7 @@ from llmgw.rpc.tls import TLSFileError, client_ssl_context, read_credentials
 from llmgw.spec import EngineInfo, Hardware, ModelSpec
 from llmgw.spec import Compute
 from llmgw.telemetry import NodeTelemetry
+from llmgw.training import TrainingJob, TrainingParams
 
 __all__ = ["CALL_TIMEOUT", "ClientError", "ClusterClient", "ClusterStatus", "NodeRow", "ReplicaRow", "Rollout", "connect",
            "ControlPlaneRow", "JoinTokenRow", "KeyRow", "NewJoinToken", "SettingRow", "TenantAdmission", "TenantRow",
@@ -448,6 +450,41 @@ class ClusterClient:
         passed back as ``after``, the next call returns only the lines added since."""
         r = await self._call("nodeLogs", node, source, lines, after)
         return [str(line) for line in r.lines], [str(s) for s in r.sources], int(r.cursor)
+
+    # -- training jobs (issue 17) -------------------------------------------------------
+
+    async def train_job(self, adapter: str, model: str, pairs: bytes, params: TrainingParams, *, weights: str = "",
+                        node: str = "", gpu_mib: int = 0) -> TrainingJob:
+        """Queue a LoRA training job; returns it. Raises ClientError with the control plane's reason."""
+        result = await self._call("trainJob", adapter, model, weights, node, gpu_mib,
+                                  convert.training_params_dict(params), pairs)
+        return convert.training_job_from(result.job)
+
+    async def jobs(self) -> list[TrainingJob]:
+        """Every training job, oldest first."""
+        return [convert.training_job_from(j) for j in (await self._call("listJobs")).jobs]
+
+    async def cancel_job(self, job_id: str) -> TrainingJob:
+        return convert.training_job_from((await self._call("cancelJob", job_id)).job)
+
+    async def job_logs(self, job_id: str, lines: int) -> list[str]:
+        return [str(line) for line in (await self._call("jobLogs", job_id, lines)).lines]
+
+    async def download_job(self, job_id: str, write: Callable[[bytes], None]) -> tuple[int, str, str]:
+        """Fetch a finished job's result in pieces into ``write``; returns (bytes, sha256, format).
+        Raises ClientError when the pieces do not add up to the SHA-256 the control plane keeps."""
+        digest, offset, total, sha256, fmt = hashlib.sha256(), 0, None, "", ""
+        while total is None or offset < total:
+            r = await self._call("downloadJob", job_id, offset, 0)
+            chunk, total, sha256, fmt = bytes(r.chunk), int(r.total), str(r.sha256), str(r.format)
+            if not chunk and offset < total:
+                raise ClientError(f"the control plane sent nothing at byte {offset} of {total}")
+            write(chunk)
+            digest.update(chunk)
+            offset += len(chunk)
+        if digest.hexdigest() != sha256:
+            raise ClientError(f"the result of {job_id} arrived damaged (its SHA-256 does not match); download again")
+        return offset, sha256, fmt
 
     async def upload_release(self, wheel: Path) -> str:
         """Upload the llmgw wheel at ``wheel`` to the control plane in pieces; return its SHA-256.

@@ -23,6 +23,8 @@ from llmgw.control.peers import FeedTee, upgrade_standby
 from llmgw.control.restart import restart_cluster
 from llmgw.control.joining import JoinService
 from llmgw.control.servers_admin import ServersAdminMixin
+from llmgw.control.jobs_admin import JobsAdminMixin, check_job_adapters
+from llmgw.control.training import JobScheduler
 from llmgw.control.admin_tokens import AdminTokensAdminMixin
 from llmgw.control.settings import SERVING_STOPPED
 from llmgw.control.settings_admin import SettingsAdminMixin
@@ -70,6 +72,8 @@ class AdminServices:
     joins: JoinService | None = None
     #: Where `ctl upgrade` uploads release wheels (None: this control plane takes none).
     releases_dir: Path | None = None
+    #: The leader's training job scheduler (`ctl jobs`).
+    jobs: JobScheduler = attrs.field(default=None)
 
 
 def unplaceable_reasons(reconciler: Reconciler) -> list[str]:
@@ -119,7 +123,8 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
     s = schema.load()
 
     # tenants, keys, usage: keys_admin.py; cluster settings: settings_admin.py
-    class AdminServer(AccessAdminMixin, SettingsAdminMixin, AdminTokensAdminMixin, ServersAdminMixin, s.Admin.Server):
+    class AdminServer(AccessAdminMixin, SettingsAdminMixin, AdminTokensAdminMixin, ServersAdminMixin, JobsAdminMixin,
+                      s.Admin.Server):
         async def status(self, _context: Any, **_: Any) -> None:
             fleet = services.registry.snapshot()
             shards = [sh for node in fleet.nodes.values() for sh in node.shards.values()]
@@ -214,6 +219,7 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
 
         async def addModel(self, model: Any, replace: bool, _context: Any, **_: Any) -> None:
             spec = validate_model(model_to_dict(convert.model_from(model)))
+            await check_job_adapters(services.store, spec)
             replace = bool(replace)
             existed = replace and await services.store.get_model(spec.name) is not None
             saved = await services.store.put_model(spec, create_only=not replace)
@@ -303,4 +309,5 @@ def make_admin(services: AdminServices, actor: str, *, via: str = "") -> Any:
         return str((await services.leadership())["leader"])
 
     server.bind_servers(services.store, actor, services.joins, services.tee, leader)
+    server.bind_jobs(services.store, actor, lambda: services.jobs)
     return server

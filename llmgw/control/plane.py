@@ -56,6 +56,7 @@ from llmgw.control.peers import FeedTee, Follower
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.fleet_metrics import FleetMetrics
 from llmgw.control.registry import Registry
+from llmgw.control.training import JobScheduler
 from llmgw.control.routes import NOT_READY_REASON, RouteFeed
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.settings_push import SettingsPush
@@ -294,11 +295,14 @@ async def run_control_plane(
 
                         push = SettingsPush(store, sessions)
                         await term_nursery.start(push.run)
+                        jobs = JobScheduler(store, registry, sessions)
+                        sessions.job_results = jobs.result_piece
+                        await term_nursery.start(jobs.run)
                         admin = AdminServices(
                             store=store, registry=registry, sessions=sessions, reconciler=reconciler,
                             gateway=gateway, access=access, catalog_changed=catalog_changed,
                             gateway_url=gateway_url, agent_settings_changed=push.changed, leadership=leadership,
-                            tee=tee, restart_self=restart_self, joins=joins, releases_dir=releases_dir,
+                            tee=tee, restart_self=restart_self, joins=joins, releases_dir=releases_dir, jobs=jobs,
                         )
                         async def planes() -> list[str]:
                             return [record.name for record in await store.list_control_planes()]

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Awaitable, Callable, Collection, Iterator
 
 import capnp
 import trio
@@ -71,6 +71,8 @@ LIVE_PING_TIMEOUT = 2.0
 
 #: Where a shard's KV-cache deltas go: (shard id, delta). Called on the trio thread; must not block.
 KvUpdateHandler = Callable[[str, KvDelta], None]
+#: ``(job id, offset) -> (bytes, total, sha256, format)``: a piece of a training job's result.
+JobResults = Callable[[str, int], Awaitable[tuple[bytes, int, str, str]]]
 
 
 class NoSession(LookupError):
@@ -119,6 +121,8 @@ class NodeSession:
         self.file_problem = ""
         #: Gets the KV deltas of this session's shards (set by :meth:`NodeSessions.attach`; None: dropped).
         self.on_kv_update: KvUpdateHandler | None = None
+        #: Reads a piece of a training job's result for NodeDesk.jobResult (set by :meth:`NodeSessions.attach`).
+        self.job_results: JobResults | None = None
 
     def close(self) -> None:
         """End the session: cancels the connection it runs on."""
@@ -184,6 +188,13 @@ class NodeSession:
 
             async def reportConfigProblem(self, problem: str, **_: Any) -> None:
                 session.file_problem = str(problem)[:MAX_PROBLEM_CHARS]
+
+            async def jobResult(self, id: str, offset: int, _context: Any, **_: Any) -> None:  # noqa: A002
+                if session.job_results is None:
+                    raise RuntimeError("this control plane keeps no training job results")
+                chunk, total, sha256, fmt = await session.job_results(str(id), int(offset))
+                _context.results.chunk, _context.results.total = chunk, total
+                _context.results.sha256, _context.results.format = sha256, fmt
 
             async def reportEngines(self, engines: Any, **_: Any) -> None:
                 infos = [convert.engine_from(e) for e in engines]
@@ -316,6 +327,8 @@ class NodeSessions:
         #: Where every session's KV deltas go (the control plane sets it: the gateway's KV
         #: index); None: dropped.
         self.on_kv_update: KvUpdateHandler | None = None
+        #: Where NodeDesk.jobResult reads training job results (the control plane sets it).
+        self.job_results: JobResults | None = None
         self._sessions: dict[str, NodeSession] = {}
         #: server.yaml ``engines:`` (name -> version, "" = the agent's default): pushed to every
         #: node when it joins.
@@ -327,6 +340,7 @@ class NodeSessions:
         """Make ``session`` the node's current one; an older session of that node is closed."""
         old = self._sessions.get(session.node_id)
         session.on_kv_update = self.on_kv_update
+        session.job_results = self.job_results
         self._sessions[session.node_id] = session
         if old is not None and old is not session:
             log.info("node %s joined again; closing its previous session", session.node_id)

@@ -28,7 +28,7 @@ import capnp
 import trio
 
 from llmgw import __version__, labels, logbook
-from llmgw.nodeprotocol import AGENT_FEATURES, FIREWALL
+from llmgw.nodeprotocol import AGENT_FEATURES, FIREWALL, TRAINING
 from llmgw.config.defaults import DEFAULT_RECONNECT_BACKOFF_MAX
 from llmgw.logthrottle import LogThrottle
 from llmgw.node import discovery
@@ -39,6 +39,7 @@ from llmgw.releases import (UPGRADE_EXIT_STATUS, clear_pending, find_root, insta
                             read_pending, release_root, rollback_release)
 from llmgw.releasefiles import ReleaseError, ReleaseInbox
 from llmgw.node.install import Converger, InstallError, SimInstaller
+from llmgw.node.jobs import JobRunner, JobSpec, make_job_server
 from llmgw.node.supervisor import Supervisor
 from llmgw.node.telemetry.sampler import NodeSampler
 from llmgw.node.weights import disk_usage, prepare_weights_dir
@@ -136,7 +137,7 @@ def _release_root(settings: ClusterSettings | None) -> Path:
 
 def _make_agent_server(
     supervisor: Supervisor, converger: Converger | None = None, planes: ControlPlaneList | None = None,
-    settings: ClusterSettings | None = None, firewall: NodeFirewall | None = None,
+    settings: ClusterSettings | None = None, firewall: NodeFirewall | None = None, jobs: JobRunner | None = None,
 ) -> Any:
     s = schema.load()
     inbox = ReleaseInbox(supervisor.state_dir.parent / "incoming-releases")
@@ -217,6 +218,13 @@ def _make_agent_server(
             settings.restart_soon(f"rolled back to llmgw {release}", UPGRADE_EXIT_STATUS)
             _context.results.release, _context.results.previous = release, previous
 
+        async def startJob(self, spec: Any, pairs: bytes, reporter: Any, _context: Any, **_: Any) -> None:
+            if jobs is None:
+                raise RuntimeError("this agent does not train (llmgw up's own agent)")
+            job = JobSpec.from_capnp(spec)
+            jobs.start(job, bytes(pairs), reporter)  # JobBusy: one job at a time
+            _context.results.job = make_job_server(jobs, job.id)
+
         async def firewall(self, json: str, **_: Any) -> None:
             if firewall is None:
                 raise RuntimeError("this agent leaves its node's firewall to the operator (firewall: false)")
@@ -237,6 +245,34 @@ def _make_agent_server(
                     raise RuntimeError(str(exc)) from None
 
     return AgentServer()
+
+
+#: A piece of a training job's result is at most a MiB: a connected control plane sends it in
+#: well under a second; this long means the session is dead or stuck.
+JOB_RESULT_TIMEOUT = 60.0
+
+
+class DeskLink:
+    """The current session's NodeDesk, for what runs beside the session and needs the control
+    plane: fetching a training job's result (``FetchSettings.job_results`` is :meth:`piece`)."""
+
+    def __init__(self) -> None:
+        self.desk: Any = None
+
+    async def piece(self, job_id: str, offset: int) -> tuple[bytes, int, str, str]:
+        """Returns (bytes, total, sha256, format) of job ``job_id``'s result from ``offset``;
+        raises RuntimeError without a session or with the control plane's reason."""
+        desk = self.desk
+        if desk is None:
+            raise RuntimeError("the agent has no session with a control plane now")
+        try:
+            with trio.fail_after(JOB_RESULT_TIMEOUT):
+                r = await desk.jobResult(job_id, offset)
+        except trio.TooSlowError:
+            raise RuntimeError(f"the control plane sent no piece in {JOB_RESULT_TIMEOUT:g} s") from None
+        except capnp.KjException as exc:
+            raise RuntimeError(remote_reason(exc)) from None
+        return bytes(r.chunk), int(r.total), str(r.sha256), str(r.format)
 
 
 @attrs.define
@@ -276,6 +312,10 @@ class Agent:
     _joined: trio.Event = attrs.field(init=False, factory=trio.Event)
     #: Reads the cards, the host and the engines' use of it for registrations and heartbeats.
     sampler: NodeSampler = attrs.field(factory=NodeSampler)
+    #: Runs LoRA training jobs (None: this agent does not train; llmgw/node/jobs.py).
+    jobs: JobRunner | None = None
+    #: Set to each session's NodeDesk while it lasts (training job results are fetched over it).
+    desk_link: DeskLink = attrs.field(factory=DeskLink)
 
     def __attrs_post_init__(self) -> None:
         if self.converger is None:
@@ -323,6 +363,8 @@ class Agent:
             await nursery.start(self.converger.run)
             if self.firewall is not None:
                 await nursery.start(self.firewall.run)
+            if self.jobs is not None:
+                await nursery.start(self.jobs.run)
             task_status.started()
             if self.cluster_settings is None:
                 await self._session_loop()
@@ -465,15 +507,16 @@ class Agent:
                     "hardware": hardware,
                     "shards": shards,
                     "engines": engines,
-                    "features": [f for f in AGENT_FEATURES if f != FIREWALL or self.firewall is not None],
+                    "features": [f for f in AGENT_FEATURES if (f != FIREWALL or self.firewall is not None)
+                                 and (f != TRAINING or self.jobs is not None)],
                     "agent": _make_agent_server(self.supervisor, self.converger, self._planes,
-                                                self.cluster_settings, self.firewall),
+                                                self.cluster_settings, self.firewall, self.jobs),
                     "version": __version__,
                     "labels": labels.to_pairs(self.labels),
                 }
                 with trio.fail_after(JOIN_TIMEOUT):
                     result = await cluster.join(registration)
-                desk = result.desk
+                desk = self.desk_link.desk = result.desk
                 interval = max(result.heartbeatIntervalMs, 100) / 1000
                 if self.heartbeat_interval:
                     interval = min(interval, self.heartbeat_interval)
@@ -516,6 +559,8 @@ class Agent:
             else:
                 _refused.failure(address, logging.WARNING, "agent: session with %s ended: %s",
                                  address, _describe(exc, joined))
+        finally:
+            self.desk_link.desk = None
         return joined
 
 

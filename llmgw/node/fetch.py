@@ -45,6 +45,7 @@ from llmgw.node.install.artifact import (
     lock_file_for,
     new_client,
 )
+from llmgw.node.job_fetch import JobFetchError, JobPieces, cached_job_result, fetch_job_result
 from llmgw.spec import Adapter
 
 __all__ = [
@@ -79,6 +80,9 @@ class FetchSettings:
     weights_dir: Path
     hf_endpoint: str = DEFAULT_HF_ENDPOINT
     hf_token: str = ""
+    #: Fetches pieces of a training job's result over the agent's session (llmgw/node/job_fetch.py);
+    #: None: ``llmgw-job://`` sources cannot be fetched here.
+    job_results: JobPieces | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -118,6 +122,11 @@ async def fetch_weights(
         parsed = parse_source(source, settings.hf_endpoint)
     except SourceError as exc:
         raise FetchError(str(exc)) from None
+    if parsed.kind == "job":
+        try:
+            return await fetch_job_result(parsed.location, settings.weights_dir, settings.job_results, progress, what)
+        except JobFetchError as exc:
+            raise FetchError(str(exc)) from None
     if parsed.kind == "local":
         path = Path(parsed.location).expanduser()
         if not path.exists():
@@ -203,6 +212,8 @@ def cached_path(source: str, settings: FetchSettings) -> Path | None:
         parsed = parse_source(source, settings.hf_endpoint)
     except SourceError:
         return None
+    if parsed.kind == "job":
+        return cached_job_result(settings.weights_dir, parsed.location)
     if parsed.kind == "local":
         path = Path(parsed.location).expanduser()
         return path if path.exists() else None

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from llmgw import labels
 from llmgw.telemetry import ForeignGpuProcess, GpuTelemetry, NodeTelemetry, ShardUsage, XidCount
+from llmgw.training import TrainingJob, TrainingParams
 from llmgw.spec import EngineInfo, GpuInfo, Hardware, ModelSpec, Profile, ShardSpec, ShardState, ShardStatus
 from llmgw.spec import Adapter, Compute, ComputeDevice, KvDelta, adapters_to_dicts, model_to_dict
 
@@ -144,6 +145,34 @@ def telemetry_from(r: Any) -> NodeTelemetry:
         ),
         xids=tuple(XidCount(x.pciAddress, x.xid, x.count, x.lastMessage) for x in r.xids),
         note=r.note,
+    )
+
+
+def training_params_dict(p: TrainingParams) -> dict[str, Any]:
+    return {"steps": p.steps, "epochs": p.epochs, "rank": p.rank, "alpha": p.alpha, "learningRate": p.learning_rate,
+            "seed": p.seed, "maxSeqLen": p.max_seq_len}
+
+
+def training_params_from(r: Any) -> TrainingParams:
+    return TrainingParams(r.steps, r.epochs, r.rank, r.alpha, r.learningRate, r.seed, r.maxSeqLen)
+
+
+def training_job_dict(j: TrainingJob) -> dict[str, Any]:
+    return {
+        "id": j.id, "adapter": j.adapter, "model": j.model, "weights": j.weights, "node": j.node,
+        "assignedNode": j.assigned_node, "gpuMib": j.gpu_mib, "gpu": j.gpu, "params": training_params_dict(j.params),
+        "state": j.state, "message": j.message, "step": j.step, "steps": j.steps, "loss": j.loss,
+        "firstLoss": j.first_loss, "peakMemoryBytes": j.peak_memory_bytes, "device": j.device, "pairs": j.pairs,
+        "createdBy": j.created_by, "createdAt": j.created_at, "updatedAt": j.updated_at,
+        "resultBytes": j.result_bytes, "resultSha256": j.result_sha256, "resultFormat": j.result_format,
+    }
+
+
+def training_job_from(r: Any) -> TrainingJob:
+    return TrainingJob(
+        r.id, r.adapter, r.model, r.weights, r.node, r.gpuMib, training_params_from(r.params), r.state, r.message,
+        r.assignedNode, r.gpu, r.step, r.steps, r.loss, r.firstLoss, r.peakMemoryBytes, r.device, r.pairs,
+        r.createdBy, r.createdAt, r.updatedAt, r.resultBytes, r.resultSha256, r.resultFormat,
     )
 
 

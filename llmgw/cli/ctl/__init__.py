@@ -15,6 +15,7 @@ from llmgw.cli.ctl.certs import certs
 from llmgw.cli.ctl.cluster import engine_check, logs, nodes, replicas, status
 from llmgw.cli.ctl.common import CTL_META_KEY
 from llmgw.cli.ctl.config import config
+from llmgw.cli.ctl.jobs import jobs
 from llmgw.cli.ctl.keys import admin_tokens, keys, tenants, usage
 from llmgw.cli.ctl.models import models
 from llmgw.cli.ctl.servers import nodes_add, nodes_remove, servers
@@ -35,7 +36,7 @@ def ctl(ctx: click.Context, server: str | None, tls_dir: str | None, as_json: bo
 
 
 for _command in (status, nodes, replicas, engine_check, logs, models, tenants, keys, usage, stop, start, restart,
-                 config, certs, servers, admin_tokens, upgrade):
+                 config, certs, servers, admin_tokens, upgrade, jobs):
     ctl.add_command(_command)
 nodes.add_command(nodes_add)
 nodes.add_command(nodes_remove)

@@ -1,4 +1,4 @@
-"""``llmgw ctl models list|add|remove``: the model catalog.
+"""``llmgw ctl models list|add|remove|adapters``: the model catalog.
 
 A model given with ``add`` is checked here, with the catalog's own validation, before
 it is sent: a malformed one fails without a round trip.
@@ -15,9 +15,10 @@ import yaml
 from llmgw.catalog import CatalogError, model_to_dict, validate_model
 from llmgw.cli.ctl.common import call, json_option, mb, remove
 from llmgw.cli.output import fail, print_table
-from llmgw.client import Rollout
+from llmgw.catalog.sources import job_source
+from llmgw.client import ClientError, ClusterClient, Rollout
 from llmgw.labels import parse_pairs
-from llmgw.spec import ModelSpec
+from llmgw.spec import Adapter, ModelSpec
 
 
 @click.group()
@@ -156,3 +157,64 @@ def models_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     remove(ctx, as_json, name, lambda c: c.remove_model(name),
            missing=f"no model {name!r} in the catalog (see `llmgw ctl models list`)",
            done=f"model {name!r} removed; its replicas are being stopped")
+
+
+@models.group("adapters")
+def adapters() -> None:
+    """A model's LoRA adapters: add one (from a source or a training job), remove one."""
+
+
+@adapters.command("add")
+@click.argument("model")
+@click.argument("name")
+@click.option("--from-job", "job_id", help="A training job's result (`llmgw ctl jobs list`): nodes fetch it from "
+                                           "the control plane.")
+@click.option("--source", help="Where the adapter's files are: a path on the nodes, a URL or hf://org/repo.")
+@json_option
+@click.pass_context
+def adapters_add(ctx: click.Context, model: str, name: str, job_id: str | None, source: str | None,
+                 as_json: bool) -> None:
+    """Add adapter NAME to MODEL. Requests name it as their model. vLLM replicas load it on first use
+    when the model sets max_loaded_adapters (else every replica is replaced, one at a time, to load it
+    at start); llama.cpp replicas load it at their next start."""
+    if (job_id is None) == (source is None):
+        fail("give the adapter's files with exactly one of --from-job JOB or --source SOURCE")
+    adapter = Adapter(name, job_source(job_id) if job_id else str(source))
+
+    async def save(c: ClusterClient) -> tuple[ModelSpec, Rollout]:
+        spec = next((m for m in await c.models() if m.name == model), None)
+        if spec is None:
+            raise ClientError(f"no model {model!r} in the catalog (see `llmgw ctl models list`)")
+        if any(a.name == name for a in spec.adapters):
+            raise ClientError(f"{model} has an adapter {name!r} already; `llmgw ctl models adapters remove "
+                              f"{model} {name}` first to replace it")
+        return await c.save_model(attrs.evolve(spec, adapters=(*spec.adapters, adapter)), replace=True)
+
+    saved, rollout = call(ctx, as_json, save, as_data=_saved_data)
+    click.echo(f"adapter {name!r} added to {saved.name} ({adapter.source})")
+    if saved.engine == "llama.cpp":
+        click.echo("llama.cpp replicas load it at their next start" + (f": {rollout.message}"
+                                                                       if rollout.kind != "new" else ""))
+    elif rollout.kind != "new":
+        click.echo(rollout.message)
+
+
+@adapters.command("remove")
+@click.argument("model")
+@click.argument("name")
+@json_option
+@click.pass_context
+def adapters_remove(ctx: click.Context, model: str, name: str, as_json: bool) -> None:
+    """Remove adapter NAME from MODEL."""
+
+    async def save(c: ClusterClient) -> tuple[ModelSpec, Rollout]:
+        spec = next((m for m in await c.models() if m.name == model), None)
+        if spec is None or not any(a.name == name for a in spec.adapters):
+            raise ClientError(f"{model} has no adapter {name!r} (see `llmgw ctl models list`)")
+        kept = tuple(a for a in spec.adapters if a.name != name)
+        return await c.save_model(attrs.evolve(spec, adapters=kept), replace=True)
+
+    saved, rollout = call(ctx, as_json, save, as_data=_saved_data)
+    click.echo(f"adapter {name!r} removed from {saved.name}")
+    if rollout.kind != "new":
+        click.echo(rollout.message)

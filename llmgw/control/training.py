@@ -1,0 +1,376 @@
+"""The leader's scheduler of LoRA training jobs (issue 17): queued jobs to nodes, reports to the store.
+
+One :class:`JobScheduler` per term, started in the term's nursery. It sends the oldest
+queued job to a node whose agent is connected and says it trains (``training`` feature),
+that has vLLM installed (training uses the torch of the node's vLLM environment), that
+trains nothing else and, for a job asking for card memory, has a card with that much free
+(beside an engine if it leaves that much). What the trainer reports comes back through a
+``JobReporter`` capability handed per job: progress is kept in memory and written to the
+store at most every :data:`PERSIST_INTERVAL_S`; the result arrives in pieces, is checked
+against its SHA-256 and kept in the store. A node that goes fails its job with that reason.
+
+Jobs a previous leader left running are failed when a new term starts: the new leader
+holds no reporter for them (the agent stops a job whose reports can no longer be sent).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import math
+import secrets
+from typing import Any
+
+import attrs
+import capnp
+import trio
+
+from llmgw.control.registry import NodeState, Registry
+from llmgw.control.sessions import NodeSessions
+from llmgw.control.store import Store
+from llmgw.control.store.training import PAIRS, RESULT
+from llmgw.nodeprotocol import TRAINING
+from llmgw.rpc import convert, schema
+from llmgw.rpc.errors import remote_reason
+from llmgw.spec import gpu_display
+from llmgw.training import (
+    CANCELLED, FAILED, GGUF, PEFT, QUEUED, RESULT_PIECE_BYTES, RUNNING, SUCCEEDED, TrainingJob, check_job_id,
+)
+
+log = logging.getLogger(__name__)
+
+#: Queued jobs are looked at again this often even when nothing woke the scheduler (a card's
+#: free memory changes with every heartbeat, and nothing announces that).
+SCHEDULE_INTERVAL_S = 5.0
+#: Progress is written to the store at most this often per job (a trainer may report every
+#: step, many a second); the last report before a job ends is always written.
+PERSIST_INTERVAL_S = 2.0
+#: An agent answers startJob once the job's nursery runs (the trainer starts in it): a
+#: connected agent does so in well under a second; one that does not in this long is stuck.
+START_TIMEOUT_S = 30.0
+#: cancel returns once the trainer's process group is gone (SIGTERM, then SIGKILL after the
+#: agent's own grace): this is that grace and then some.
+CANCEL_TIMEOUT_S = 30.0
+#: Trainer events kept per job for `ctl jobs logs` (the newest; a job reports a few per step).
+LOG_LINES = 2000
+#: The largest result the control plane takes: a rank-256 adapter of a 70B model is a few GB;
+#: held in memory while it arrives and then written to the store.
+MAX_RESULT_BYTES = 4 * 1024**3
+#: The engine whose Python environment (its torch) trains.
+TRAINING_ENGINE = "vllm"
+
+
+def new_job_id() -> str:
+    """Returns a fresh job id: "job-" and 8 hex digits."""
+    return f"job-{secrets.token_hex(4)}"
+
+
+@attrs.define
+class _Running:
+    """A job sent to a node: its capability there, its latest state, its arriving result."""
+
+    job: TrainingJob
+    node: str
+    cap: Any = None
+    dirty: bool = False
+    persisted_at: float = -math.inf
+    result: bytearray = attrs.field(factory=bytearray)
+    result_total: int = 0
+    result_sha256: str = ""
+    result_format: str = ""
+
+
+class JobScheduler:
+    """See the module docstring."""
+
+    def __init__(self, store: Store, registry: Registry, sessions: NodeSessions) -> None:
+        self.store = store
+        self.registry = registry
+        self.sessions = sessions
+        self._running: dict[str, _Running] = {}
+        self._logs: dict[str, collections.deque[str]] = {}
+        self._waiting: dict[str, str] = {}  # queued job -> why it waits
+        self._wake = trio.Event()
+        self._result_cache: tuple[str, bytes] | None = None
+
+    # -- what admin calls ------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Look at the queue now (a job was added, a node joined)."""
+        self._wake.set()
+
+    def waiting_reason(self, job_id: str) -> str:
+        """Why queued job ``job_id`` was not sent at the last look ("" when it was not looked at)."""
+        return self._waiting.get(job_id, "")
+
+    def live(self, job: TrainingJob) -> TrainingJob:
+        """Returns ``job`` with what the scheduler knows beyond the store (progress not yet
+        written, why it waits)."""
+        running = self._running.get(job.id)
+        if running is not None:
+            return running.job
+        if job.state == QUEUED and job.id in self._waiting:
+            return attrs.evolve(job, message=self._waiting[job.id])
+        return job
+
+    def logs(self, job_id: str, lines: int) -> list[str]:
+        """The last ``lines`` events the job's trainer reported (empty after a control plane change)."""
+        kept = self._logs.get(job_id, ())
+        return list(kept)[-lines:] if lines else list(kept)
+
+    async def cancel(self, job: TrainingJob, actor: str) -> TrainingJob:
+        """Cancels ``job``: a queued one at once, a running one once its node killed the trainer
+        (or could not be asked: then it is cancelled here and the node stops it when its reports
+        fail). Returns the job as stored."""
+        message = f"cancelled by {actor}"
+        running = self._running.pop(job.id, None)
+        if running is not None:
+            job = running.job
+            if running.cap is not None:
+                try:
+                    with trio.fail_after(CANCEL_TIMEOUT_S):
+                        await running.cap.cancel()
+                except (trio.TooSlowError, Exception) as exc:  # noqa: BLE001 - the node went, or is stuck
+                    message += f" (node {running.node} did not confirm: {_reason(exc)})"
+        self._note(job.id, message)
+        return await self.store.update_training_job(attrs.evolve(job, state=CANCELLED, message=message))
+
+    async def result_piece(self, job_id: str, offset: int, length: int = RESULT_PIECE_BYTES
+                           ) -> tuple[bytes, int, str, str]:
+        """Returns (bytes from ``offset``, total, sha256, format) of finished job ``job_id``'s
+        result, for a node fetching an adapter ``llmgw-job://JOB`` and for `ctl jobs download`.
+        The last result read is kept in memory, so reading one in pieces reads the store once.
+        Raises ValueError for a job without a result."""
+        job = await self.store.get_training_job(check_job_id(job_id))
+        if job.state != SUCCEEDED or not job.result_bytes:
+            raise ValueError(f"training job {job.id} has no result ({job.state}: {job.message})")
+        cached = self._result_cache
+        if cached is None or cached[0] != job.id:
+            cached = self._result_cache = (job.id, await self.store.read_training_file(job.id, RESULT))
+        data = cached[1]
+        start = min(max(0, offset), len(data))
+        return data[start:start + max(1, length)], len(data), job.result_sha256, job.result_format
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Fails the jobs an earlier leader left running, then schedules until cancelled."""
+        for job in await self.store.list_training_jobs():
+            if job.state == RUNNING:
+                await self.store.update_training_job(attrs.evolve(
+                    job, state=FAILED, message=f"the control plane changed while it trained on {job.assigned_node} "
+                    "(failover): run it again with `llmgw ctl jobs train`"))
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_registry)
+            while True:
+                self._wake = trio.Event()
+                await self._fail_departed()
+                await self._persist()
+                await self._place_queued(nursery)
+                with trio.move_on_after(SCHEDULE_INTERVAL_S):
+                    await self._wake.wait()
+
+    async def _watch_registry(self) -> None:
+        version = self.registry.version
+        while True:
+            version = await self.registry.wait_changed(version)
+            self._wake.set()
+
+    async def _fail_departed(self) -> None:
+        """Fails each running job whose node is no longer ONLINE."""
+        nodes = self.registry.snapshot().nodes
+        for job_id, running in list(self._running.items()):
+            node = nodes.get(running.node)
+            if node is not None and node.state is NodeState.ONLINE:
+                continue
+            gone = "was removed" if node is None else f"went away ({node.state.value})"
+            await self._end(job_id, FAILED, f"node {running.node} {gone} while the job trained")
+
+    async def _persist(self) -> None:
+        now = trio.current_time()
+        for running in list(self._running.values()):
+            if running.dirty and now - running.persisted_at >= PERSIST_INTERVAL_S:
+                running.dirty, running.persisted_at = False, now
+                stored = await self.store.update_training_job(running.job)
+                if stored.final:  # cancelled meanwhile (by another admin call)
+                    self._running.pop(stored.id, None)
+
+    async def _place_queued(self, nursery: trio.Nursery) -> None:
+        busy = {r.node for r in self._running.values()}
+        waiting: dict[str, str] = {}
+        for job in await self.store.list_training_jobs():
+            if job.state != QUEUED:
+                continue
+            choice = self._choose(job, busy)
+            if isinstance(choice, str):
+                waiting[job.id] = choice
+                continue
+            node_id, gpu, uuid = choice
+            busy.add(node_id)
+            await self._send(job, node_id, gpu, uuid, nursery)
+        self._waiting = waiting
+
+    def _choose(self, job: TrainingJob, busy: set[str]) -> tuple[str, int, str] | str:
+        """Returns (node, gpu placement index or -1, gpu uuid) for ``job``, or why none fits."""
+        reasons = []
+        nodes = self.registry.snapshot().nodes
+        candidates = [nodes[job.node]] if job.node and job.node in nodes else [] if job.node else list(nodes.values())
+        if job.node and not candidates:
+            return f"waiting: node {job.node} has not joined"
+        for node in sorted(candidates, key=lambda n: n.id):
+            why = self._unfit(node, busy)
+            if why:
+                reasons.append(f"{node.id} {why}")
+                continue
+            if not job.gpu_mib:
+                return node.id, -1, ""
+            cards = [g for g in node.hardware.gpus if g.memory_free_mb >= job.gpu_mib]
+            if not cards:
+                free = ", ".join(f"{gpu_display(g.index)}: {g.memory_free_mb} MiB" for g in node.hardware.gpus)
+                reasons.append(f"{node.id} has no card with {job.gpu_mib} MiB free ({free or 'no GPUs'})")
+                continue
+            card = max(cards, key=lambda g: (g.memory_free_mb, -g.index))
+            return node.id, card.index, card.uuid
+        return "waiting: " + ("; ".join(reasons) if reasons else "no node has joined")
+
+    def _unfit(self, node: Any, busy: set[str]) -> str:
+        if node.state is not NodeState.ONLINE:
+            return f"is {node.state.value}"
+        if node.id in busy:
+            return "trains another job"
+        try:
+            session = self.sessions.get(node.id)
+        except LookupError:
+            return "has no session"
+        if TRAINING not in session.features:
+            return "runs an agent too old to train"
+        engine = node.engine(TRAINING_ENGINE)
+        if engine is None or not engine.installed:
+            return f"has no {TRAINING_ENGINE} environment to train with (its torch trains)"
+        return ""
+
+    async def _send(self, job: TrainingJob, node_id: str, gpu: int, uuid: str, nursery: trio.Nursery) -> None:
+        model = next((m for m in await self.store.list_models() if m.name == job.model), None)
+        running = _Running(attrs.evolve(job, state=RUNNING, assigned_node=node_id, gpu=gpu,
+                                        message=f"sent to {node_id}" + (f" GPU {gpu_display(gpu)}" if gpu >= 0 else
+                                                                        " (CPU)")), node_id)
+        self._running[job.id] = running
+        await self.store.update_training_job(running.job)
+        self._note(job.id, running.job.message)
+        spec = {"id": job.id, "model": job.model, "weights": job.weights,
+                "params": convert.training_params_dict(job.params), "gpu": gpu, "gpuUuid": uuid,
+                "gguf": model is not None and model.engine == "llama.cpp"}
+        try:
+            pairs = await self.store.read_training_file(job.id, PAIRS)
+            session = self.sessions.get(node_id)
+            with trio.fail_after(START_TIMEOUT_S):
+                result = await session.agent.startJob(spec, pairs, self._reporter(job.id))
+            running.cap = result.job
+        except Exception as exc:  # noqa: BLE001 - the node refused or went: the job says why
+            await self._end(job.id, FAILED, f"{node_id} could not start it: {_reason(exc)}")
+            return
+        log.info("training job %s (%s for %s) runs on %s", job.id, job.adapter, job.model, node_id)
+
+    # -- what the node reports ---------------------------------------------------------
+
+    def _reporter(self, job_id: str) -> Any:
+        scheduler = self
+
+        class JobReporterServer(schema.load().JobReporter.Server):
+            async def event(self, json: str, **_: Any) -> None:
+                scheduler._on_event(job_id, str(json))
+
+            async def result(self, offset: int, chunk: bytes, total: int, sha256: str, format: str, **_: Any) -> None:
+                scheduler._on_result(job_id, int(offset), bytes(chunk), int(total), str(sha256), str(format))
+
+            async def finished(self, ok: bool, message: str, **_: Any) -> None:
+                await scheduler._on_finished(job_id, bool(ok), str(message))
+
+        return JobReporterServer()
+
+    def _on_event(self, job_id: str, text: str) -> None:
+        running = self._running.get(job_id)
+        if running is None:
+            raise RuntimeError(f"training job {job_id} is no longer running here")
+        self._note(job_id, text)
+        try:
+            event = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(event, dict):
+            return
+        job = running.job
+        changes: dict[str, Any] = {}
+        for name, field in (("step", "step"), ("steps", "steps"), ("peak_memory_bytes", "peak_memory_bytes")):
+            if isinstance(event.get(name), int):
+                changes[field] = event[name]
+        if isinstance(event.get("device"), str):
+            changes["device"] = event["device"]
+        loss = event.get("loss")
+        if isinstance(loss, (int, float)):
+            changes["loss"] = float(loss)
+            if math.isnan(job.first_loss):
+                changes["first_loss"] = float(loss)
+        if event.get("event") == "error" and isinstance(event.get("message"), str):
+            changes["message"] = event["message"]
+        elif event.get("event") == "progress":
+            changes["message"] = f"training on {running.node}"
+        if changes:
+            running.job = attrs.evolve(job, **changes)
+            running.dirty = True
+
+    def _on_result(self, job_id: str, offset: int, chunk: bytes, total: int, sha256: str, fmt: str) -> None:
+        running = self._running.get(job_id)
+        if running is None:
+            raise RuntimeError(f"training job {job_id} is no longer running here")
+        if total > MAX_RESULT_BYTES:
+            raise ValueError(f"the result is {total} bytes; this control plane keeps at most {MAX_RESULT_BYTES}")
+        if fmt not in (PEFT, GGUF):
+            raise ValueError(f"unknown result format {fmt!r}")
+        if offset == 0:
+            running.result = bytearray()
+        if offset != len(running.result):
+            raise ValueError(f"piece at {offset} does not follow the {len(running.result)} bytes received")
+        running.result += chunk
+        running.result_total, running.result_sha256, running.result_format = total, sha256, fmt
+
+    async def _on_finished(self, job_id: str, ok: bool, message: str) -> None:
+        running = self._running.get(job_id)
+        if running is None:
+            return
+        if not ok:
+            await self._end(job_id, CANCELLED if message.startswith("cancelled") else FAILED, message)
+            return
+        data = bytes(running.result)
+        if len(data) != running.result_total or hashlib.sha256(data).hexdigest() != running.result_sha256:
+            await self._end(job_id, FAILED, f"the result arrived damaged ({len(data)} of {running.result_total} "
+                                            "bytes, or its SHA-256 did not match)")
+            return
+        digest = await self.store.put_training_file(job_id, RESULT, data)
+        job = running.job
+        loss = "" if math.isnan(job.loss) else f", loss {job.first_loss:.4g} -> {job.loss:.4g}"
+        await self._end(job_id, SUCCEEDED, message or f"trained on {running.node}{loss}", result_bytes=len(data),
+                        result_sha256=digest, result_format=running.result_format)
+
+    async def _end(self, job_id: str, state: str, message: str, **result: Any) -> None:
+        running = self._running.pop(job_id, None)
+        if running is None:
+            return
+        self._note(job_id, f"{state}: {message}")
+        log.info("training job %s %s: %s", job_id, state, message)
+        await self.store.update_training_job(attrs.evolve(running.job, state=state, message=message, **result))
+        self._wake.set()
+
+    def _note(self, job_id: str, line: str) -> None:
+        self._logs.setdefault(job_id, collections.deque(maxlen=LOG_LINES)).append(line)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "no answer in time"
+    if isinstance(exc, capnp.KjException):
+        return remote_reason(exc)
+    return str(exc) or type(exc).__name__

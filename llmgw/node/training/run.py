@@ -1,0 +1,378 @@
+"""Running the LoRA trainer (:mod:`llmgw.node.training.trainer`) under trio.
+
+:func:`run_trainer` writes the job's :class:`TrainerConfig` into its work directory,
+starts ``<vLLM python> trainer.py CONFIG`` with the training overlay on ``PYTHONPATH``
+in a session and process group of its own, hands every JSON event the trainer prints on
+stdout to ``on_event`` as it arrives, keeps the last lines of its stderr for errors, and
+returns a :class:`TrainResult` once the adapter is in place. Cancelling it stops the
+whole process group (SIGTERM, which the trainer answers by stopping before its next
+step, then SIGKILL after :data:`STOP_GRACE`) and waits until nothing of it runs any
+more; no adapter is left behind.
+
+The trainer is the agent's child through pipes, not a detached engine
+(:func:`llmgw.node.process.spawn` gives engines a log file so they outlive the agent): a
+training job belongs to the agent that runs it, and one whose agent died stops at its
+next event (its stdout is gone) instead of training for nobody.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import attrs
+import trio
+
+from llmgw.node.engine_user import EngineUserError, resolve
+from llmgw.node.process import describe_exit, signal_group
+from llmgw.node.training.overlay import overlay_env
+from llmgw.node.training.trainer import EVENTS, EXIT_ERROR, EXIT_TERMINATED, QUIET_ENV, partial_dir
+from llmgw.trioutil import unwrap_single_group
+
+__all__ = [
+    "CONFIG_NAME",
+    "STOP_GRACE",
+    "TRAINER_SCRIPT",
+    "TrainResult",
+    "TrainerConfig",
+    "TrainingError",
+    "parse_event",
+    "run_trainer",
+]
+
+#: The script the engine's python runs.
+TRAINER_SCRIPT = Path(__file__).resolve().with_name("trainer.py")
+#: The config file written into the work directory.
+CONFIG_NAME = "trainer-config.json"
+#: Seconds between SIGTERM and SIGKILL when a run is cancelled: the trainer stops before
+#: its next step, and one step of a large model on a GPU takes seconds; ten is a hang.
+STOP_GRACE = 10.0
+#: Seconds to wait for the group to vanish after SIGKILL: milliseconds unless a process is
+#: stuck in the kernel (uninterruptible I/O); then give up waiting rather than hang a cancel.
+KILL_WAIT = 10.0
+#: How often the group is checked for survivors after SIGKILL (its leader is reaped by trio;
+#: others are not our children).
+GROUP_POLL = 0.05
+#: stderr lines kept for errors: a Python traceback with its context.
+STDERR_LINES = 40
+#: stderr lines put into a TrainingError's message.
+ERROR_LINES = 12
+#: A stdout line longer than this is not an event (events are a few hundred bytes); it is cut.
+MAX_EVENT_LINE = 64 * 1024
+#: Bounds of :class:`TrainerConfig`. Rank: vLLM's largest ``--max-lora-rank`` is 512.
+MAX_RANK = 512
+#: A million steps is months on a GPU: beyond it a number is a mistake.
+MAX_STEPS = 1_000_000
+#: Epochs over the same pairs: past a thousand an adapter only memorises.
+MAX_EPOCHS = 1000
+#: Sequences a step trains on at once.
+MAX_BATCH_SIZE = 1024
+#: Tokens of one rendered pair; 16 is less than a chat template's own markup, 131072 the
+#: longest context of common open models.
+MIN_SEQ_LEN, MAX_SEQ_LEN = 16, 131072
+
+_DEVICE = re.compile(r"cpu|cuda:\d+")
+
+
+class TrainingError(Exception):
+    """A training run failed; ``str()`` is the trainer's own message or its last stderr lines."""
+
+
+def _absolute(instance: Any, attribute: attrs.Attribute, value: Path) -> None:  # type: ignore[type-arg]
+    if not value.is_absolute():
+        raise ValueError(f"{attribute.name} must be an absolute path, not {str(value)!r}")
+
+
+def _between(low: float, high: float) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:  # type: ignore[type-arg]
+        if isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"{attribute.name} must be between {low:g} and {high:g}, not {value!r}")
+
+    return check
+
+
+def _positive_up_to(high: float) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:  # type: ignore[type-arg]
+        if isinstance(value, bool) or not 0 < value <= high:
+            raise ValueError(f"{attribute.name} must be above 0 and at most {high:g}, not {value!r}")
+
+    return check
+
+
+def _device(instance: Any, attribute: attrs.Attribute, value: str) -> None:  # type: ignore[type-arg]
+    if not _DEVICE.fullmatch(value):
+        raise ValueError(f"device must be \"cpu\" or \"cuda:N\", not {value!r}")
+
+
+@attrs.frozen
+class TrainerConfig:
+    """One training job, as the trainer reads it (see :mod:`llmgw.node.training.trainer`).
+
+    Paths are absolute. Exactly one of ``steps`` and ``epochs`` is above 0. ``alpha``
+    defaults to twice the rank (the LoRA update is scaled by alpha / rank). Raises
+    ValueError, naming the field, for a value out of its bounds.
+    """
+
+    base_model: Path = attrs.field(converter=Path, validator=_absolute)
+    pairs: Path = attrs.field(converter=Path, validator=_absolute)
+    output_dir: Path = attrs.field(converter=Path, validator=_absolute)
+    steps: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), _between(0, MAX_STEPS)])
+    epochs: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), _between(0, MAX_EPOCHS)])
+    batch_size: int = attrs.field(default=4, validator=[attrs.validators.instance_of(int),
+                                                        _between(1, MAX_BATCH_SIZE)])
+    rank: int = attrs.field(default=8, validator=[attrs.validators.instance_of(int), _between(1, MAX_RANK)])
+    alpha: float = attrs.field(converter=float, validator=_positive_up_to(16 * MAX_RANK),
+                               default=attrs.Factory(lambda self: 2.0 * self.rank, takes_self=True))
+    dropout: float = attrs.field(default=0.0, converter=float, validator=_between(0.0, 0.9))
+    learning_rate: float = attrs.field(default=2e-4, converter=float, validator=_positive_up_to(1.0))
+    seed: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), _between(0, 2**32 - 1)])
+    device: str = attrs.field(default="cpu", validator=_device)
+    max_seq_len: int = attrs.field(default=1024, validator=[attrs.validators.instance_of(int),
+                                                            _between(MIN_SEQ_LEN, MAX_SEQ_LEN)])
+
+    def __attrs_post_init__(self) -> None:
+        if (self.steps > 0) == (self.epochs > 0):
+            raise ValueError("ask for steps or for epochs: exactly one of them above 0")
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns the JSON-ready dict the trainer reads (see :meth:`from_json`)."""
+        return {key: str(value) if isinstance(value, Path) else value
+                for key, value in attrs.asdict(self, recurse=False).items()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TrainerConfig":
+        """Returns the config :meth:`to_json` wrote; TypeError/ValueError if malformed."""
+        return cls(**dict(data))
+
+
+@attrs.frozen
+class TrainResult:
+    """A finished run: the adapter's directory, the losses of its first and last step,
+    its steps, its peak memory in bytes (see the trainer), its device, and the seconds
+    the whole run took (``elapsed_s``, starting the python included) and the training
+    loop alone (``train_s``)."""
+
+    adapter_dir: Path
+    first_loss: float
+    final_loss: float
+    steps: int
+    peak_memory_bytes: int
+    device: str
+    elapsed_s: float
+    train_s: float
+
+
+def parse_event(line: bytes | str) -> dict[str, Any] | None:
+    """Returns the event a trainer's stdout line holds, or None when it holds none.
+
+    An event is a JSON object whose ``"event"`` is one of the trainer's
+    (:data:`~llmgw.node.training.trainer.EVENTS`); anything else (empty, not JSON, another
+    JSON value, an unknown event, a line longer than :data:`MAX_EVENT_LINE`) is None.
+    """
+    if len(line) > MAX_EVENT_LINE:
+        return None
+    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+    text = text.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("event") not in EVENTS:
+        return None
+    return data
+
+
+async def _lines(stream: trio.abc.ReceiveStream, on_line: Callable[[bytes], None]) -> None:
+    """Calls ``on_line`` with each line of ``stream`` (without its newline) until EOF; a line
+    over :data:`MAX_EVENT_LINE` is cut there, the rest of it dropped."""
+    buf = b""
+    dropping = False
+    async for chunk in stream:
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for raw in lines:
+            if dropping:
+                dropping = False
+                continue
+            on_line(raw)
+        if len(buf) > MAX_EVENT_LINE:
+            if not dropping:
+                on_line(buf[:MAX_EVENT_LINE])
+            buf, dropping = b"", True
+    if buf and not dropping:
+        on_line(buf)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Returns whether any process of group ``pgid`` still exists (zombies count until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal is still a member
+        return True
+    return True
+
+
+async def _stop_group(proc: trio.Process, grace: float) -> None:
+    """Stops the process group led by ``proc`` and waits until none of it runs.
+
+    SIGTERM to the group while the leader runs, up to ``grace`` seconds for it to exit,
+    then SIGKILL to the group (also when the leader exited in time: a child it left
+    behind dies too); waits for the leader (our child: reaped) and polls for the other
+    members for up to :data:`KILL_WAIT` seconds. Shielded: runs to the end even in a
+    cancelled scope.
+    """
+    pgid = proc.pid
+    with trio.CancelScope(shield=True):
+        if proc.returncode is None:
+            signal_group(pgid, signal.SIGTERM)
+            with trio.move_on_after(grace):
+                await proc.wait()
+        signal_group(pgid, signal.SIGKILL)
+        with trio.move_on_after(KILL_WAIT):
+            await proc.wait()
+            while _group_alive(pgid):
+                await trio.sleep(GROUP_POLL)
+
+
+async def run_trainer(
+    config: TrainerConfig,
+    *,
+    python: Path,
+    overlay: Path,
+    workdir: Path,
+    on_event: Callable[[dict[str, Any]], None],
+    user: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> TrainResult:
+    """Runs the trainer on ``config`` and returns the result once the adapter is in
+    ``config.output_dir``.
+
+    ``python``: the vLLM environment's interpreter; ``overlay``: the training overlay
+    (:func:`~llmgw.node.training.overlay.find_overlay`); ``workdir``: a directory for the
+    config file (:data:`CONFIG_NAME`), created if missing, the trainer's working directory.
+    ``on_event`` is called with every event (a dict, see
+    :mod:`llmgw.node.training.trainer`) as it is printed; it must be cheap, and an exception
+    from it stops the trainer (as a cancellation does) and propagates. ``user``: the name
+    of the user to run the trainer as (:func:`llmgw.node.engine_user.resolve`; None or "":
+    as this process); that user must be able to read the model and pairs and write
+    ``workdir`` and the output's parent. ``env``: the trainer's environment (default: this
+    process's); ``PYTHONPATH`` is replaced by the overlay, and
+    :data:`~llmgw.node.training.trainer.QUIET_ENV` fills what it does not set. For an
+    engines' user, pass :func:`llmgw.node.engine_user.home_env` of its prepared home in it.
+
+    Raises :class:`TrainingError` when the output directory exists and is not empty
+    (before starting anything), the user cannot be used, the trainer cannot start, exits
+    non-zero (its ``error`` event's message, or its last stderr lines), or exits 0
+    without a ``done`` event. Cancellation stops the trainer's whole process group
+    (SIGTERM, SIGKILL after :data:`STOP_GRACE`) and waits for it, then propagates. On any
+    failure or cancellation the trainer's scratch directory is removed, and so is what
+    this run put at the output directory: no adapter is left.
+    """
+    output = config.output_dir
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise TrainingError(f"output_dir {output} already exists and is not empty: choose a new directory")
+    output_existed = output.exists()
+    identity: dict[str, Any] = {}
+    if user:
+        try:
+            engine_user = await trio.to_thread.run_sync(resolve, user)
+        except EngineUserError as exc:
+            raise TrainingError(str(exc)) from None
+        if engine_user is not None:
+            identity = {"user": engine_user.uid, "group": engine_user.gid, "extra_groups": list(engine_user.groups)}
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / CONFIG_NAME
+    config_path.write_text(json.dumps(config.to_json(), indent=2) + "\n")
+    child_env = {**QUIET_ENV, **(os.environ if env is None else env), **overlay_env(overlay)}
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    argv = [str(python), str(TRAINER_SCRIPT), str(config_path)]
+    stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+    last: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+
+    def on_stdout(raw: bytes) -> None:
+        event = parse_event(raw)
+        if event is None:
+            if raw.strip():
+                stderr_tail.append(raw.decode("utf-8", errors="replace"))
+            return
+        last[event["event"]] = event
+        on_event(event)
+
+    def on_stderr(raw: bytes) -> None:
+        stderr_tail.append(raw.decode("utf-8", errors="replace").rstrip("\r"))
+
+    try:
+        proc = await trio.lowlevel.open_process(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, env=child_env, cwd=workdir, **identity,
+        )
+    except OSError as exc:
+        raise TrainingError(f"cannot start the trainer with {python}: {exc}") from None
+    succeeded = False
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        with unwrap_single_group():  # on_event's own exception reaches the caller as itself
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_lines, proc.stderr, on_stderr)
+                await _lines(proc.stdout, on_stdout)
+                await proc.wait()
+                # Anything the trainer left running holds its stderr open: the reader would wait for it.
+                signal_group(proc.pid, signal.SIGKILL)
+        code = proc.returncode
+        done = last.get("done")
+        if code == 0 and done is not None:
+            succeeded = True
+            return TrainResult(
+                adapter_dir=Path(done["adapter_dir"]), first_loss=float(done["first_loss"]),
+                final_loss=float(done["final_loss"]), steps=int(done["steps"]),
+                peak_memory_bytes=int(done["peak_memory_bytes"]), device=str(last.get("start", {}).get("device", "")),
+                elapsed_s=time.monotonic() - started, train_s=float(done["elapsed_s"]))
+        raise TrainingError(_failure(code, last, list(stderr_tail)))
+    finally:
+        with trio.CancelScope(shield=True):
+            await _stop_group(proc, STOP_GRACE)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    await pipe.aclose()
+            if not succeeded:
+                await trio.to_thread.run_sync(_remove_leftovers, output, proc.pid, output_existed)
+
+
+def _failure(code: int | None, last: Mapping[str, dict[str, Any]], tail: list[str]) -> str:
+    """Returns a TrainingError's message for a run that ended with ``code`` without success."""
+    error = last.get("error")
+    if code == EXIT_ERROR and error is not None:
+        return str(error.get("message", "the trainer failed without saying why"))
+    if code in (EXIT_TERMINATED, -signal.SIGTERM):
+        return "the trainer was stopped (SIGTERM) before it finished; no adapter was written"
+    if code == 0:
+        what = "the trainer exited without reporting an adapter"
+    else:
+        what = f"the trainer {describe_exit(code)}"
+    lines = "\n".join(tail[-ERROR_LINES:]) or "(no output on stderr)"
+    return f"{what}; its last output:\n{lines}"
+
+
+def _remove_leftovers(output: Path, pid: int, output_existed: bool) -> None:
+    """Removes what a failed or stopped trainer (process ``pid``) may have left: its scratch
+    directory, and whatever is at ``output`` (it was absent or empty before the run, so it is
+    this run's: an adapter renamed into place just before a cancellation); an ``output`` that
+    existed before is left, empty."""
+    shutil.rmtree(partial_dir(output, pid), ignore_errors=True)
+    if output.is_dir() and (not output_existed or any(output.iterdir())):
+        shutil.rmtree(output, ignore_errors=True)
+        if output_existed:
+            output.mkdir(exist_ok=True)
