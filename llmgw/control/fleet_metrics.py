@@ -18,7 +18,10 @@ where a scrape would stall heartbeats and requests for a second. Series (gauges 
   ``llmgw_gpu_throttled{reason}`` (1 per active reason), ``llmgw_gpu_foreign_processes``
   and ``llmgw_gpu_foreign_memory_bytes`` (processes not llmgw's, per placement unit);
   labels ``node``, ``gpu`` (as every view names it: "0", "0/mig2"), ``uuid``, ``class``;
-- ``llmgw_gpu_xid_errors`` (counter since the agent started) by ``node``, ``pci``, ``xid``.
+- ``llmgw_gpu_xid_errors`` (counter since the agent started) by ``node``, ``pci``, ``xid``;
+- for each training job running now (issue 17): ``llmgw_training_job_step``,
+  ``llmgw_training_job_steps``, ``llmgw_training_job_loss``, ``llmgw_training_job_peak_memory_bytes``;
+  labels ``job``, ``adapter``, ``model``, ``node``.
 
 A sensor the node could not read has no series; readings older than
 ``READING_MAX_AGE_S`` are left out, so a node that stops sending loses its series within a
@@ -28,13 +31,14 @@ minute. Only the leader holds the registry: a standby's ``/metrics`` has no flee
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
 from llmgw.control.registry import Fleet, NodeState, NodeView
 from llmgw.spec import gpu_display
 from llmgw.telemetry import GPU_READINGS
+from llmgw.training import TrainingJob
 
 _MIB = 1024 * 1024
 
@@ -55,26 +59,39 @@ class FleetMetrics:
     snapshot, or None while this control plane does not lead) at ``clock()`` (the registry's
     time) on the trio thread and writes it in a worker thread."""
 
-    def __init__(self, fleet: Callable[[], Fleet | None], clock: Callable[[], float]) -> None:
+    def __init__(self, fleet: Callable[[], Fleet | None], clock: Callable[[], float],
+                 jobs: Callable[[], Sequence[TrainingJob]] = tuple) -> None:
         self._fleet = fleet
         self._clock = clock
+        self._jobs = jobs
 
     async def render(self) -> bytes:
         """Returns the fleet's series in the Prometheus text format (b"" while not leading).
-        Cancellation abandons the worker thread's result."""
+        ``jobs()`` gives the training jobs running now. Cancellation abandons the worker
+        thread's result."""
         fleet = self._fleet()
         if fleet is None:
             return b""
-        return await trio.to_thread.run_sync(render_fleet, fleet, self._clock(), abandon_on_cancel=True)
+        jobs = tuple(self._jobs())
+        return await trio.to_thread.run_sync(render_fleet, fleet, self._clock(), jobs, abandon_on_cancel=True)
 
 
-def render_fleet(fleet: Fleet, now: float) -> bytes:
+def render_fleet(fleet: Fleet, now: float, jobs: Sequence[TrainingJob] = ()) -> bytes:
     """Returns every ONLINE or DISCONNECTED node's series of ``fleet`` as they stand at ``now``
-    (the registry's clock), in the Prometheus text format. Pure: safe in any thread."""
+    (the registry's clock), and those of the training ``jobs``, in the Prometheus text format.
+    Pure: safe in any thread."""
     out = _Families()
     for node in sorted(fleet.nodes.values(), key=lambda n: n.id):
         if node.state is not NodeState.LOST:
             _add_node(out, node, now)
+    for job in jobs:
+        labels = _labels((("job", job.id), ("adapter", job.adapter), ("model", job.model),
+                          ("node", job.assigned_node)))
+        out.job_step.append(f"llmgw_training_job_step{labels} {job.step}\n")
+        out.job_steps.append(f"llmgw_training_job_steps{labels} {job.steps}\n")
+        if not math.isnan(job.loss):
+            out.job_loss.append(f"llmgw_training_job_loss{labels} {_number(job.loss)}\n")
+        out.job_memory.append(f"llmgw_training_job_peak_memory_bytes{labels} {job.peak_memory_bytes}\n")
     return out.text().encode()
 
 
@@ -103,6 +120,11 @@ class _Families:
                                            "(where the driver says).")
         self.xids = self._family("llmgw_gpu_xid_errors", "XID lines in the kernel log since the agent started, by "
                                  "card PCI address and code.", "counter")
+        self.job_step = self._family("llmgw_training_job_step", "The optimiser step a running training job reached.")
+        self.job_steps = self._family("llmgw_training_job_steps", "The steps a running training job takes in all.")
+        self.job_loss = self._family("llmgw_training_job_loss", "A running training job's last reported loss.")
+        self.job_memory = self._family("llmgw_training_job_peak_memory_bytes", "Peak memory of a running training "
+                                       "job's trainer (card memory on a GPU, resident memory on the CPU).")
 
     def _family(self, name: str, text: str, kind: str = "gauge") -> list[str]:
         self.order.append((name, kind, text))

@@ -261,7 +261,8 @@ async def run_control_plane(
             plane_ref.append(plane)
             # The fleet's telemetry on the gateway's /metrics, from the leader's registry.
             gateway.set_extra_metrics(FleetMetrics(
-                lambda: plane.term.registry.snapshot() if plane.term is not None else None, trio.current_time).render)
+                lambda: plane.term.registry.snapshot() if plane.term is not None else None, trio.current_time,
+                lambda: plane.term.admin.jobs.running() if plane.term is not None else ()).render)
 
             async def leadership() -> dict[str, Any]:
                 return await _leadership_fields(store, election, plane.term, follower)

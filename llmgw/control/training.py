@@ -115,6 +115,10 @@ class JobScheduler:
             return attrs.evolve(job, message=self._waiting[job.id])
         return job
 
+    def running(self) -> list[TrainingJob]:
+        """The jobs training now, with their latest progress (for /metrics)."""
+        return [r.job for r in self._running.values()]
+
     def logs(self, job_id: str, lines: int) -> list[str]:
         """The last ``lines`` events the job's trainer reported (empty after a control plane change)."""
         kept = self._logs.get(job_id, ())

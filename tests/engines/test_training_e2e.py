@@ -20,6 +20,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -28,7 +29,7 @@ from llmgw.node.training.gguf import find_llamacpp_sdist
 from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
 from tests.engines.test_training import convert_base_model
-from tests.system.harness import Cluster, eventually, ready_replicas
+from tests.system.harness import Cluster, eventually, metric_sum, ready_replicas
 
 pytestmark = pytest.mark.system
 
@@ -181,6 +182,9 @@ async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tmp_pat
         first = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-a", *long)
         await training(cluster, first["id"])
         assert trainers(), "the trainer runs"
+        async with httpx.AsyncClient(timeout=30) as http:
+            metrics = (await http.get(cluster.gateway + "/metrics")).text
+        assert metric_sum(metrics, "llmgw_training_job_step", job=first["id"], node="node-a") >= 1
         cancelled = cluster.ctl_json("jobs", "cancel", first["id"])
         assert cancelled["state"] == "cancelled"
         assert not trainers(), "cancel answers once the trainer's process group is gone"

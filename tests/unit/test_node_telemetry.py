@@ -215,3 +215,19 @@ async def test_the_fleet_is_written_in_a_thread_and_nothing_while_not_leading() 
     text = (await FleetMetrics(reg.snapshot, trio.current_time).render()).decode()
     assert 'llmgw_node_cpu_utilization_percent{node="n1"} 12.5' in text
     assert await FleetMetrics(lambda: None, trio.current_time).render() == b""
+
+
+def test_running_training_jobs_are_series_too() -> None:
+    from llmgw.training import TrainingJob
+
+    reg = Registry()
+    job = TrainingJob("job-1", "tiny-qa", "tiny", "/w", state="running", assigned_node="n1", step=3, steps=10,
+                      loss=2.5, first_loss=3.0, peak_memory_bytes=1 << 20)
+    fresh = TrainingJob("job-2", "other", "tiny", "/w", state="running", assigned_node="n1")
+    text = render_fleet(reg.snapshot(), 0.0, (job, fresh)).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples}
+    labels = (("adapter", "tiny-qa"), ("job", "job-1"), ("model", "tiny"), ("node", "n1"))
+    assert got[("llmgw_training_job_step", labels)] == 3 and got[("llmgw_training_job_steps", labels)] == 10
+    assert got[("llmgw_training_job_loss", labels)] == 2.5
+    assert not any(name == "llmgw_training_job_loss" and ("job", "job-2") in lab for name, lab in got)  # none yet
