@@ -189,6 +189,7 @@ struct Registration {
   agent @6 :Agent;
   version @7 :Text;        # llmgw version of the agent
   labels @8 :List(Text);   # "key=value" (agent.yaml labels): profiles' node_labels select nodes by them
+  jobs @9 :List(Text);     # training jobs this agent runs now: a new leader adopts them (Agent.adoptJob)
 }
 
 interface Cluster {
@@ -384,6 +385,9 @@ interface Agent {
   rollback @11 () -> (release :Text, previous :Text);
   # Switches `current` back to the previous release, answers, exits with status 75.
   startJob @13 (spec :TrainingJobSpec, pairs :Data, reporter :JobReporter) -> (job :TrainingJob);
+  adoptJob @14 (id :Text, reporter :JobReporter) -> (job :TrainingJob);
+  # Re-binds job ID (listed in the registration) to a reporter of this session: a new leader after a
+  # failover. The job's reports waited for it; fails for a job that no longer runs here.
   # Trains SPEC on PAIRS (JSONL) in a nursery of its own, reporting through REPORTER; fails with the
   # reason when it cannot start (another job trains here, no vLLM environment to train with). Agents
   # listing the feature "training" answer it.

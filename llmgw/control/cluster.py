@@ -133,6 +133,7 @@ def _make_cluster(
             agent = registration.agent
             version = str(registration.version)
             features = frozenset(str(f) for f in registration.features)
+            job_ids = frozenset(str(j) for j in registration.jobs)
             try:
                 node_labels = labels.parse_pairs(str(pair) for pair in registration.labels)
             except ValueError as exc:
@@ -162,6 +163,7 @@ def _make_cluster(
             epoch = registry.node_joined(node_id, address, hardware, engines, shards, labels=node_labels)
             session = NodeSession(registry, node_id, epoch, agent, nursery.cancel_scope.cancel, hosts)
             session.features = features
+            session.jobs = job_ids
             state["session"] = session
             state["sessions"] = sessions
             sessions.attach(session)

@@ -115,6 +115,8 @@ class NodeSession:
         self.closed = False
         #: What the agent said it can do (llmgw/nodeprotocol.py); calls beyond its protocol check it.
         self.features: frozenset[str] = frozenset()
+        #: The training jobs the agent said it runs when it joined (a new leader adopts them).
+        self.jobs: frozenset[str] = frozenset()
         #: Why the node refused the cluster settings last pushed ("": it took them).
         self.settings_problem = ""
         #: What the agent reported about its own configuration (an agent.yaml that does not load).

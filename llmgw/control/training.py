@@ -9,8 +9,11 @@ trains nothing else and, for a job asking for card memory, has a card with that 
 store at most every :data:`PERSIST_INTERVAL_S`; the result arrives in pieces, is checked
 against its SHA-256 and kept in the store. A node that goes fails its job with that reason.
 
-Jobs a previous leader left running are failed when a new term starts: the new leader
-holds no reporter for them (the agent stops a job whose reports can no longer be sent).
+A control plane failover does not lose a job: its state is in the store, the node keeps
+training (its reports wait for a new leader), and a new leader adopts each job a previous
+one left running once the node's agent joins it listing the job (``Agent.adoptJob`` hands
+it a new reporter). A job whose node does not come back with it within
+:data:`ADOPT_GRACE_S` fails with that reason.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ LOG_LINES = 2000
 #: The largest result the control plane takes: a rank-256 adapter of a 70B model is a few GB;
 #: held in memory while it arrives and then written to the store.
 MAX_RESULT_BYTES = 4 * 1024**3
+#: How long a new leader waits for the node of a job an earlier leader left running to join
+#: and list it (the agent waits longer for it: llmgw.node.jobs.REBIND_GRACE_S).
+ADOPT_GRACE_S = 90.0
 #: The engine whose Python environment (its torch) trains.
 TRAINING_ENGINE = "vllm"
 
@@ -94,6 +100,7 @@ class JobScheduler:
         self._waiting: dict[str, str] = {}  # queued job -> why it waits
         self._wake = trio.Event()
         self._result_cache: tuple[str, bytes] | None = None
+        self._orphans: dict[str, tuple[TrainingJob, float]] = {}  # left running by an earlier leader
 
     # -- what admin calls ------------------------------------------------------------
 
@@ -129,6 +136,7 @@ class JobScheduler:
         (or could not be asked: then it is cancelled here and the node stops it when its reports
         fail). Returns the job as stored."""
         message = f"cancelled by {actor}"
+        self._orphans.pop(job.id, None)  # its node, if it comes back, finds its reports refused and stops it
         running = self._running.pop(job.id, None)
         if running is not None:
             job = running.job
@@ -160,17 +168,19 @@ class JobScheduler:
     # -- the loop ----------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Fails the jobs an earlier leader left running, then schedules until cancelled."""
+        """Takes the jobs an earlier leader left running as orphans to adopt, then schedules
+        until cancelled."""
+        deadline = trio.current_time() + ADOPT_GRACE_S
         for job in await self.store.list_training_jobs():
             if job.state == RUNNING:
-                await self.store.update_training_job(attrs.evolve(
-                    job, state=FAILED, message=f"the control plane changed while it trained on {job.assigned_node} "
-                    "(failover): run it again with `llmgw ctl jobs train`"))
+                self._orphans[job.id] = (job, deadline)
+                self._note(job.id, f"waiting for {job.assigned_node} to report it to this control plane")
         task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_registry)
             while True:
                 self._wake = trio.Event()
+                await self._adopt_orphans()
                 await self._fail_departed()
                 await self._persist()
                 await self._place_queued(nursery)
@@ -182,6 +192,35 @@ class JobScheduler:
         while True:
             version = await self.registry.wait_changed(version)
             self._wake.set()
+
+    async def _adopt_orphans(self) -> None:
+        """Adopts each orphan whose node joined listing it; fails those whose node joined
+        without it or did not join within ADOPT_GRACE_S."""
+        now = trio.current_time()
+        for job_id, (job, deadline) in list(self._orphans.items()):
+            try:
+                session = self.sessions.get(job.assigned_node)
+            except LookupError:
+                session = None
+            if session is not None and job_id in session.jobs:
+                del self._orphans[job_id]
+                running = self._running[job_id] = _Running(job, job.assigned_node)
+                try:
+                    with trio.fail_after(START_TIMEOUT_S):
+                        running.cap = (await session.agent.adoptJob(job_id, self._reporter(job_id))).job
+                except Exception as exc:  # noqa: BLE001 - the job says why
+                    await self._end(job_id, FAILED, f"{job.assigned_node} could not hand it over after the control "
+                                                    f"plane changed: {_reason(exc)}")
+                    continue
+                self._note(job_id, f"adopted from {job.assigned_node} after the control plane changed")
+                log.info("training job %s on %s adopted after the control plane changed", job_id, job.assigned_node)
+            elif session is not None or now >= deadline:
+                del self._orphans[job_id]
+                why = ("joined without it" if session is not None
+                       else f"did not report it within {ADOPT_GRACE_S:g} s")
+                message = f"the control plane changed while it trained and {job.assigned_node} {why}"
+                self._note(job_id, message)
+                await self.store.update_training_job(attrs.evolve(job, state=FAILED, message=message))
 
     async def _fail_departed(self) -> None:
         """Fails each running job whose node is no longer ONLINE."""
@@ -203,7 +242,7 @@ class JobScheduler:
                     self._running.pop(stored.id, None)
 
     async def _place_queued(self, nursery: trio.Nursery) -> None:
-        busy = {r.node for r in self._running.values()}
+        busy = {r.node for r in self._running.values()} | {job.assigned_node for job, _ in self._orphans.values()}
         waiting: dict[str, str] = {}
         for job in await self.store.list_training_jobs():
             if job.state != QUEUED:

@@ -225,6 +225,12 @@ def _make_agent_server(
             jobs.start(job, bytes(pairs), reporter)  # JobBusy: one job at a time
             _context.results.job = make_job_server(jobs, job.id)
 
+        async def adoptJob(self, id: str, reporter: Any, _context: Any, **_: Any) -> None:  # noqa: A002
+            if jobs is None:
+                raise RuntimeError("this agent does not train (llmgw up's own agent)")
+            jobs.rebind(str(id), reporter)  # LookupError: it ended
+            _context.results.job = make_job_server(jobs, str(id))
+
         async def firewall(self, json: str, **_: Any) -> None:
             if firewall is None:
                 raise RuntimeError("this agent leaves its node's firewall to the operator (firewall: false)")
@@ -513,6 +519,7 @@ class Agent:
                                                 self.cluster_settings, self.firewall, self.jobs),
                     "version": __version__,
                     "labels": labels.to_pairs(self.labels),
+                    "jobs": [self.jobs.current] if self.jobs is not None and self.jobs.current else [],
                 }
                 with trio.fail_after(JOIN_TIMEOUT):
                     result = await cluster.join(registration)

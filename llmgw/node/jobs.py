@@ -8,8 +8,11 @@ given as ``train`` (llmgw/node/training/: fetch the weights, the trainer in the 
 environment with the training overlay, GGUF conversion); this module only runs it, relays
 its events in order, and sends the result up in checksummed pieces.
 
-A job whose reports cannot be sent (its control plane went away) is cancelled: nobody could
-receive its result. The agent's nursery closing cancels every job.
+A job whose reports cannot be sent (its control plane went away) keeps training and waits
+up to :data:`REBIND_GRACE_S` for a new leader to adopt it (the agent's next registration
+lists it; ``Agent.adoptJob`` hands a new reporter): its reports then go on where they
+stopped. Without one it is cancelled: nobody could receive its result. The agent's nursery
+closing cancels every job.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ REPORT_TIMEOUT_S = 30.0
 EVENT_BACKLOG = 256
 #: Lines kept for TrainingJob.logs.
 LOG_LINES = 2000
+#: How long a job whose reports failed waits for a new leader to adopt it: a failover is a
+#: lease (10 s by default) and the agent's reconnection (seconds) away; this is ample.
+REBIND_GRACE_S = 120.0
 
 
 @attrs.frozen
@@ -85,6 +91,7 @@ class JobRunner:
         self._scopes: dict[str, trio.CancelScope] = {}
         self._logs: dict[str, collections.deque[str]] = {}
         self._done: dict[str, trio.Event] = {}
+        self._reports: dict[str, _Reports] = {}
         self._stopping = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -117,6 +124,14 @@ class JobRunner:
         self._logs[spec.id] = collections.deque(maxlen=LOG_LINES)
         self._nursery.start_soon(self._job, spec, pairs, reporter, scope)
 
+    def rebind(self, job_id: str, reporter: Any) -> None:
+        """Sends job ``job_id``'s reports to ``reporter`` from now on (a new leader adopted it);
+        raises LookupError when the job does not run here."""
+        reports = self._reports.get(job_id)
+        if reports is None:
+            raise LookupError(f"training job {job_id} does not run on this node (it ended)")
+        reports.rebind(reporter)
+
     def cancel(self, job_id: str) -> None:
         """Cancels job ``job_id``'s nursery (nothing when it has ended)."""
         scope = self._scopes.get(job_id)
@@ -129,7 +144,7 @@ class JobRunner:
 
     async def _job(self, spec: JobSpec, pairs: bytes, reporter: Any, scope: trio.CancelScope) -> None:
         directory = self.workdir / spec.id
-        relay = _Relay(spec.id, reporter, scope)
+        reports = self._reports[spec.id] = _Reports(spec.id, reporter, scope)
         ok, message = False, ""
         try:
             with scope:
@@ -139,21 +154,27 @@ class JobRunner:
                 send, receive = trio.open_memory_channel[str](EVENT_BACKLOG)
                 with unwrap_single_group():
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(relay.run, receive)
+                        nursery.start_soon(reports.relay, receive)
+
+                        dropped = 0
 
                         def on_event(line: str) -> None:
+                            nonlocal dropped
                             self._logs[spec.id].append(line)
                             try:
                                 send.send_nowait(line)
                             except trio.WouldBlock:
-                                log.warning("training job %s: reports are behind; an event was dropped", spec.id)
+                                dropped += 1
+                                if dropped == 1:
+                                    log.warning("training job %s: reports are behind; events are dropped until "
+                                                "they catch up", spec.id)
 
                         result, fmt = await self._train(spec, pairs_path, directory / "work", on_event)
                         send.close()  # the relay ends once every event is sent
-                await self._send_result(spec.id, result, fmt, reporter)
+                await self._send_result(result, fmt, reports)
                 ok = True
-            if relay.failure:
-                ok, message = False, f"its control plane stopped taking reports ({relay.failure}): cancelled"
+            if reports.lost:
+                ok, message = False, f"its control plane stopped taking reports ({reports.lost}): cancelled"
             elif scope.cancelled_caught:
                 message = "cancelled: the trainer was stopped"
         except trio.Cancelled:
@@ -170,13 +191,13 @@ class JobRunner:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, directory, True)
         log.info("training job %s %s", spec.id, "finished" if ok else f"ended: {message}")
-        if relay.failure:
-            return  # nobody to tell
         try:
-            with trio.fail_after(REPORT_TIMEOUT_S):
-                await reporter.finished(ok, message)
-        except (trio.TooSlowError, capnp.KjException) as exc:
+            if not reports.lost:
+                await reports.call(lambda r: r.finished(ok, message))
+        except _ReportsLost as exc:
             log.warning("training job %s: could not report its end: %s", spec.id, exc)
+        finally:
+            self._reports.pop(spec.id, None)
 
     async def wait_ended(self, job_id: str) -> None:
         """Returns once job ``job_id`` has ended (at once for one not running)."""
@@ -184,35 +205,69 @@ class JobRunner:
         if done is not None:
             await done.wait()
 
-    async def _send_result(self, job_id: str, result: Path, fmt: str, reporter: Any) -> None:
+    async def _send_result(self, result: Path, fmt: str, reports: "_Reports") -> None:
         data = await trio.to_thread.run_sync(result.read_bytes)
         digest = hashlib.sha256(data).hexdigest()
         for offset in range(0, max(len(data), 1), RESULT_PIECE_BYTES):
+            piece = data[offset:offset + RESULT_PIECE_BYTES]
             try:
-                with trio.fail_after(REPORT_TIMEOUT_S):
-                    await reporter.result(offset, data[offset:offset + RESULT_PIECE_BYTES], len(data), digest, fmt)
-            except (trio.TooSlowError, capnp.KjException) as exc:
+                await reports.call(lambda r, o=offset, p=piece: r.result(o, p, len(data), digest, fmt))
+            except _ReportsLost as exc:
                 raise RuntimeError(f"the result could not be sent: {exc}") from None
-        log.info("training job %s: sent its %s result (%d bytes, sha256 %s)", job_id, fmt, len(data), digest[:12])
+        log.info("training job %s: sent its %s result (%d bytes, sha256 %s)", reports.job_id, fmt, len(data),
+                 digest[:12])
 
 
-class _Relay:
-    """Sends a job's events in order; a failed send cancels the job (see the module docstring)
-    and is kept in ``failure``."""
+class _ReportsLost(Exception):
+    """No control plane took a job's reports, and none adopted it within REBIND_GRACE_S."""
+
+
+class _Reports:
+    """Where one job's reports go: its reporter, replaced when a new leader adopts the job.
+    A call that fails waits up to REBIND_GRACE_S for a new reporter and is made again to it;
+    without one the job is cancelled and ``lost`` says why."""
 
     def __init__(self, job_id: str, reporter: Any, scope: trio.CancelScope) -> None:
         self.job_id, self.reporter, self.scope = job_id, reporter, scope
-        self.failure = ""
+        self.lost = ""
+        self._rebound = trio.Event()
 
-    async def run(self, events: trio.MemoryReceiveChannel[str]) -> None:
-        async for line in events:
+    def rebind(self, reporter: Any) -> None:
+        self.reporter = reporter
+        self._rebound.set()
+        log.info("training job %s: a new control plane takes its reports", self.job_id)
+
+    async def call(self, method: Callable[[Any], Awaitable[Any]]) -> None:
+        """Makes ``method(reporter)`` with a deadline; raises _ReportsLost (after cancelling
+        the job) when neither the reporter nor one rebound within the grace takes it."""
+        while True:
+            if self.lost:
+                raise _ReportsLost(self.lost)
+            reporter = self.reporter
             try:
                 with trio.fail_after(REPORT_TIMEOUT_S):
-                    await self.reporter.event(line)
+                    await method(reporter)
+                return
             except (trio.TooSlowError, capnp.KjException) as exc:
-                log.warning("training job %s: reports failed (%s); cancelling it", self.job_id, exc)
-                self.failure = str(exc) or "no answer in time"
-                self.scope.cancel()
+                failure = str(exc) or "no answer in time"
+            if self.reporter is reporter:  # not rebound meanwhile: wait for a new leader
+                log.warning("training job %s: reports failed (%s); waiting up to %g s for a control plane to "
+                            "adopt it", self.job_id, failure, REBIND_GRACE_S)
+                self._rebound = trio.Event()
+                with trio.move_on_after(REBIND_GRACE_S):
+                    await self._rebound.wait()
+                if self.reporter is reporter:
+                    self.lost = failure
+                    self.scope.cancel()
+                    raise _ReportsLost(failure)
+
+    async def relay(self, events: trio.MemoryReceiveChannel[str]) -> None:
+        """Sends each event in order (see :meth:`call`); ends when the channel closes or the
+        reports are lost."""
+        async for line in events:
+            try:
+                await self.call(lambda r, line=line: r.event(line))
+            except _ReportsLost:
                 return
 
 

@@ -15,6 +15,7 @@ Needs the vLLM environment and llama-server that `make test` installs first.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import tarfile
 from pathlib import Path
@@ -29,7 +30,8 @@ from llmgw.node.training.gguf import find_llamacpp_sdist
 from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
 from tests.engines.test_training import convert_base_model
-from tests.system.harness import Cluster, eventually, metric_sum, ready_replicas
+from tests.system.harness import Cluster, ControlPlaneProc, eventually, metric_sum, ready_replicas
+from tests.system.test_ha import ha, start_agents, status_via  # noqa: F401 - ha is a fixture
 
 pytestmark = pytest.mark.system
 
@@ -199,3 +201,50 @@ async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tmp_pat
             return not trainers()
 
         await eventually(gone, "the orphaned trainer to exit")
+
+
+@pytest.mark.postgres
+async def test_a_running_job_survives_a_control_plane_failover(
+    ha: tuple[Cluster, list[ControlPlaneProc]], tmp_path: Path,
+) -> None:
+    cluster, standbys = ha
+    python = vllm_python()
+    model_dir = write_tiny_model(python, tmp_path / "model")
+    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    await start_agents(cluster, standbys, "node-a")
+    assert cluster.ctl("models", "add", "tiny", "--engine", "vllm", "--source", str(model_dir),
+                       "--replicas", "0", *VLLM_ARGS).returncode == 0
+    job = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-ha", "--steps", "30",
+                           "--data", str(pairs))
+    await training(cluster, job["id"])
+    [trainer] = trainers()
+    # Hold the trainer still while the lead changes hands: the job must not end before.
+    os.killpg(trainer.pid, signal.SIGSTOP)
+    try:
+        assert cluster.server is not None
+        cluster.server.kill()
+
+        def new_leader() -> str | None:
+            for standby in standbys:
+                st = status_via(cluster, standby.rpc)
+                if st and st["leader"] in ("cp-2", "cp-3"):
+                    return next(s.rpc for s in standbys if s.name == st["leader"])
+            return None
+
+        rpc = await eventually(new_leader, "a standby to lead")
+
+        def adopted() -> bool:
+            out = cluster.ctl("--server", rpc, "jobs", "logs", job["id"])
+            return out.returncode == 0 and "adopted from node-a" in out.stdout
+
+        await eventually(adopted, "the new leader to adopt the running job")
+    finally:
+        os.killpg(trainer.pid, signal.SIGCONT)
+
+    def finished() -> dict[str, Any] | None:
+        out = cluster.ctl("--server", rpc, "jobs", "list", "--json")
+        rows = [j for j in json.loads(out.stdout) if j["id"] == job["id"]] if out.returncode == 0 else []
+        return rows[0] if rows and rows[0]["state"] in ("succeeded", "failed", "cancelled") else None
+
+    done = await eventually(finished, "the adopted job to end", timeout=TRAIN_TIMEOUT)
+    assert done["state"] == "succeeded" and done["result_bytes"] > 0, done
