@@ -108,10 +108,6 @@ class JobScheduler:
         """Look at the queue now (a job was added, a node joined)."""
         self._wake.set()
 
-    def waiting_reason(self, job_id: str) -> str:
-        """Why queued job ``job_id`` was not sent at the last look ("" when it was not looked at)."""
-        return self._waiting.get(job_id, "")
-
     def live(self, job: TrainingJob) -> TrainingJob:
         """Returns ``job`` with what the scheduler knows beyond the store (progress not yet
         written, why it waits)."""
@@ -289,7 +285,7 @@ class JobScheduler:
         except LookupError:
             return "has no session"
         if TRAINING not in session.features:
-            return "runs an agent too old to train"
+            return "runs an agent that does not train (an older release, or `llmgw up`'s own)"
         engine = node.engine(TRAINING_ENGINE)
         if engine is None or not engine.installed:
             return f"has no {TRAINING_ENGINE} environment to train with (its torch trains)"

@@ -25,6 +25,8 @@ from llmgw.node.engine_user import home_env, prepare_home, resolve
 from llmgw.node.fetch import FetchSettings, fetch_weights
 from llmgw.node.jobs import JobSpec, Train
 from llmgw.node.training.gguf import convert_adapter_to_gguf, find_llamacpp_sdist
+from llmgw.node.install import InstallError
+from llmgw.node.install.llamacpp import fetch_sdist
 from llmgw.node.install.python_env import default_root
 from llmgw.node.training.overlay import find_overlay, install_overlay, vllm_python
 from llmgw.node.training.run import TrainerConfig, run_trainer
@@ -74,11 +76,12 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
         if spec.gguf:
             sdist = await trio.to_thread.run_sync(lambda: find_llamacpp_sdist([llamacpp_cache])
                                                   or find_llamacpp_sdist())
-            if sdist is None:
-                raise RuntimeError("the model is served by llama.cpp, and its adapter is converted to GGUF with "
-                                   "llama.cpp's own convert_lora_to_gguf.py, which comes with the llama.cpp source "
-                                   "tree the agent builds from; this node has none (its llama-server came from a "
-                                   "release archive or agent.yaml): train on a node that built llama.cpp")
+            if sdist is None:  # llama-server came from a release archive, or agent.yaml names one
+                note("fetching the llama.cpp source tree (its convert_lora_to_gguf.py converts the adapter)")
+                try:
+                    sdist = await fetch_sdist(llamacpp_cache, note)
+                except InstallError as exc:
+                    raise RuntimeError(f"the adapter cannot be converted to GGUF for llama.cpp: {exc}") from None
             out = workdir / "adapter.gguf"
             note("converting the adapter to GGUF with llama.cpp's convert_lora_to_gguf.py")
             await trio.to_thread.run_sync(convert_adapter_to_gguf, python, result.adapter_dir, Path(weights), out,

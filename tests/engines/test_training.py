@@ -9,8 +9,8 @@ model (converted with the sdist's convert_hf_to_gguf.py) and make the learnt ans
 
 Needs the vLLM environment and llama-server that `make test` installs first; the training
 overlay is installed once into the engines root (from PyPI, hash-pinned) and reused after.
-The GGUF test is skipped where llama-server came from a release archive: only the sdist
-holds llama.cpp's converters.
+llama.cpp's converters come with its source tree (the pinned sdist): fetched where
+llama-server came from a release archive.
 """
 
 from __future__ import annotations
@@ -219,10 +219,9 @@ def llama_server(setup: Setup, trained: tuple[TrainResult, list[dict[str, Any]]]
     installed = llamacpp.find_installed()
     if installed is None:
         pytest.fail("llama-server is not installed: run `python -m llmgw.node.install.llamacpp` (make test does)")
-    sdist = find_llamacpp_sdist()
-    if sdist is None:
-        pytest.skip("no llama.cpp sdist on this machine (llama-server came from a release archive): "
-                    "its convert_lora_to_gguf.py is what turns an adapter into GGUF")
+    # Where llama-server came from a release archive, the source tree with the converters is
+    # fetched as a node fetches it for a job (the pinned sdist from the package index).
+    sdist = find_llamacpp_sdist() or trio.run(llamacpp.fetch_sdist, llamacpp.default_root())
     adapter = convert_adapter_to_gguf(setup.python, trained[0].adapter_dir, setup.model, setup.root / "adapter.gguf",
                                       sdist)
     assert adapter.stat().st_size > 0 and adapter.read_bytes()[:4] == b"GGUF"

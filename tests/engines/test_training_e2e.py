@@ -26,6 +26,8 @@ import openai
 import psutil
 import pytest
 
+from llmgw.node.install import llamacpp
+from llmgw.node.install.llamacpp import fetch_sdist
 from llmgw.node.training.gguf import find_llamacpp_sdist
 from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
@@ -133,9 +135,9 @@ async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_ga
 
 
 async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tmp_path: Path) -> None:
-    sdist = find_llamacpp_sdist()
-    if sdist is None:
-        pytest.skip("llama-server came from a release archive: no llama.cpp source tree holds its converters")
+    # The converters come with llama.cpp's source tree: where llama-server came from a release
+    # archive, it is fetched as a node would fetch it (the pinned sdist from the package index).
+    sdist = find_llamacpp_sdist() or await fetch_sdist(llamacpp.default_root())
     python = Path(vllm_python())
     model_dir = write_tiny_model(str(python), tmp_path / "model")
     gguf = convert_base_model(python, sdist, model_dir, tmp_path / "tiny.gguf")

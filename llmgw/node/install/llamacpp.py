@@ -518,6 +518,39 @@ async def _pip_download_sdist(dest: Path, progress: ProgressFn) -> None:
         os.replace(got, dest)
 
 
+async def fetch_sdist(cache: Path, progress: ProgressFn = _no_progress, *, sdist_url: str = SDIST_URL) -> Path:
+    """Makes the pinned llama-cpp-python sdist's llama.cpp tree present under ``cache`` and returns
+    it (``cache/src/`` + :data:`SDIST_LLAMA_DIR`): downloaded unless a copy with the right sha256
+    is there, checked against :data:`SDIST_SHA256`, unpacked safely, marked. What building
+    llama-server starts from, and what holds llama.cpp's own conversion scripts (a trained LoRA
+    adapter becomes GGUF with its convert_lora_to_gguf.py). Raises InstallError."""
+    sdist = cache / "downloads" / SDIST_NAME
+    if not sdist.is_file() or await trio.to_thread.run_sync(sha256_file, sdist) != SDIST_SHA256:
+        sdist.unlink(missing_ok=True)
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        if sdist_url == SDIST_URL:
+            await _pip_download_sdist(sdist, progress)
+        else:
+            with _install_errors():
+                await _download(sdist_url, sdist, progress)
+        progress(f"checking the sha256 of {SDIST_NAME}")
+        actual = await trio.to_thread.run_sync(sha256_file, sdist)
+        if actual != SDIST_SHA256:
+            sdist.unlink(missing_ok=True)
+            raise InstallError(
+                f"{SDIST_NAME} from {sdist_url} has sha256 {actual}, expected {SDIST_SHA256}; "
+                "the file was deleted (check the index or mirror)"
+            )
+    src = cache / "src" / f"llama_cpp_python-{SDIST_VERSION}"
+    if not (src / SRC_MARKER).is_file():
+        progress(f"unpacking {SDIST_NAME}")
+        await trio.to_thread.run_sync(shutil.rmtree, src, True)
+        with _install_errors():
+            await trio.to_thread.run_sync(lambda: safe_extract(sdist, cache / "src", prefix=SDIST_LLAMA_DIR))
+        (src / SRC_MARKER).write_text(SDIST_SHA256 + "\n")
+    return cache / "src" / SDIST_LLAMA_DIR
+
+
 async def build_from_sdist(
     root: Path,
     cache: Path | None = None,
@@ -545,30 +578,7 @@ async def build_from_sdist(
     existing = read_marker(final)
     if existing is not None:
         return existing
-    sdist = cache / "downloads" / SDIST_NAME
-    if not sdist.is_file() or await trio.to_thread.run_sync(sha256_file, sdist) != SDIST_SHA256:
-        sdist.unlink(missing_ok=True)
-        sdist.parent.mkdir(parents=True, exist_ok=True)
-        if sdist_url == SDIST_URL:
-            await _pip_download_sdist(sdist, progress)
-        else:
-            with _install_errors():
-                await _download(sdist_url, sdist, progress)
-        progress(f"checking the sha256 of {SDIST_NAME}")
-        actual = await trio.to_thread.run_sync(sha256_file, sdist)
-        if actual != SDIST_SHA256:
-            sdist.unlink(missing_ok=True)
-            raise InstallError(
-                f"{SDIST_NAME} from {sdist_url} has sha256 {actual}, expected {SDIST_SHA256}; "
-                "the file was deleted (check the index or mirror)"
-            )
-    src = cache / "src" / f"llama_cpp_python-{SDIST_VERSION}"
-    if not (src / SRC_MARKER).is_file():
-        progress(f"unpacking {SDIST_NAME}")
-        await trio.to_thread.run_sync(shutil.rmtree, src, True)
-        with _install_errors():
-            await trio.to_thread.run_sync(lambda: safe_extract(sdist, cache / "src", prefix=SDIST_LLAMA_DIR))
-        (src / SRC_MARKER).write_text(SDIST_SHA256 + "\n")
+    await fetch_sdist(cache, progress, sdist_url=sdist_url)
     build = cache / "build" / key
     build.mkdir(parents=True, exist_ok=True)
     log = build / "llmgw-build.log"
