@@ -34,7 +34,13 @@ from llmgw.control.store import STORE_DIR_MODE
 from llmgw.gctune import tune_for_serving
 from llmgw.router.build import build_gateway
 from llmgw.router.settings import GatewaySettings
-from llmgw.node.agent import Agent
+from llmgw.node.agent import Agent, DeskLink
+from llmgw.node.engine_user import ENGINE_HOME_DIR
+from llmgw.node.fetch import FetchSettings
+from llmgw.node.install.llamacpp import default_root as llamacpp_root
+from llmgw.node.install.python_env import default_root as engines_root
+from llmgw.node.job_training import make_train
+from llmgw.node.jobs import JobRunner
 from llmgw.node.supervisor import Supervisor
 from llmgw.rpc.kjtrio import capnp_runtime
 from llmgw.rpc.tls import CERT_FILE, client_ssl_context, read_credentials, server_ssl_context
@@ -159,13 +165,20 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                     (state_dir / UP_FILE).write_text(json.dumps({
                         "rpc": f"127.0.0.1:{plane.rpc_port}", "gateway": plane.gateway_url,
                         "tls_dir": str(state_dir / ADMIN_DIR)}))
-                    supervisor = Supervisor(state_dir / "agent", host="127.0.0.1")
+                    desk_link = DeskLink()  # training jobs' adapters are fetched over the agent's session
+                    fetch = FetchSettings(weights_dir=state_dir / "weights", job_results=desk_link.piece)
+                    supervisor = Supervisor(state_dir / "agent", host="127.0.0.1", fetch_settings=fetch)
+                    jobs = JobRunner(state_dir / "jobs", make_train(
+                        engines_root=engines_root(), llamacpp_cache=llamacpp_root(), fetch=fetch, engine_user="",
+                        engine_home=state_dir / "agent" / ENGINE_HOME_DIR))
                     agent = Agent(
                         node_id=node_id,
                         control_planes=[f"127.0.0.1:{plane.rpc_port}"],
                         context=client_ssl_context(node_creds.ca_pem, node_creds.cert_pem, node_creds.key_pem),
                         supervisor=supervisor,
                         engine_host="127.0.0.1",
+                        jobs=jobs,
+                        desk_link=desk_link,
                     )
                     await nursery.start(agent.run)
                     await _serve_demo(plane, demo, state_dir, created, auth, tiny)

@@ -285,7 +285,7 @@ class JobScheduler:
         except LookupError:
             return "has no session"
         if TRAINING not in session.features:
-            return "runs an agent that does not train (an older release, or `llmgw up`'s own)"
+            return "runs an agent too old to train (upgrade it: `llmgw ctl upgrade`)"
         engine = node.engine(TRAINING_ENGINE)
         if engine is None or not engine.installed:
             return f"has no {TRAINING_ENGINE} environment to train with (its torch trains)"

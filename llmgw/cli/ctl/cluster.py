@@ -176,7 +176,7 @@ def fleet_summary(rows: list[NodeRow]) -> dict[str, Any]:
             devices[gpu.gpu_class or gpu.name] = devices.get(gpu.gpu_class or gpu.name, 0) + 1
     cpu_only = sum(1 for n in online if not n.hardware.gpus)
     if cpu_only:
-        devices["CPU-only node"] = cpu_only
+        devices["node without GPUs" if cpu_only == 1 else "nodes without GPUs"] = cpu_only
     measured = [(n.hardware.cpu_count, n.telemetry.host["cpu_utilization_percent"]) for n in online
                 if "cpu_utilization_percent" in n.telemetry.host]
     cpus = sum(count for count, _ in measured)

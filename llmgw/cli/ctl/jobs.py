@@ -88,7 +88,7 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     click.echo(f"{job.id}  {job.state}: {job.message}")
     click.echo(f"adapter {job.adapter} for {job.model}, weights {job.weights}, {job.pairs} pairs")
     click.echo(f"asked: node {job.node or 'any'}, " + (f"{job.gpu_mib} MiB of a card" if job.gpu_mib else "CPU"))
-    click.echo(f"runs on: {_where(job)}" + (f" ({job.device})" if job.device else ""))
+    click.echo(f"runs on: {_where(job)}" + (f" ({job.device})" if job.device and job.gpu >= 0 else ""))
     click.echo(f"params: {'steps ' + str(p.steps) if p.steps else f'epochs {p.epochs:g}'}, rank {p.rank}, "
                f"alpha {p.alpha:g}, lr {p.learning_rate:g}, seed {p.seed}, max-seq-len {p.max_seq_len}")
     click.echo(f"progress: step {job.step}/{job.steps or '?'}, loss {_loss(job)}"
