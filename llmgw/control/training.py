@@ -56,8 +56,10 @@ START_TIMEOUT_S = 30.0
 #: cancel returns once the trainer's process group is gone (SIGTERM, then SIGKILL after the
 #: agent's own grace): this is that grace and then some.
 CANCEL_TIMEOUT_S = 30.0
-#: Trainer events kept per job for `ctl jobs logs` (the newest; a job reports a few per step).
+#: Trainer events kept per job for `ctl jobs logs` (the newest; a job reports a few per step),
+#: and the jobs whose events are kept (the newest; older jobs show their state and message).
 LOG_LINES = 2000
+LOG_JOBS = 100
 #: The largest result the control plane takes: a rank-256 adapter of a 70B model is a few GB;
 #: held in memory while it arrives and then written to the store.
 MAX_RESULT_BYTES = 4 * 1024**3
@@ -179,7 +181,7 @@ class JobScheduler:
                 await self._adopt_orphans()
                 await self._fail_departed()
                 await self._persist()
-                await self._place_queued(nursery)
+                await self._place_queued()
                 with trio.move_on_after(SCHEDULE_INTERVAL_S):
                     await self._wake.wait()
 
@@ -237,7 +239,7 @@ class JobScheduler:
                 if stored.final:  # cancelled meanwhile (by another admin call)
                     self._running.pop(stored.id, None)
 
-    async def _place_queued(self, nursery: trio.Nursery) -> None:
+    async def _place_queued(self) -> None:
         busy = {r.node for r in self._running.values()} | {job.assigned_node for job, _ in self._orphans.values()}
         waiting: dict[str, str] = {}
         for job in await self.store.list_training_jobs():
@@ -249,7 +251,7 @@ class JobScheduler:
                 continue
             node_id, gpu, uuid = choice
             busy.add(node_id)
-            await self._send(job, node_id, gpu, uuid, nursery)
+            await self._send(job, node_id, gpu, uuid)
         self._waiting = waiting
 
     def _choose(self, job: TrainingJob, busy: set[str]) -> tuple[str, int, str] | str:
@@ -291,7 +293,7 @@ class JobScheduler:
             return f"has no {TRAINING_ENGINE} environment to train with (its torch trains)"
         return ""
 
-    async def _send(self, job: TrainingJob, node_id: str, gpu: int, uuid: str, nursery: trio.Nursery) -> None:
+    async def _send(self, job: TrainingJob, node_id: str, gpu: int, uuid: str) -> None:
         model = next((m for m in await self.store.list_models() if m.name == job.model), None)
         running = _Running(attrs.evolve(job, state=RUNNING, assigned_node=node_id, gpu=gpu,
                                         message=f"sent to {node_id}" + (f" GPU {gpu_display(gpu)}" if gpu >= 0 else
@@ -404,7 +406,11 @@ class JobScheduler:
         self._wake.set()
 
     def _note(self, job_id: str, line: str) -> None:
-        self._logs.setdefault(job_id, collections.deque(maxlen=LOG_LINES)).append(line)
+        if job_id not in self._logs:
+            self._logs[job_id] = collections.deque(maxlen=LOG_LINES)
+            for old in list(self._logs)[:-LOG_JOBS]:
+                del self._logs[old]
+        self._logs[job_id].append(line)
 
 
 def _reason(exc: BaseException) -> str:

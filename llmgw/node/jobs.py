@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -35,14 +34,16 @@ from llmgw.training import RESULT_PIECE_BYTES, TrainingParams
 
 log = logging.getLogger(__name__)
 
-#: Every report call has this deadline: a control plane that takes longer is gone or stuck,
-#: and the job is cancelled rather than left training for nobody.
+#: Every report call has this deadline: a control plane that takes longer is gone or stuck
+#: (the job then waits for a new one: REBIND_GRACE_S).
 REPORT_TIMEOUT_S = 30.0
-#: Events waiting to be sent, at most; beyond it the oldest unsent progress event is dropped
-#: (a trainer reporting faster than the control plane takes them loses steps, never its end).
+#: Events waiting to be sent, at most; beyond it new events are dropped until the backlog drains
+#: (a trainer reporting faster than the control plane takes them loses progress lines, never
+#: its result or its end, which are sent after the events).
 EVENT_BACKLOG = 256
-#: Lines kept for TrainingJob.logs.
+#: Lines kept per job for TrainingJob.logs, and the jobs whose lines are kept (the newest).
 LOG_LINES = 2000
+LOG_JOBS = 20
 #: How long a job whose reports failed waits for a new leader to adopt it: a failover is a
 #: lease (10 s by default) and the agent's reconnection (seconds) away; this is ample.
 REBIND_GRACE_S = 120.0
@@ -122,6 +123,8 @@ class JobRunner:
         self._scopes[spec.id] = scope
         self._done[spec.id] = trio.Event()
         self._logs[spec.id] = collections.deque(maxlen=LOG_LINES)
+        for old in list(self._logs)[:-LOG_JOBS]:
+            del self._logs[old]
         self._nursery.start_soon(self._job, spec, pairs, reporter, scope)
 
     def rebind(self, job_id: str, reporter: Any) -> None:
@@ -289,7 +292,3 @@ def make_job_server(runner: JobRunner, job_id: str) -> Any:
 
     return TrainingJobServer()
 
-
-def event_line(event: dict[str, Any]) -> str:
-    """Returns an event as one JSON line (what the trainer prints), for events the agent adds."""
-    return json.dumps(event, sort_keys=True)
