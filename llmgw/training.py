@@ -98,6 +98,7 @@ class TrainingJob:
     result_bytes: int = 0
     result_sha256: str = ""
     result_format: str = ""
+    register: bool = False  # add the result to the model as an adapter once it succeeds
 
     @property
     def final(self) -> bool:

@@ -316,6 +316,7 @@ struct TrainingJobView {
   resultBytes @21 :UInt64;   # 0: no result kept
   resultSha256 @22 :Text;
   resultFormat @23 :Text;    # "peft" (a .tar of the PEFT directory) or "gguf"
+  register @24 :Bool;        # add the result to the model as an adapter once it succeeds
 }
 
 struct TrainingJobSpec {
@@ -602,9 +603,10 @@ interface Admin {
   # through its GatewayFeed) and has it restart on it (exit status 75) once this call has answered.
 
   trainJob @32 (adapter :Text, model :Text, weights :Text, node :Text, gpuMib :UInt64, params :TrainingParams,
-                pairs :Data) -> (job :TrainingJobView);
+                pairs :Data, register :Bool) -> (job :TrainingJobView);
   # Queues a LoRA training job: PAIRS (JSONL) are checked first (bad lines refused with their numbers),
   # MODEL must be in the catalog, ADAPTER a free name. The leader's scheduler sends it to a node.
+  # REGISTER: once it succeeds, the result is added to MODEL as adapter ADAPTER (llmgw-job://ID).
   listJobs @33 () -> (jobs :List(TrainingJobView));
   cancelJob @34 (id :Text) -> (job :TrainingJobView);
   # A queued job is cancelled at once; a running one once its node has killed the trainer.

@@ -454,10 +454,11 @@ class ClusterClient:
     # -- training jobs (issue 17) -------------------------------------------------------
 
     async def train_job(self, adapter: str, model: str, pairs: bytes, params: TrainingParams, *, weights: str = "",
-                        node: str = "", gpu_mib: int = 0) -> TrainingJob:
-        """Queue a LoRA training job; returns it. Raises ClientError with the control plane's reason."""
+                        node: str = "", gpu_mib: int = 0, register: bool = False) -> TrainingJob:
+        """Queue a LoRA training job (``register``: add its result to the model as an adapter once
+        it succeeds); returns it. Raises ClientError with the control plane's reason."""
         result = await self._call("trainJob", adapter, model, weights, node, gpu_mib,
-                                  convert.training_params_dict(params), pairs)
+                                  convert.training_params_dict(params), pairs, register)
         return convert.training_job_from(result.job)
 
     async def jobs(self) -> list[TrainingJob]:

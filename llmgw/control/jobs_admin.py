@@ -70,7 +70,7 @@ class JobsAdminMixin:
         self._jobs_scheduler = scheduler
 
     async def trainJob(self, adapter: str, model: str, weights: str, node: str, gpuMib: int, params: Any, pairs: bytes,
-                       _context: Any, **_: Any) -> None:
+                       register: bool, _context: Any, **_: Any) -> None:
         adapter, model_name, weights, node = str(adapter), str(model), str(weights), str(node)
         store = self._jobs_store
         models = {m.name: m for m in await store.list_models()}
@@ -94,11 +94,12 @@ class JobsAdminMixin:
             raise ValueError(problem)
         count = check_pairs(bytes(pairs))
         job = TrainingJob(new_job_id(), adapter, model_name, weights, node, int(gpuMib), training, QUEUED,
-                          "queued", pairs=count, created_by=self._jobs_actor)
+                          "queued", pairs=count, created_by=self._jobs_actor, register=bool(register))
         job = await store.create_training_job(job, bytes(pairs))
         await store.audit(self._jobs_actor, "job.train", job.id, {"adapter": adapter, "model": model_name,
                                                                    "node": node, "gpu_mib": job.gpu_mib,
-                                                                   "pairs": count, **attrs.asdict(training)})
+                                                                   "pairs": count, "register": job.register,
+                                                                   **attrs.asdict(training)})
         log.info("%s queued training job %s: %s for %s (%d pairs)", self._jobs_actor, job.id, adapter, model_name,
                  count)
         self._jobs_scheduler().wake()

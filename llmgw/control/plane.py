@@ -296,7 +296,7 @@ async def run_control_plane(
 
                         push = SettingsPush(store, sessions)
                         await term_nursery.start(push.run)
-                        jobs = JobScheduler(store, registry, sessions)
+                        jobs = JobScheduler(store, registry, sessions, catalog_changed)
                         sessions.job_results = jobs.result_piece
                         await term_nursery.start(jobs.run)
                         admin = AdminServices(

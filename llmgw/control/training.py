@@ -24,12 +24,14 @@ import json
 import logging
 import math
 import secrets
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import capnp
 import trio
 
+from llmgw.catalog import model_to_dict, validate_model
+from llmgw.catalog.sources import job_source
 from llmgw.control.registry import NodeState, Registry
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store
@@ -37,7 +39,7 @@ from llmgw.control.store.training import PAIRS, RESULT
 from llmgw.nodeprotocol import TRAINING
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
-from llmgw.spec import gpu_display
+from llmgw.spec import Adapter, gpu_display
 from llmgw.training import (
     CANCELLED, FAILED, GGUF, PEFT, QUEUED, RESULT_PIECE_BYTES, RUNNING, SUCCEEDED, TrainingJob, check_job_id,
 )
@@ -91,12 +93,15 @@ class _Running:
 
 
 class JobScheduler:
-    """See the module docstring."""
+    """See the module docstring. ``catalog_changed()`` is called after a job registered its
+    adapter in the catalog (``--register``)."""
 
-    def __init__(self, store: Store, registry: Registry, sessions: NodeSessions) -> None:
+    def __init__(self, store: Store, registry: Registry, sessions: NodeSessions,
+                 catalog_changed: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self.registry = registry
         self.sessions = sessions
+        self._catalog_changed = catalog_changed
         self._running: dict[str, _Running] = {}
         self._logs: dict[str, collections.deque[str]] = {}
         self._waiting: dict[str, str] = {}  # queued job -> why it waits
@@ -393,8 +398,36 @@ class JobScheduler:
         digest = await self.store.put_training_file(job_id, RESULT, data)
         job = running.job
         loss = "" if math.isnan(job.loss) else f", loss {job.first_loss:.4g} -> {job.loss:.4g}"
-        await self._end(job_id, SUCCEEDED, message or f"trained on {running.node}{loss}", result_bytes=len(data),
-                        result_sha256=digest, result_format=running.result_format)
+        message = message or f"trained on {running.node}{loss}"
+        await self._end(job_id, SUCCEEDED, message, result_bytes=len(data), result_sha256=digest,
+                        result_format=running.result_format)
+        if job.register:
+            registered = await self._register(job)
+            stored = await self.store.get_training_job(job_id)
+            await self.store.update_training_job(attrs.evolve(stored, message=f"{message}; {registered}"),
+                                                 unless_final=False)
+
+    async def _register(self, job: TrainingJob) -> str:
+        """Adds ``job``'s result to its model as adapter ``job.adapter`` (source llmgw-job://ID);
+        returns what happened, in words (why not, when it could not)."""
+        model = await self.store.get_model(job.model)
+        if model is None:
+            return f"not registered: {job.model} is no longer in the catalog"
+        taken = {a.name for m in await self.store.list_models() for a in m.adapters} | {
+            m.name for m in await self.store.list_models()}
+        if job.adapter in taken:
+            return (f"not registered: the name {job.adapter} was taken meanwhile; "
+                    f"`llmgw ctl models adapters add {job.model} NAME --from-job {job.id}`")
+        try:
+            spec = validate_model(model_to_dict(attrs.evolve(
+                model, adapters=(*model.adapters, Adapter(job.adapter, job_source(job.id))))))
+            await self.store.put_model(spec, create_only=False)
+        except Exception as exc:  # noqa: BLE001 - the job succeeded; its registration says why not
+            return f"not registered: {exc}"
+        await self.store.audit(job.created_by, "model.replace", job.model, {"adapter": job.adapter, "job": job.id})
+        self._catalog_changed()
+        log.info("training job %s: adapter %s added to %s", job.id, job.adapter, job.model)
+        return f"registered as adapter {job.adapter} of {job.model}"
 
     async def _end(self, job_id: str, state: str, message: str, **result: Any) -> None:
         running = self._running.pop(job_id, None)

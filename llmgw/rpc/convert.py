@@ -165,6 +165,7 @@ def training_job_dict(j: TrainingJob) -> dict[str, Any]:
         "firstLoss": j.first_loss, "peakMemoryBytes": j.peak_memory_bytes, "device": j.device, "pairs": j.pairs,
         "createdBy": j.created_by, "createdAt": j.created_at, "updatedAt": j.updated_at,
         "resultBytes": j.result_bytes, "resultSha256": j.result_sha256, "resultFormat": j.result_format,
+        "register": j.register,
     }
 
 
@@ -172,7 +173,7 @@ def training_job_from(r: Any) -> TrainingJob:
     return TrainingJob(
         r.id, r.adapter, r.model, r.weights, r.node, r.gpuMib, training_params_from(r.params), r.state, r.message,
         r.assignedNode, r.gpu, r.step, r.steps, r.loss, r.firstLoss, r.peakMemoryBytes, r.device, r.pairs,
-        r.createdBy, r.createdAt, r.updatedAt, r.resultBytes, r.resultSha256, r.resultFormat,
+        r.createdBy, r.createdAt, r.updatedAt, r.resultBytes, r.resultSha256, r.resultFormat, r.register,
     )
 
 

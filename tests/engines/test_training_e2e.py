@@ -149,13 +149,19 @@ async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_load
         refused = cluster.ctl("jobs", "train", "--model", "tiny-gguf", "--data", str(pairs))
         assert refused.returncode != 0 and "--weights" in refused.stderr  # a GGUF source trains nothing
         job = cluster.ctl_json("jobs", "train", "--model", "tiny-gguf", "--weights", str(model_dir), "--data",
-                               str(pairs), "--name", "tiny-gguf-qa", "--steps", "6", "--lr", "0.01", "--rank", "4")
+                               str(pairs), "--name", "tiny-gguf-qa", "--steps", "6", "--lr", "0.01", "--rank", "4",
+                               "--register")
         done = await ended(cluster, job["id"])
         assert done["state"] == "succeeded", done["message"]
-        assert done["result_format"] == "gguf"
+        assert done["result_format"] == "gguf" and done["register"]
 
-        assert cluster.ctl("models", "adapters", "add", "tiny-gguf", "tiny-gguf-qa", "--from-job",
-                           job["id"]).returncode == 0
+        def registered() -> dict[str, Any] | None:  # --register: the adapter joins the model as the job ends
+            [model] = cluster.ctl_json("models", "list")
+            return model if model.get("adapters") else None
+
+        model = await eventually(registered, "the job's adapter registered")
+        assert model["adapters"] == [{"name": "tiny-gguf-qa", "source": f"llmgw-job://{job['id']}"}]
+        assert "registered as adapter tiny-gguf-qa" in job_row(cluster, job["id"])["message"]
         assert cluster.ctl("models", "add", "tiny-gguf", "--engine", "llama.cpp", "--source", str(gguf), "--replace",
                            "--adapter", f"tiny-gguf-qa=llmgw-job://{job['id']}").returncode == 0
         [replica] = await ready_replicas(cluster, "tiny-gguf", 1, READY_TIMEOUT)

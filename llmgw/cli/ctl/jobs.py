@@ -43,11 +43,13 @@ def jobs() -> None:
 @click.option("--lr", type=float, default=_DEFAULTS.learning_rate, show_default=True, help="Learning rate.")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option("--max-seq-len", type=int, default=_DEFAULTS.max_seq_len, show_default=True)
+@click.option("--register", is_flag=True, help="Once it succeeds, add the adapter to the model (as "
+                                                "`ctl models adapters add MODEL NAME --from-job JOB` would).")
 @json_option
 @click.pass_context
 def train(ctx: click.Context, model: str, data_path: Path, name: str, weights: str, node: str, gpu_mib: int,
           steps: int, epochs: float, rank: int, alpha: float, lr: float, seed: int, max_seq_len: int,
-          as_json: bool) -> None:
+          register: bool, as_json: bool) -> None:
     """Queue a training job; the leader sends it to a node with vLLM installed (its torch trains)."""
     params = TrainingParams(steps, epochs, rank, alpha, lr, seed, max_seq_len)
     problem = params.problem()
@@ -60,10 +62,12 @@ def train(ctx: click.Context, model: str, data_path: Path, name: str, weights: s
         fail(f"{data_path}: {exc}")
     adapter = name or f"{model}-lora-{time.strftime('%Y%m%d%H%M%S')}"
     job = call(ctx, as_json, lambda c: c.train_job(adapter, model, pairs, params, weights=weights, node=node,
-                                                   gpu_mib=gpu_mib))
+                                                   gpu_mib=gpu_mib, register=register))
     click.echo(f"queued {job.id}: adapter {job.adapter} for {job.model}, {count} pairs"
                + (f", on {node}" if node else "") + (f", {gpu_mib} MiB of a card" if gpu_mib else ", on a CPU"))
     click.echo(f"follow it: llmgw ctl jobs logs -f {job.id}")
+    if register:
+        click.echo(f"once it succeeds, {job.adapter} is added to {job.model}'s adapters")
 
 
 @jobs.command("list")

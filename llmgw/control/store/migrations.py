@@ -348,6 +348,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        version=11,
+        name="training jobs that register their adapter",
+        statements=(
+            # `llmgw ctl jobs train --register`: once the job succeeds, its result is added to the
+            # model as an adapter (1) or left for `ctl models adapters add --from-job` (0).
+            "ALTER TABLE training_jobs ADD COLUMN register INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 

@@ -21,7 +21,7 @@ from llmgw.control.store.base import ConflictError, StoreError
 from llmgw.training import RESULT_PIECE_BYTES, TrainingJob, TrainingParams
 
 _COLUMNS = ("id, adapter, model, weights, node, gpu_mib, params, state, message, assigned_node, gpu, progress, "
-            "pairs, created_by, created_at, updated_at, result_bytes, result_sha256, result_format")
+            "pairs, created_by, created_at, updated_at, result_bytes, result_sha256, result_format, register")
 _PROGRESS = ("step", "steps", "loss", "first_loss", "peak_memory_bytes", "device")
 PAIRS, RESULT = "pairs", "result"
 
@@ -32,14 +32,14 @@ class NoSuchJob(StoreError):
 
 def _job(row: Any) -> TrainingJob:
     (job_id, adapter, model, weights, node, gpu_mib, params, state, message, assigned, gpu, progress, pairs,
-     created_by, created_at, updated_at, result_bytes, result_sha256, result_format) = row
+     created_by, created_at, updated_at, result_bytes, result_sha256, result_format, register) = row
     done = json.loads(progress)
     return TrainingJob(
         job_id, adapter, model, weights, node, int(gpu_mib), TrainingParams(**json.loads(params)), state, message,
         assigned, int(gpu), int(done.get("step", 0)), int(done.get("steps", 0)),
         _float(done.get("loss")), _float(done.get("first_loss")), int(done.get("peak_memory_bytes", 0)),
         str(done.get("device", "")), int(pairs), created_by, float(created_at), float(updated_at),
-        int(result_bytes), result_sha256, result_format,
+        int(result_bytes), result_sha256, result_format, bool(register),
     )
 
 
@@ -58,7 +58,7 @@ def _progress_json(job: TrainingJob) -> str:
 def _row(job: TrainingJob) -> tuple[Any, ...]:
     return (job.id, job.adapter, job.model, job.weights, job.node, job.gpu_mib, json.dumps(attrs.asdict(job.params)),
             job.state, job.message, job.assigned_node, job.gpu, _progress_json(job), job.pairs, job.created_by,
-            job.created_at, job.updated_at, job.result_bytes, job.result_sha256, job.result_format)
+            job.created_at, job.updated_at, job.result_bytes, job.result_sha256, job.result_format, int(job.register))
 
 
 def _pieces(data: bytes) -> list[tuple[int, bytes, str]]:
@@ -80,7 +80,7 @@ class TrainingStore:
         def create(tx: Any) -> TrainingJob:
             if tx.execute("SELECT 1 FROM training_jobs WHERE id = ?", (job.id,)):
                 raise ConflictError(f"a training job {job.id!r} exists already")
-            tx.execute(f"INSERT INTO training_jobs ({_COLUMNS}) VALUES ({', '.join('?' * 19)})", _row(job))
+            tx.execute(f"INSERT INTO training_jobs ({_COLUMNS}) VALUES ({', '.join('?' * 20)})", _row(job))
             for seq, piece, digest in _pieces(pairs):
                 tx.execute("INSERT INTO training_files (job_id, kind, seq, data, sha256) VALUES (?, ?, ?, ?, ?)",
                            (job.id, PAIRS, seq, piece, digest))
