@@ -108,6 +108,8 @@ from typing import Any, Callable, Iterator, Sequence
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.rpc import percentile  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 A100_QUERY = FIXTURES / "gpu-telemetry" / "telegraf-a100-sxm4-v12.xml"
@@ -153,12 +155,6 @@ class BenchError(RuntimeError):
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Return the nearest-rank ``q`` quantile (0 < q <= 1) of an ascending, non-empty sequence."""
-    rank = max(1, min(len(sorted_values), round(q * len(sorted_values) + 0.5 - 1e-9)))
-    return sorted_values[rank - 1]
 
 
 # --- the simulated node (part 2's content; part 1 also times its conversion) --------------

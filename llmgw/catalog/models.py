@@ -35,11 +35,6 @@ KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang"})
 
 NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
 _NAME_RE = re.compile(NAME_PATTERN)
-
-
-def valid_name(name: str) -> bool:
-    """Whether ``name`` may name a model or an adapter (they share the namespace requests use)."""
-    return bool(_NAME_RE.fullmatch(name))
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _TOP_KEYS = ("name", "engine", "source", "profile", "adapters", "max_loaded_adapters")

@@ -16,8 +16,7 @@ import attrs
 from llmgw.catalog.sources import SourceError, parse_source
 from llmgw.control.store import Store
 from llmgw.control.store.training import NoSuchJob
-from llmgw.control.training import JobScheduler, new_job_id
-from llmgw.catalog.models import NAME_PATTERN, valid_name
+from llmgw.control.training import JobScheduler, new_job_id, with_job_adapter
 from llmgw.rpc import convert
 from llmgw.spec import ModelSpec
 from llmgw.training import GGUF, PEFT, QUEUED, SUCCEEDED, TrainingJob, check_job_id, check_pairs
@@ -73,17 +72,15 @@ class JobsAdminMixin:
                        register: bool, _context: Any, **_: Any) -> None:
         adapter, model_name, weights, node = str(adapter), str(model), str(weights), str(node)
         store = self._jobs_store
-        models = {m.name: m for m in await store.list_models()}
-        found = models.get(model_name)
+        catalog = await store.list_models()
+        found = next((m for m in catalog if m.name == model_name), None)
         if found is None:
             raise ValueError(f"no model {model_name!r} in the catalog (see `llmgw ctl models list`)")
-        if not valid_name(adapter):
-            raise ValueError(f"--name must match {NAME_PATTERN} (it names the adapter as requests name models), "
-                             f"got {adapter!r}")
-        taken = {a.name for m in models.values() for a in m.adapters} | set(models)
-        if adapter in taken:
-            raise ValueError(f"the name {adapter!r} is taken by a model or adapter: adapters share the model "
-                             "namespace; choose another --name")
+        job_id = new_job_id()
+        try:  # the adapter's name, checked now as it will be when the result is registered
+            with_job_adapter(found, adapter, job_id, catalog)
+        except ValueError as exc:
+            raise ValueError(f"--name {adapter!r}: {exc}") from None
         weights = weights or found.source
         if weights.lower().endswith(".gguf"):
             raise ValueError(f"{model_name} is served from a GGUF file ({weights}); training needs the model's "
@@ -93,7 +90,7 @@ class JobsAdminMixin:
         if problem:
             raise ValueError(problem)
         count = check_pairs(bytes(pairs))
-        job = TrainingJob(new_job_id(), adapter, model_name, weights, node, int(gpuMib), training, QUEUED,
+        job = TrainingJob(job_id, adapter, model_name, weights, node, int(gpuMib), training, QUEUED,
                           "queued", pairs=count, created_by=self._jobs_actor, register=bool(register))
         job = await store.create_training_job(job, bytes(pairs))
         await store.audit(self._jobs_actor, "job.train", job.id, {"adapter": adapter, "model": model_name,

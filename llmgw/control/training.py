@@ -24,22 +24,22 @@ import json
 import logging
 import math
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import capnp
 import trio
 
-from llmgw.catalog import model_to_dict, validate_model
+from llmgw.catalog import model_to_dict, namespace_conflict, validate_model
 from llmgw.catalog.sources import job_source
-from llmgw.control.registry import NodeState, Registry
+from llmgw.control.registry import NodeState, NodeView, Registry
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store
 from llmgw.control.store.training import PAIRS, RESULT
 from llmgw.nodeprotocol import TRAINING
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
-from llmgw.spec import Adapter, gpu_display
+from llmgw.spec import Adapter, ModelSpec, gpu_display
 from llmgw.training import (
     CANCELLED, FAILED, GGUF, PEFT, QUEUED, RESULT_PIECE_BYTES, RUNNING, SUCCEEDED, TrainingJob, check_job_id,
 )
@@ -75,6 +75,18 @@ TRAINING_ENGINE = "vllm"
 def new_job_id() -> str:
     """Returns a fresh job id: "job-" and 8 hex digits."""
     return f"job-{secrets.token_hex(4)}"
+
+
+def with_job_adapter(model: ModelSpec, name: str, job_id: str, catalog: Sequence[ModelSpec]) -> ModelSpec:
+    """Returns ``model`` with adapter ``name`` (source ``llmgw-job://JOB``) added, checked as the
+    catalog checks every entry: a valid name, not the model's, and free among ``catalog``'s models
+    and adapters (they share the namespace requests use). Raises ValueError saying why not."""
+    spec = validate_model(model_to_dict(attrs.evolve(
+        model, adapters=(*model.adapters, Adapter(name, job_source(job_id))))))
+    conflict = namespace_conflict(spec, catalog)
+    if conflict:
+        raise ValueError(conflict)
+    return spec
 
 
 @attrs.define
@@ -246,11 +258,10 @@ class JobScheduler:
 
     async def _place_queued(self) -> None:
         busy = {r.node for r in self._running.values()} | {job.assigned_node for job, _ in self._orphans.values()}
+        nodes = self.registry.snapshot().nodes
         waiting: dict[str, str] = {}
-        for job in await self.store.list_training_jobs():
-            if job.state != QUEUED:
-                continue
-            choice = self._choose(job, busy)
+        for job in await self.store.list_training_jobs(state=QUEUED):
+            choice = self._choose(job, nodes, busy)
             if isinstance(choice, str):
                 waiting[job.id] = choice
                 continue
@@ -259,13 +270,13 @@ class JobScheduler:
             await self._send(job, node_id, gpu, uuid)
         self._waiting = waiting
 
-    def _choose(self, job: TrainingJob, busy: set[str]) -> tuple[str, int, str] | str:
-        """Returns (node, gpu placement index or -1, gpu uuid) for ``job``, or why none fits."""
+    def _choose(self, job: TrainingJob, nodes: Mapping[str, NodeView], busy: set[str]) -> tuple[str, int, str] | str:
+        """Returns (node, gpu placement index or -1, gpu uuid) for ``job`` among ``nodes``, or why
+        none fits."""
         reasons = []
-        nodes = self.registry.snapshot().nodes
-        candidates = [nodes[job.node]] if job.node and job.node in nodes else [] if job.node else list(nodes.values())
-        if job.node and not candidates:
+        if job.node and job.node not in nodes:
             return f"waiting: node {job.node} has not joined"
+        candidates = [nodes[job.node]] if job.node else list(nodes.values())
         for node in sorted(candidates, key=lambda n: n.id):
             why = self._unfit(node, busy)
             if why:
@@ -282,7 +293,7 @@ class JobScheduler:
             return node.id, card.index, card.uuid
         return "waiting: " + ("; ".join(reasons) if reasons else "no node has joined")
 
-    def _unfit(self, node: Any, busy: set[str]) -> str:
+    def _unfit(self, node: NodeView, busy: set[str]) -> str:
         if node.state is not NodeState.ONLINE:
             return f"is {node.state.value}"
         if node.id in busy:
@@ -299,7 +310,7 @@ class JobScheduler:
         return ""
 
     async def _send(self, job: TrainingJob, node_id: str, gpu: int, uuid: str) -> None:
-        model = next((m for m in await self.store.list_models() if m.name == job.model), None)
+        model = await self.store.get_model(job.model)
         running = _Running(attrs.evolve(job, state=RUNNING, assigned_node=node_id, gpu=gpu,
                                         message=f"sent to {node_id}" + (f" GPU {gpu_display(gpu)}" if gpu >= 0 else
                                                                         " (CPU)")), node_id)
@@ -410,20 +421,15 @@ class JobScheduler:
     async def _register(self, job: TrainingJob) -> str:
         """Adds ``job``'s result to its model as adapter ``job.adapter`` (source llmgw-job://ID);
         returns what happened, in words (why not, when it could not)."""
-        model = await self.store.get_model(job.model)
+        catalog = await self.store.list_models()
+        model = next((m for m in catalog if m.name == job.model), None)
         if model is None:
             return f"not registered: {job.model} is no longer in the catalog"
-        taken = {a.name for m in await self.store.list_models() for a in m.adapters} | {
-            m.name for m in await self.store.list_models()}
-        if job.adapter in taken:
-            return (f"not registered: the name {job.adapter} was taken meanwhile; "
-                    f"`llmgw ctl models adapters add {job.model} NAME --from-job {job.id}`")
         try:
-            spec = validate_model(model_to_dict(attrs.evolve(
-                model, adapters=(*model.adapters, Adapter(job.adapter, job_source(job.id))))))
-            await self.store.put_model(spec, create_only=False)
+            await self.store.put_model(with_job_adapter(model, job.adapter, job.id, catalog), create_only=False)
         except Exception as exc:  # noqa: BLE001 - the job succeeded; its registration says why not
-            return f"not registered: {exc}"
+            return (f"not registered ({exc}); `llmgw ctl models adapters add {job.model} NAME --from-job {job.id}` "
+                    "registers it under another name")
         await self.store.audit(job.created_by, "model.replace", job.model, {"adapter": job.adapter, "job": job.id})
         self._catalog_changed()
         log.info("training job %s: adapter %s added to %s", job.id, job.adapter, job.model)

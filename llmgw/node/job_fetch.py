@@ -12,6 +12,7 @@ never fetched again.
 from __future__ import annotations
 
 import hashlib
+import io
 import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
@@ -90,9 +91,7 @@ def _lay_out(data: bytes, fmt: str, partial: Path, directory: Path) -> None:
     if fmt == GGUF:
         (partial / GGUF_NAME).write_bytes(data)
     elif fmt == PEFT:
-        tar_path = partial / ".adapter.tar"
-        tar_path.write_bytes(data)
-        with tarfile.open(tar_path) as tar:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for member in tar.getmembers():
                 name = PurePosixPath(member.name)
                 if not member.isfile() or name.is_absolute() or ".." in name.parts:
@@ -104,7 +103,6 @@ def _lay_out(data: bytes, fmt: str, partial: Path, directory: Path) -> None:
                 assert source is not None
                 with source, target.open("wb") as out:
                     shutil.copyfileobj(source, out)
-        tar_path.unlink()
     else:
         raise JobFetchError(f"unknown result format {fmt!r}")
     (partial / COMPLETE_MARKER).write_text("complete\n")

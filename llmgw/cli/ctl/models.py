@@ -6,7 +6,7 @@ it is sent: a malformed one fails without a round trip.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import click
@@ -181,16 +181,13 @@ def adapters_add(ctx: click.Context, model: str, name: str, job_id: str | None, 
         fail("give the adapter's files with exactly one of --from-job JOB or --source SOURCE")
     adapter = Adapter(name, job_source(job_id) if job_id else str(source))
 
-    async def save(c: ClusterClient) -> tuple[ModelSpec, Rollout]:
-        spec = next((m for m in await c.models() if m.name == model), None)
-        if spec is None:
-            raise ClientError(f"no model {model!r} in the catalog (see `llmgw ctl models list`)")
-        if any(a.name == name for a in spec.adapters):
+    def added(current: tuple[Adapter, ...]) -> tuple[Adapter, ...]:
+        if any(a.name == name for a in current):
             raise ClientError(f"{model} has an adapter {name!r} already; `llmgw ctl models adapters remove "
                               f"{model} {name}` first to replace it")
-        return await c.save_model(attrs.evolve(spec, adapters=(*spec.adapters, adapter)), replace=True)
+        return (*current, adapter)
 
-    saved, rollout = call(ctx, as_json, save, as_data=_saved_data)
+    saved, rollout = _change_adapters(ctx, as_json, model, added)
     click.echo(f"adapter {name!r} added to {saved.name} ({adapter.source})")
     if saved.engine == "llama.cpp":
         click.echo("llama.cpp replicas load it at their next start" + (f": {rollout.message}"
@@ -207,14 +204,26 @@ def adapters_add(ctx: click.Context, model: str, name: str, job_id: str | None, 
 def adapters_remove(ctx: click.Context, model: str, name: str, as_json: bool) -> None:
     """Remove adapter NAME from MODEL."""
 
-    async def save(c: ClusterClient) -> tuple[ModelSpec, Rollout]:
-        spec = next((m for m in await c.models() if m.name == model), None)
-        if spec is None or not any(a.name == name for a in spec.adapters):
+    def removed(current: tuple[Adapter, ...]) -> tuple[Adapter, ...]:
+        if not any(a.name == name for a in current):
             raise ClientError(f"{model} has no adapter {name!r} (see `llmgw ctl models list`)")
-        kept = tuple(a for a in spec.adapters if a.name != name)
-        return await c.save_model(attrs.evolve(spec, adapters=kept), replace=True)
+        return tuple(a for a in current if a.name != name)
 
-    saved, rollout = call(ctx, as_json, save, as_data=_saved_data)
+    saved, rollout = _change_adapters(ctx, as_json, model, removed)
     click.echo(f"adapter {name!r} removed from {saved.name}")
     if rollout.kind != "new":
         click.echo(rollout.message)
+
+
+def _change_adapters(ctx: click.Context, as_json: bool, model: str,
+                     change: Callable[[tuple[Adapter, ...]], tuple[Adapter, ...]]) -> tuple[ModelSpec, Rollout]:
+    """Saves MODEL with ``change(its adapters)`` (which raises ClientError to refuse); returns it
+    as stored and its rollout (``--json``: printed, and the command ends)."""
+
+    async def save(c: ClusterClient) -> tuple[ModelSpec, Rollout]:
+        spec = next((m for m in await c.models() if m.name == model), None)
+        if spec is None:
+            raise ClientError(f"no model {model!r} in the catalog (see `llmgw ctl models list`)")
+        return await c.save_model(attrs.evolve(spec, adapters=change(spec.adapters)), replace=True)
+
+    return call(ctx, as_json, save, as_data=_saved_data)  # type: ignore[no-any-return]

@@ -61,9 +61,12 @@ def _row(job: TrainingJob) -> tuple[Any, ...]:
             job.created_at, job.updated_at, job.result_bytes, job.result_sha256, job.result_format, int(job.register))
 
 
-def _pieces(data: bytes) -> list[tuple[int, bytes, str]]:
-    return [(seq, data[start:start + RESULT_PIECE_BYTES], hashlib.sha256(data[start:start + RESULT_PIECE_BYTES])
-             .hexdigest()) for seq, start in enumerate(range(0, len(data), RESULT_PIECE_BYTES))]
+def _insert_pieces(tx: Any, job_id: str, kind: str, data: bytes) -> None:
+    """Writes ``data`` as job ``job_id``'s file ``kind``: pieces of RESULT_PIECE_BYTES, each with its SHA-256."""
+    for seq, start in enumerate(range(0, len(data), RESULT_PIECE_BYTES)):
+        piece = data[start:start + RESULT_PIECE_BYTES]
+        tx.execute("INSERT INTO training_files (job_id, kind, seq, data, sha256) VALUES (?, ?, ?, ?, ?)",
+                   (job_id, kind, seq, piece, hashlib.sha256(piece).hexdigest()))
 
 
 class TrainingStore:
@@ -80,18 +83,18 @@ class TrainingStore:
         def create(tx: Any) -> TrainingJob:
             if tx.execute("SELECT 1 FROM training_jobs WHERE id = ?", (job.id,)):
                 raise ConflictError(f"a training job {job.id!r} exists already")
-            tx.execute(f"INSERT INTO training_jobs ({_COLUMNS}) VALUES ({', '.join('?' * 20)})", _row(job))
-            for seq, piece, digest in _pieces(pairs):
-                tx.execute("INSERT INTO training_files (job_id, kind, seq, data, sha256) VALUES (?, ?, ?, ?, ?)",
-                           (job.id, PAIRS, seq, piece, digest))
+            row = _row(job)
+            tx.execute(f"INSERT INTO training_jobs ({_COLUMNS}) VALUES ({', '.join('?' * len(row))})", row)
+            _insert_pieces(tx, job.id, PAIRS, pairs)
             return job
 
         return await self._run(create, write=True, fenced=True)
 
-    async def list_training_jobs(self) -> list[TrainingJob]:
-        """Returns every job, oldest first."""
+    async def list_training_jobs(self, *, state: str | None = None) -> list[TrainingJob]:
+        """Returns every job (with ``state``, only those in it), oldest first."""
+        where, params = ("WHERE state = ? ", (state,)) if state is not None else ("", ())
         return await self._run(lambda tx: [_job(r) for r in tx.execute(
-            f"SELECT {_COLUMNS} FROM training_jobs ORDER BY created_at, id")], write=False)
+            f"SELECT {_COLUMNS} FROM training_jobs {where}ORDER BY created_at, id", params)], write=False)
 
     async def get_training_job(self, job_id: str) -> TrainingJob:
         """Returns job ``job_id``; raises NoSuchJob."""
@@ -130,9 +133,7 @@ class TrainingStore:
 
         def put(tx: Any) -> str:
             tx.execute("DELETE FROM training_files WHERE job_id = ? AND kind = ?", (job_id, kind))
-            for seq, piece, digest in _pieces(data):
-                tx.execute("INSERT INTO training_files (job_id, kind, seq, data, sha256) VALUES (?, ?, ?, ?, ?)",
-                           (job_id, kind, seq, piece, digest))
+            _insert_pieces(tx, job_id, kind, data)
             return hashlib.sha256(data).hexdigest()
 
         return await self._run(put, write=True, fenced=True)

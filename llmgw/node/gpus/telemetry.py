@@ -22,17 +22,9 @@ from typing import Any
 import attrs
 
 from llmgw.node.gpus.nvsmi import parse_log
+from llmgw.telemetry import READING_MAX_AGE_S  # a reading older than this is shown nowhere
 
 logger = logging.getLogger(__name__)
-
-# How often an agent samples its cards, and so the shortest gap between two readings it
-# sends with its heartbeat (issue 16): NVML answers in milliseconds, but nvidia-smi takes
-# up to a second per card and the control plane has no use for finer detail.
-SAMPLE_INTERVAL_S = 10.0
-
-# A reading older than this is left out of a heartbeat: a card whose reads hang or fail
-# for a minute is better shown as "no reading" than as its last good numbers.
-READING_MAX_AGE_S = 60.0
 
 _MIB = 1024 * 1024
 _MILLI = 1000

@@ -17,20 +17,21 @@ from typing import NamedTuple, TypeVar
 import attrs
 
 from llmgw.node.telemetry import hwmon, procfs, rapl
+from llmgw.telemetry import READING_MAX_AGE_S, SAMPLE_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Sample at most this often: a call sooner than this after the last real sample returns
-# that sample again. The heartbeat needs no finer grain, rates over shorter windows are
+# Sample at most this often (the node's one telemetry interval): a call sooner than this
+# after the last real sample returns that sample again. Rates over shorter windows are also
 # noisier (CPU time counts in 10 ms ticks), and each real sample walks all of /proc.
-MIN_SAMPLE_INTERVAL_S = 10.0
+MIN_SAMPLE_INTERVAL_S = SAMPLE_INTERVAL_S
 
 # Readings older than this are left out: a rate is only computed against counters taken
 # at most this long ago (a longer window would report an old average as current), and
 # :meth:`HostSampler.latest` gives no sample older than this.
-MAX_READING_AGE_S = 60.0
+MAX_READING_AGE_S = READING_MAX_AGE_S
 
 
 class ShardUsage(NamedTuple):

@@ -24,7 +24,7 @@ from llmgw.node.gpus.discover import import_pynvml, read_gpu_inventory
 from llmgw.node.gpus.inventory import GpuInventory, gpu_class, placement_index
 from llmgw.node.gpus.nvlink import NVLINK_INTERVAL_S, NvLinkErrors, read_nvlink_errors
 from llmgw.node.gpus.nvsmi import NVIDIA_SMI, Runner, run_nvidia_smi
-from llmgw.node.gpus.telemetry import GpuReading, parse_smi_readings, read_nvml_readings
+from llmgw.node.gpus.telemetry import GpuReading, fresh, parse_smi_readings, read_nvml_readings
 from llmgw.node.gpus.xid import XID_INTERVAL_S, XidWatcher
 from llmgw.node.telemetry.host import HostSampler, HostTelemetry
 from llmgw.telemetry import (
@@ -165,10 +165,8 @@ class NodeSampler:
         """Returns each card's readings not older than READING_MAX_AGE_S, with its class."""
         cards = {card.uuid: card for card in inventory.cards}
         result = []
-        for reading in self._readings:
+        for reading in fresh(self._readings, now):
             age = now - reading.taken_at
-            if not 0 <= age <= READING_MAX_AGE_S:
-                continue
             card = cards.get(reading.uuid)
             values = _gpu_readings(reading)
             nvlink = self._nvlink.get(reading.uuid)
@@ -212,7 +210,7 @@ def _host_readings(host: HostTelemetry) -> dict[str, float]:
         "cpu_package_celsius": host.cpu_package_celsius, "board_inlet_celsius": host.board_inlet_celsius,
         "cpu_package_watts": host.cpu_package_watts,
     }
-    return {name: float(value) for name, value in values.items() if value is not None}
+    return _present(values)
 
 
 def _gpu_readings(reading: GpuReading) -> dict[str, float]:
@@ -228,12 +226,17 @@ def _gpu_readings(reading: GpuReading) -> dict[str, float]:
         "power_draw_watts": reading.power_draw_w,
         "power_limit_watts": reading.power_limit_w,
     }
-    return {name: float(value) for name, value in values.items() if value is not None}
+    return _present(values)
 
 
 def _nvlink_readings(errors: NvLinkErrors) -> dict[str, float]:
     values = {"nvlink_crc_flit_errors": errors.crc_flit, "nvlink_crc_data_errors": errors.crc_data,
               "nvlink_replay_errors": errors.replay, "nvlink_recovery_errors": errors.recovery}
+    return _present(values)
+
+
+def _present(values: Mapping[str, float | None]) -> dict[str, float]:
+    """Returns the readings that were read (a sensor not read is absent, never 0), as floats."""
     return {name: float(value) for name, value in values.items() if value is not None}
 
 

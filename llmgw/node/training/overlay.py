@@ -51,13 +51,16 @@ from typing import Any, Callable, Sequence
 
 from llmgw.node.install.artifact import exclusive_blocking, lock_file_for, sha256_file
 from llmgw.node.install.python_env import (
+    ENV_LOCK_COPY,
     LOCK_DIR,
+    MARKER,
     VLLM,
     default_root,
     engine_python,
     find_installed,
     lock_from_report,
     locked_packages,
+    read_marker,
     run_step,
 )
 
@@ -81,10 +84,10 @@ REQUIREMENTS = ("peft==0.21.2", "accelerate==1.16.0")
 LOCK = LOCK_DIR / "lora-train-overlay.txt"
 #: Under the engines root, beside ``vllm/`` and ``sglang/``.
 SUBDIR = "training"
-#: Written last into a finished overlay; its absence means "not installed".
-MARKER = "llmgw-installed.json"
+# MARKER (imported above): written last into a finished overlay, its absence meaning "not
+# installed"; the engine environments' name, so python_env.read_marker reads it.
 #: The lock the overlay was installed from, copied into it (its sha256 is in the marker).
-LOCK_COPY = "requirements.lock"
+LOCK_COPY = ENV_LOCK_COPY
 #: Hex digits of the lock's sha256 in the directory name: enough to tell locks apart.
 SHORT_HASH = 12
 #: Two small pure-Python wheels; on a cold cache and a slow index ten minutes is a hang.
@@ -98,26 +101,23 @@ IMPORT_CHECK = "import peft, accelerate; print(peft.__version__, accelerate.__ve
 def overlay_dir(root: Path, lock: Path = LOCK) -> Path:
     """Returns where the overlay installed from ``lock`` lives under the engines ``root``
     (installed or not). Raises OSError when ``lock`` cannot be read."""
-    return root / SUBDIR / f"overlay-{sha256_file(lock)[:SHORT_HASH]}"
+    return _overlay_dir(root, sha256_file(lock))
 
 
-def _marker_problem(directory: Path, lock: Path) -> str | None:
-    """Returns why ``directory`` is not a finished overlay of ``lock``, or None when it is."""
+def _overlay_dir(root: Path, lock_sha256: str) -> Path:
+    return root / SUBDIR / f"overlay-{lock_sha256[:SHORT_HASH]}"
+
+
+def _installed(directory: Path, lock_sha256: str) -> bool:
+    """Returns whether ``directory`` is a finished overlay of the lock with that sha256: its
+    marker names it, and the lock copy beside the marker still hashes to it."""
+    marker = read_marker(directory)
+    if marker is None or marker.get("lock_sha256") != lock_sha256:
+        return False
     try:
-        marker = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return "no marker"
-    if not isinstance(marker, dict):
-        return "its marker is not a JSON object"
-    want = sha256_file(lock)
-    if marker.get("lock_sha256") != want:
-        return "its marker names another lock"
-    try:
-        if sha256_file(directory / LOCK_COPY) != want:
-            return "its lock copy was changed after the install"
+        return sha256_file(directory / LOCK_COPY) == lock_sha256
     except OSError:
-        return "its lock copy is missing"
-    return None
+        return False
 
 
 def find_overlay(root: Path | None = None, lock: Path = LOCK) -> Path | None:
@@ -125,14 +125,16 @@ def find_overlay(root: Path | None = None, lock: Path = LOCK) -> Path | None:
     :func:`~llmgw.node.install.python_env.default_root`), or None when there is none.
 
     It counts only with its marker, naming the same lock sha256 as ``lock`` and the lock
-    copy beside it. Cheap (reads two small files); never raises for "not installed".
+    copy beside it. Cheap (reads three small files: the lock, the marker, the copy); never
+    raises for "not installed".
     """
     root = default_root() if root is None else root
     try:
-        directory = overlay_dir(root, lock)
+        digest = sha256_file(lock)
     except OSError:
         return None
-    return directory if _marker_problem(directory, lock) is None else None
+    directory = _overlay_dir(root, digest)
+    return directory if _installed(directory, digest) else None
 
 
 def overlay_env(overlay: Path) -> dict[str, str]:
@@ -182,15 +184,16 @@ def install_overlay(
     if not lock.is_file():
         raise RuntimeError(f"no lock for the training overlay ({lock}); make it with "
                            "`python -m llmgw.node.training.overlay lock`")
-    target = overlay_dir(root, lock)
-    if _marker_problem(target, lock) is None:
+    digest = sha256_file(lock)
+    target = _overlay_dir(root, digest)
+    if _installed(target, digest):
         return target
 
     def waiting() -> None:
         progress("waiting for another install of the training overlay on this machine to finish")
 
     with exclusive_blocking(lock_file_for(target), waiting):
-        if _marker_problem(target, lock) is None:
+        if _installed(target, digest):
             return target
         scratch = target.parent / f".{target.name}.partial-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)
@@ -215,7 +218,7 @@ def install_overlay(
                     raise RuntimeError(f"{what} failed (exit status {returncode}):\n{tail}")
                 output = out.strip()
             versions = output.splitlines()[-1].split() if output else []
-            _write_marker(scratch, lock, python, versions)
+            _write_marker(scratch, lock, digest, python, versions)
             if target.exists():  # a marker-less leftover (an interrupted rename, a changed lock copy)
                 shutil.rmtree(target)
             os.rename(scratch, target)
@@ -226,12 +229,12 @@ def install_overlay(
     return target
 
 
-def _write_marker(directory: Path, lock: Path, python: Path, versions: list[str]) -> None:
+def _write_marker(directory: Path, lock: Path, lock_sha256: str, python: Path, versions: list[str]) -> None:
     """Copies ``lock`` into ``directory`` and writes the marker (atomically), last."""
     shutil.copy2(lock, directory / LOCK_COPY)
     data: dict[str, Any] = {
         "what": "lora-train-overlay",
-        "lock_sha256": sha256_file(lock),
+        "lock_sha256": lock_sha256,
         "python": str(python),
         "peft": versions[0] if versions else "",
         "accelerate": versions[1] if len(versions) > 1 else "",

@@ -32,9 +32,9 @@ import attrs
 import trio
 
 from llmgw.node.engine_user import EngineUserError, resolve
-from llmgw.node.process import describe_exit, signal_group
+from llmgw.node.process import KILL_WAIT, describe_exit, signal_group
 from llmgw.node.training.overlay import overlay_env
-from llmgw.node.training.trainer import EVENTS, EXIT_ERROR, EXIT_TERMINATED, QUIET_ENV, partial_dir
+from llmgw.node.training.trainer import EVENTS, EXIT_ERROR, EXIT_TERMINATED, QUIET_ENV, output_taken, partial_dir
 from llmgw.trioutil import unwrap_single_group
 
 __all__ = [
@@ -55,9 +55,6 @@ CONFIG_NAME = "trainer-config.json"
 #: Seconds between SIGTERM and SIGKILL when a run is cancelled: the trainer stops before
 #: its next step, and one step of a large model on a GPU takes seconds; ten is a hang.
 STOP_GRACE = 10.0
-#: Seconds to wait for the group to vanish after SIGKILL: milliseconds unless a process is
-#: stuck in the kernel (uninterruptible I/O); then give up waiting rather than hang a cancel.
-KILL_WAIT = 10.0
 #: How often the group is checked for survivors after SIGKILL (its leader is reaped by trio;
 #: others are not our children).
 GROUP_POLL = 0.05
@@ -281,7 +278,7 @@ async def run_trainer(
     this run put at the output directory: no adapter is left.
     """
     output = config.output_dir
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    if output_taken(output):
         raise TrainingError(f"output_dir {output} already exists and is not empty: choose a new directory")
     output_existed = output.exists()
     identity: dict[str, Any] = {}

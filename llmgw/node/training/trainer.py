@@ -69,6 +69,7 @@ import json
 import math
 import random
 import resource
+import shutil
 import signal
 import time
 from typing import IO, Any, Iterator
@@ -80,6 +81,7 @@ __all__ = [
     "MAX_PROGRESS_EVENTS",
     "TARGET_MODULES",
     "main",
+    "output_taken",
     "partial_dir",
 ]
 
@@ -124,6 +126,12 @@ def partial_dir(output_dir: Path, pid: int) -> Path:
     """Returns the scratch directory the trainer with process id ``pid`` saves into before
     renaming it to ``output_dir`` (removed by whoever finds it after a killed trainer)."""
     return output_dir.parent / f".{output_dir.name}.partial-{pid}"
+
+
+def output_taken(output_dir: Path) -> bool:
+    """Returns whether something is at ``output_dir`` that an adapter must not replace: a
+    file, or a directory that is not empty (an empty directory is taken over)."""
+    return output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir()))
 
 
 class TrainerError(Exception):
@@ -246,20 +254,24 @@ def encode_pairs(tokenizer: Any, pairs: list[Any], max_seq_len: int) -> list[tup
     if odd:
         raise TrainerError(
             f"the chat template does not render the answer as the end of the conversation for "
-            f"{_lines(odd)}, so its tokens cannot be told apart: use a model whose template renders "
+            f"{_named_lines(odd)}, so its tokens cannot be told apart: use a model whose template renders "
             "the conversation without the answer (with the generation prompt) as a prefix of the whole")
     if too_long:
-        named = ", ".join(f"line {line}: {n} tokens" for line, n in too_long[:MAX_LINES_NAMED])
-        more = f" and {len(too_long) - MAX_LINES_NAMED} more" if len(too_long) > MAX_LINES_NAMED else ""
-        raise TrainerError(f"{len(too_long)} pair(s) are longer than max_seq_len {max_seq_len} tokens ({named}{more}): "
+        named = _first_named([f"line {line}: {n} tokens" for line, n in too_long])
+        raise TrainerError(f"{len(too_long)} pair(s) are longer than max_seq_len {max_seq_len} tokens ({named}): "
                            "shorten them or raise max_seq_len")
     return encoded
 
 
-def _lines(numbers: list[int]) -> str:
-    shown = ", ".join(str(n) for n in numbers[:MAX_LINES_NAMED])
-    more = f" and {len(numbers) - MAX_LINES_NAMED} more" if len(numbers) > MAX_LINES_NAMED else ""
-    return f"line{'s' if len(numbers) > 1 else ''} {shown}{more}"
+def _first_named(items: list[str]) -> str:
+    """Returns the first :data:`MAX_LINES_NAMED` of ``items``, and how many more there are."""
+    more = len(items) - MAX_LINES_NAMED
+    return ", ".join(items[:MAX_LINES_NAMED]) + (f" and {more} more" if more > 0 else "")
+
+
+def _named_lines(numbers: list[int]) -> str:
+    """Returns "line 3" or "lines 3, 7 and 2 more" for pairs at those line numbers."""
+    return f"line{'s' if len(numbers) > 1 else ''} {_first_named([str(n) for n in numbers])}"
 
 
 def batches(count: int, batch_size: int, seed: int) -> Iterator[list[int]]:
@@ -311,7 +323,7 @@ def _device(torch: Any, name: str) -> Any:
 
 def _prepare_output(output: Path) -> None:
     """Refuses an ``output`` that exists and is not an empty directory (no adapter is overwritten)."""
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+    if output_taken(output):
         raise TrainerError(f"output_dir {output} already exists and is not empty: the trainer never overwrites "
                            "an adapter; choose a new directory")
     try:
@@ -427,8 +439,6 @@ def train(config: dict[str, Any], events: Events) -> None:
             output.rmdir()  # checked empty before training
         os.rename(scratch, output)
     except BaseException:
-        import shutil
-
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     events.emit("done", adapter_dir=str(output), first_loss=first_loss, final_loss=final_loss, steps=steps,

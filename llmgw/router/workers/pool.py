@@ -37,7 +37,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import trio
@@ -233,9 +233,6 @@ class GatewayPool(GatewayState):
                 observed.on_change = self.state_changed
 
     # -- the gateway interface, beyond the master's own state (GatewayState) ------------
-
-    def set_extra_metrics(self, render: Callable[[], Awaitable[bytes]] | None) -> None:
-        self.master.extra_metrics = render
 
     async def apply_access(self, access: AccessState) -> None:
         """Apply ``access`` to the master, then wait (bounded by :data:`SYNC_TIMEOUT_S`)
@@ -517,8 +514,7 @@ class GatewayPool(GatewayState):
         report within :data:`COLLECT_TIMEOUT_S` is missing from it)."""
         reports = await self.collect(metrics=True)
         merged = merge_metrics(r["metrics"] for r in reports if r.get("metrics") is not None)
-        extra = self.master.extra_metrics
-        return merged + (await extra() if extra is not None else b"")
+        return merged + await self.master.extra_metrics_body()
 
     async def _serve_scrape(self, slot: _Slot, scrape_id: Any) -> None:
         body = await self.scrape()
