@@ -3,8 +3,9 @@
 In order: find the vLLM environment (its torch trains) and the training overlay (peft,
 accelerate: installed once, hash-locked, beside it), fetch the weights to train on (a
 local directory, a URL or ``hf://org/repo`` as for any model), run the trainer
-(:func:`llmgw.node.training.run.run_trainer`) as the engines' user on the card placement
-chose (``CUDA_VISIBLE_DEVICES`` its UUID) or the CPU, then package the result: the PEFT
+(:func:`llmgw.node.training.run.run_trainer`) as the engines' user, with what engines inherit
+of the agent's environment and only the card placement chose visible (as for a shard:
+:func:`llmgw.node.engines.gpu_env`; none for a CPU job), then package the result: the PEFT
 directory as one tar (what vLLM loads), or, for a model llama.cpp serves, the adapter
 converted to GGUF with the installed llama.cpp's own conversion script.
 """
@@ -22,6 +23,7 @@ from typing import Callable
 import trio
 
 from llmgw.node.engine_user import home_env, prepare_home, resolve
+from llmgw.node.engines import base_environment, gpu_env
 from llmgw.node.fetch import FetchSettings, fetch_weights
 from llmgw.node.jobs import JobSpec, Train
 from llmgw.node.training.gguf import convert_adapter_to_gguf, find_llamacpp_sdist
@@ -55,14 +57,14 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
                                                     abandon_on_cancel=False)
         weights = await fetch_weights(spec.weights, fetch, note, what="training weights")
         user = await trio.to_thread.run_sync(resolve, engine_user) if engine_user else None
-        env = dict(os.environ)
+        # What engines inherit (nothing of the agent's own secrets), and only the card placement chose.
+        cards = ((spec.gpu,), (spec.gpu_uuid,)) if spec.gpu >= 0 else ((), ())
+        env = {**base_environment(), **gpu_env(*cards)}
         workdir.mkdir(parents=True, exist_ok=True)
         if user is not None:
             home = await trio.to_thread.run_sync(prepare_home, engine_home, user)
             env.update(home_env(home))
             await trio.to_thread.run_sync(_hand_over, pairs.parent, user.uid, user.gid)
-        if spec.gpu >= 0:
-            env.update({"CUDA_VISIBLE_DEVICES": spec.gpu_uuid, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         p = spec.params
         config = TrainerConfig(
             base_model=Path(weights).resolve(), pairs=pairs.resolve(), output_dir=(workdir / "adapter").resolve(),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 from llmgw.catalog import engine_options
 from llmgw.catalog.engine_flags import Table
@@ -109,11 +109,17 @@ INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "T
 
 
 def cuda_env(spec: ShardSpec) -> dict[str, str]:
-    """Returns the GPU selection every shard gets: CUDA numbering GPUs in PCI bus order, as
-    placement does, and only the shard's GPUs visible ("" for none: a CPU shard sees no GPU).
-    A MIG instance is named by its MIG-... UUID (CUDA takes no index for one)."""
-    uuids = dict(zip(spec.gpus, spec.gpu_uuids))
-    devices = [uuids[g] if is_mig(g) and uuids.get(g) else str(g) for g in spec.gpus]
+    """Returns the GPU selection every shard gets (:func:`gpu_env` of its GPUs)."""
+    return gpu_env(spec.gpus, spec.gpu_uuids)
+
+
+def gpu_env(gpus: Sequence[int], uuids: Sequence[str]) -> dict[str, str]:
+    """Returns the GPU selection of a process given ``gpus`` (placement indexes, with their
+    ``uuids``): CUDA numbering GPUs in PCI bus order, as placement does, and only those GPUs
+    visible ("" for none: a CPU process sees no GPU). A MIG instance is named by its MIG-...
+    UUID (CUDA takes no index for one)."""
+    by_index = dict(zip(gpus, uuids))
+    devices = [by_index[g] if is_mig(g) and by_index.get(g) else str(g) for g in gpus]
     return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
 
