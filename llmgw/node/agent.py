@@ -439,13 +439,14 @@ class Agent:
         free_mb, total_mb = disk_usage(self.weights_dir)
         return attrs.evolve(hardware, disk_free_mb=free_mb, disk_total_mb=total_mb)
 
-    def _sample(self, engine_groups: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, Any], int]:
-        """Blocking: a heartbeat's hardware and telemetry, as capnp dicts, and the sampler's
-        generation (run in a thread). ``engine_groups``: each running shard's engine process
-        group, by shard id."""
-        hardware = self._read_hardware()
-        telemetry = convert.telemetry_dict(self.sampler.sample(engine_groups))
-        return convert.hardware_dict(hardware), telemetry, self.sampler.generation
+    def _sample(self, engine_groups: Mapping[str, int], sent: int) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        """Blocking: a heartbeat's hardware, its telemetry (None when the sampler's generation is
+        still ``sent``: nothing new to send), both as capnp dicts, and that generation (run in a
+        thread). ``engine_groups``: each running shard's engine process group, by shard id."""
+        hardware = convert.hardware_dict(self._read_hardware())
+        telemetry = self.sampler.sample(engine_groups)
+        generation = self.sampler.generation
+        return hardware, convert.telemetry_dict(telemetry) if generation != sent else None, generation
 
     def _engine_dicts(self) -> list[dict[str, Any]]:
         """The engines to report: the converger's view, plus adapters it has no installer for."""
@@ -519,7 +520,7 @@ class Agent:
                                                 self.cluster_settings, self.firewall, self.jobs),
                     "version": __version__,
                     "labels": labels.to_pairs(self.labels),
-                    "jobs": [self.jobs.current] if self.jobs is not None and self.jobs.current else [],
+                    "jobs": self.jobs.held() if self.jobs is not None else [],
                 }
                 with trio.fail_after(JOIN_TIMEOUT):
                     result = await cluster.join(registration)
@@ -543,14 +544,15 @@ class Agent:
                         while True:
                             await trio.sleep(interval)
                             groups = {spec.id: status.pid for spec, status in self.supervisor.shards() if status.pid}
-                            hardware, telemetry, generation = await trio.to_thread.run_sync(self._sample, groups)
+                            hardware, telemetry, generation = await trio.to_thread.run_sync(
+                                self._sample, groups, sent_generation)
                             # Telemetry goes only with a new sample: the control plane keeps the last.
                             with trio.fail_after(interval * HEARTBEAT_MISSES):
-                                if generation != sent_generation:
+                                if telemetry is not None:
                                     await desk.heartbeat(hardware, telemetry)
-                                    sent_generation = generation
                                 else:
                                     await desk.heartbeat(hardware)
+                            sent_generation = generation
                     except (trio.TooSlowError, capnp.KjException) as exc:
                         failure = exc
                     session_nursery.cancel_scope.cancel()

@@ -80,6 +80,19 @@ class JobBusy(RuntimeError):
     """Another job trains on this node."""
 
 
+@attrs.define
+class _Active:
+    """A job a runner holds: from its start until its end is reported (or its reports are
+    lost), so a job whose end waits for a new leader is still listed and adoptable. It
+    trains (and keeps the node busy) until ``ended``."""
+
+    id: str
+    scope: trio.CancelScope
+    reports: "_Reports"
+    #: Set once the job's nursery is over (its trainer gone), before its end is reported.
+    ended: trio.Event = attrs.field(factory=trio.Event)
+
+
 class JobRunner:
     """Runs training jobs one at a time (see the module docstring). ``workdir``: where each job
     gets a directory (removed when it ends); ``train``: what a job does."""
@@ -88,11 +101,8 @@ class JobRunner:
         self.workdir = workdir
         self._train = train
         self._nursery: trio.Nursery | None = None
-        self._current: str | None = None
-        self._scopes: dict[str, trio.CancelScope] = {}
+        self._held: dict[str, _Active] = {}
         self._logs: dict[str, collections.deque[str]] = {}
-        self._done: dict[str, trio.Event] = {}
-        self._reports: dict[str, _Reports] = {}
         self._stopping = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -106,48 +116,56 @@ class JobRunner:
                 self._nursery = None
                 self._stopping = True  # the jobs' nurseries are being cancelled with this one
 
-    @property
-    def current(self) -> str | None:
-        """The id of the job training now, or None."""
-        return self._current
+    def held(self) -> list[str]:
+        """The jobs this node holds: training, or waiting to report their end (an agent's
+        registration lists them, so a new leader adopts them)."""
+        return list(self._held)
 
     def start(self, spec: JobSpec, pairs: bytes, reporter: Any) -> None:
         """Starts ``spec`` reporting to ``reporter``; raises JobBusy when a job trains here, and
         RuntimeError when the runner is not running."""
         if self._nursery is None:
             raise RuntimeError("this agent is not taking training jobs (it is stopping)")
-        if self._current is not None:
-            raise JobBusy(f"job {self._current} trains on this node; one job at a time")
-        self._current = spec.id
+        training = next((a.id for a in self._held.values() if not a.ended.is_set()), None)
+        if training is not None:
+            raise JobBusy(f"job {training} trains on this node; one job at a time")
+        if spec.id in self._held:
+            raise JobBusy(f"job {spec.id} is still reporting its end here")
         scope = trio.CancelScope()
-        self._scopes[spec.id] = scope
-        self._done[spec.id] = trio.Event()
+        active = self._held[spec.id] = _Active(spec.id, scope, _Reports(spec.id, reporter, scope))
         self._logs[spec.id] = collections.deque(maxlen=LOG_LINES)
         for old in list(self._logs)[:-LOG_JOBS]:
             del self._logs[old]
-        self._nursery.start_soon(self._job, spec, pairs, reporter, scope)
+        self._nursery.start_soon(self._job, spec, pairs, active)
 
     def rebind(self, job_id: str, reporter: Any) -> None:
         """Sends job ``job_id``'s reports to ``reporter`` from now on (a new leader adopted it);
         raises LookupError when the job does not run here."""
-        reports = self._reports.get(job_id)
-        if reports is None:
+        active = self._held.get(job_id)
+        if active is None:
             raise LookupError(f"training job {job_id} does not run on this node (it ended)")
-        reports.rebind(reporter)
+        active.reports.rebind(reporter)
 
     def cancel(self, job_id: str) -> None:
         """Cancels job ``job_id``'s nursery (nothing when it has ended)."""
-        scope = self._scopes.get(job_id)
-        if scope is not None:
-            scope.cancel()
+        active = self._held.get(job_id)
+        if active is not None:
+            active.scope.cancel()
+
+    async def wait_ended(self, job_id: str) -> None:
+        """Returns once job ``job_id``'s nursery is over, its trainer gone (at once for a job
+        not held here)."""
+        active = self._held.get(job_id)
+        if active is not None:
+            await active.ended.wait()
 
     def logs(self, job_id: str, lines: int) -> list[str]:
         kept = list(self._logs.get(job_id, ()))
         return kept[-lines:] if lines else kept
 
-    async def _job(self, spec: JobSpec, pairs: bytes, reporter: Any, scope: trio.CancelScope) -> None:
+    async def _job(self, spec: JobSpec, pairs: bytes, active: _Active) -> None:
         directory = self.workdir / spec.id
-        reports = self._reports[spec.id] = _Reports(spec.id, reporter, scope)
+        scope, reports = active.scope, active.reports
         ok, message = False, ""
         try:
             with scope:
@@ -181,6 +199,7 @@ class JobRunner:
             elif scope.cancelled_caught:
                 message = "cancelled: the trainer was stopped"
         except trio.Cancelled:
+            del self._held[spec.id]
             if self._stopping:
                 log.warning("training job %s: the agent stops; its trainer is stopped", spec.id)
             raise
@@ -188,9 +207,7 @@ class JobRunner:
             message = str(exc) or type(exc).__name__
             log.warning("training job %s failed: %s", spec.id, message)
         finally:
-            self._current = None
-            self._scopes.pop(spec.id, None)
-            self._done.pop(spec.id, trio.Event()).set()
+            active.ended.set()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, directory, True)
         log.info("training job %s %s", spec.id, "finished" if ok else f"ended: {message}")
@@ -200,13 +217,7 @@ class JobRunner:
         except _ReportsLost as exc:
             log.warning("training job %s: could not report its end: %s", spec.id, exc)
         finally:
-            self._reports.pop(spec.id, None)
-
-    async def wait_ended(self, job_id: str) -> None:
-        """Returns once job ``job_id`` has ended (at once for one not running)."""
-        done = self._done.get(job_id)
-        if done is not None:
-            await done.wait()
+            del self._held[spec.id]
 
     async def _send_result(self, result: Path, fmt: str, reports: "_Reports") -> None:
         data = await trio.to_thread.run_sync(result.read_bytes)
