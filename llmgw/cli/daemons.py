@@ -244,6 +244,7 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
     from llmgw.node.engines import node_engines
     from llmgw.node.fetch import FetchSettings
     from llmgw.node.install import Converger, InstallSettings, build_installers
+    from llmgw.node.install.as_user import as_engine_user
     from llmgw.node.install.python_env import default_root
     from llmgw.node.job_training import make_train
     from llmgw.node.jobs import JobRunner
@@ -261,22 +262,25 @@ def agent(ctx: click.Context, config_path: Path | None) -> None:
     async def main() -> None:
         async with capnp_runtime():
             gpus, _ = discovery.read_gpus()
-            installers = build_installers(InstallSettings(
+            install_settings = InstallSettings(
                 install_dir=config.install_dir,
                 cache_dir=config.cache_dir,
                 url_templates=config.engine_urls,
                 pypi_index=config.pypi_index,
                 has_nvidia_gpu=bool(gpus),
                 engine_paths=config.engine_paths,
-            ))
+            )
+            engine_user = wanted_user(config.engine_user)
+            engine_home = config.state_dir / ENGINE_HOME_DIR
+            # Installs and checks run as the engines' user, never as root (llmgw/node/install/as_user.py).
+            installers = as_engine_user(build_installers(install_settings), install_settings, engine_user, engine_home)
             desk_link = DeskLink()
             fetch = FetchSettings(weights_dir=config.weights_dir, hf_endpoint=config.hf_endpoint,
                                   hf_token=os.environ.get("HF_TOKEN", ""), job_results=desk_link.piece)
-            engine_user = wanted_user(config.engine_user)
             jobs = JobRunner(config.state_dir / "jobs", make_train(
                 engines_root=config.install_dir or default_root(), llamacpp_cache=config.cache_dir / "llama.cpp",
                 fetch=fetch, engine_user=engine_user,
-                engine_home=config.state_dir / ENGINE_HOME_DIR))
+                engine_home=engine_home))
             node = Agent(
                 node_id=config.node_id,
                 control_planes=planes,

@@ -20,6 +20,7 @@ import pwd
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -87,6 +88,14 @@ def resolve(name: str, *, dev: Path = Path("/dev")) -> EngineUser | None:
     return EngineUser(name, entry.pw_uid, entry.pw_gid, tuple(sorted(groups - {0})))
 
 
+def popen_identity(user: EngineUser | None) -> dict[str, Any]:
+    """Returns the keyword arguments that make a subprocess (``subprocess.Popen``, trio's
+    ``open_process``) run as ``user``: its uid, gid and exactly its groups ({} for None: as the agent)."""
+    if user is None:
+        return {}
+    return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+
+
 def gpu_groups(dev: Path = Path("/dev")) -> list[int]:
     """Returns the groups (other than root's) owning the NVIDIA device files under ``dev``
     ([] where there are none, or they belong to root's group: then their mode decides)."""
@@ -114,16 +123,25 @@ def group_name(gid: int) -> str:
         return str(gid)
 
 
+def hand_over(directory: Path, user: EngineUser) -> Path:
+    """Creates ``directory`` where missing (its parents as root's) and gives it, and everything
+    in it, to ``user``; returns it. Walks the tree only when ``directory`` itself is not the
+    user's yet, so calling it before every install costs one stat. Links are handed over as
+    links (never followed). Raises OSError where a path cannot be created or handed over."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stat = directory.stat()
+    if (stat.st_uid, stat.st_gid) != (user.uid, user.gid):
+        for path in [directory, *directory.rglob("*")]:
+            os.lchown(path, user.uid, user.gid)
+    return directory
+
+
 def prepare_home(home: Path, user: EngineUser) -> Path:
     """Creates (or keeps) the engines' home ``home`` and returns it: owned by ``user``, mode
     0700. Its shards share it (they share a user, so nothing between them is private anyway):
     their caches (Hugging Face, vLLM, Triton, torch compile) outlive each replica. Raises
     OSError where it cannot be created or handed over."""
-    home.mkdir(parents=True, exist_ok=True)
-    stat = home.stat()
-    if (stat.st_uid, stat.st_gid) != (user.uid, user.gid):
-        for path in [home, *home.rglob("*")]:
-            os.lchown(path, user.uid, user.gid)
+    hand_over(home, user)
     os.chmod(home, HOME_MODE)
     (home / "tmp").mkdir(exist_ok=True)
     os.lchown(home / "tmp", user.uid, user.gid)

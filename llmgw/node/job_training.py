@@ -15,19 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import tarfile
 from pathlib import Path
 from typing import Callable
 
 import trio
 
-from llmgw.node.engine_user import home_env, prepare_home, resolve
+from llmgw.node.engine_user import hand_over, home_env, prepare_home, resolve
 from llmgw.node.engines import base_environment, gpu_env
 from llmgw.node.fetch import FetchSettings, fetch_weights
 from llmgw.node.jobs import JobSpec, Train
 from llmgw.node.training.gguf import convert_adapter_to_gguf, find_llamacpp_sdist
 from llmgw.node.install import InstallError
+from llmgw.node.install.as_user import run_as_engine_user
 from llmgw.node.install.llamacpp import fetch_sdist
 from llmgw.node.install.python_env import default_root
 from llmgw.node.training.overlay import find_overlay, install_overlay, vllm_python
@@ -53,8 +53,13 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
                    or await trio.to_thread.run_sync(find_overlay, default_root()))  # one `make test` installed
         if overlay is None:
             note("installing the training overlay (peft, accelerate; once per node)")
-            overlay = await trio.to_thread.run_sync(lambda: install_overlay(python, engines_root, note),
-                                                    abandon_on_cancel=False)
+            if engine_user:  # as the engines' user, like every engine install (llmgw/node/install/as_user.py)
+                overlay = Path(await run_as_engine_user(
+                    {"action": "overlay", "python": str(python), "root": str(engines_root)}, user_name=engine_user,
+                    home=engine_home, writes=(engines_root,), progress=note, what="installing the training overlay"))
+            else:
+                overlay = await trio.to_thread.run_sync(lambda: install_overlay(python, engines_root, note),
+                                                        abandon_on_cancel=False)
         weights = await fetch_weights(spec.weights, fetch, note, what="training weights")
         user = await trio.to_thread.run_sync(resolve, engine_user) if engine_user else None
         # What engines inherit (nothing of the agent's own secrets), and only the card placement chose.
@@ -64,7 +69,7 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
         if user is not None:
             home = await trio.to_thread.run_sync(prepare_home, engine_home, user)
             env.update(home_env(home))
-            await trio.to_thread.run_sync(_hand_over, pairs.parent, user.uid, user.gid)
+            await trio.to_thread.run_sync(hand_over, pairs.parent, user)
         p = spec.params
         config = TrainerConfig(
             base_model=Path(weights).resolve(), pairs=pairs.resolve(), output_dir=(workdir / "adapter").resolve(),
@@ -81,13 +86,19 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
             if sdist is None:  # llama-server came from a release archive, or agent.yaml names one
                 note("fetching the llama.cpp source tree (its convert_lora_to_gguf.py converts the adapter)")
                 try:
-                    sdist = await fetch_sdist(llamacpp_cache, note)
+                    if engine_user:
+                        sdist = Path(await run_as_engine_user(
+                            {"action": "sdist", "cache": str(llamacpp_cache)}, user_name=engine_user,
+                            home=engine_home, writes=(llamacpp_cache,), progress=note,
+                            what="fetching the llama.cpp source tree"))
+                    else:
+                        sdist = await fetch_sdist(llamacpp_cache, note)
                 except InstallError as exc:
                     raise RuntimeError(f"the adapter cannot be converted to GGUF for llama.cpp: {exc}") from None
             out = workdir / "adapter.gguf"
             note("converting the adapter to GGUF with llama.cpp's convert_lora_to_gguf.py")
-            await trio.to_thread.run_sync(convert_adapter_to_gguf, python, result.adapter_dir, Path(weights), out,
-                                          sdist)
+            await trio.to_thread.run_sync(lambda: convert_adapter_to_gguf(
+                python, result.adapter_dir, Path(weights), out, sdist, env=env, user=user))
             return out, GGUF
         out = workdir / "adapter.tar"
         await trio.to_thread.run_sync(pack_directory, result.adapter_dir, out)
@@ -107,9 +118,3 @@ def pack_directory(directory: Path, out: Path) -> Path:
                 with path.open("rb") as f:
                     tar.addfile(info, f)
     return out
-
-
-def _hand_over(directory: Path, uid: int, gid: int) -> None:
-    """Gives the job's directory to the engines' user: the trainer writes its adapter there."""
-    for path in (directory, *directory.rglob("*")):
-        os.chown(path, uid, gid)

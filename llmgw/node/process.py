@@ -31,7 +31,7 @@ import attrs
 import psutil
 import trio
 
-from llmgw.node.engine_user import EngineUser
+from llmgw.node.engine_user import EngineUser, popen_identity
 
 logger = logging.getLogger(__name__)
 
@@ -268,9 +268,6 @@ async def spawn(
     program cannot be started (missing executable, bad cwd, a user it cannot switch to).
     """
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-    identity: dict[str, object] = {}
-    if user is not None:
-        identity = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
     try:
         proc = await trio.lowlevel.open_process(
             list(argv),
@@ -280,7 +277,7 @@ async def spawn(
             start_new_session=True,
             env=dict(env),
             cwd=cwd,
-            **identity,
+            **popen_identity(user),
         )
     finally:
         os.close(fd)

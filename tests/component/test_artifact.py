@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -122,6 +123,21 @@ def test_links_inside_and_a_prefix_are_unpacked(tmp_path: Path) -> None:
     safe_extract(archive, tmp_path / "out", prefix="pkg/")
     assert (tmp_path / "out" / "pkg" / "same").read_bytes() == b"ok"
     assert not (tmp_path / "out" / "other").exists()
+
+
+@pytest.mark.parametrize("filters", [True, False], ids=["tarfile-filters", "python-before-3.11.4"])
+def test_unpacked_files_lose_setuid_and_the_archives_owners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            filters: bool) -> None:
+    if not filters:  # Debian 12's Python 3.11.2 has no extraction filters: the same must hold
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    elif not hasattr(tarfile, "data_filter"):
+        pytest.skip("this Python has no tarfile extraction filters")
+    member = _file("pkg/tool")
+    member.mode, member.uid, member.gid, member.uname, member.gname = 0o4777, 4242, 4242, "mallory", "mallory"
+    safe_extract(_tar(tmp_path / "a.tar.gz", member), tmp_path / "out")
+    unpacked = (tmp_path / "out" / "pkg" / "tool").stat()
+    assert unpacked.st_mode & 0o7777 == 0o755
+    assert (unpacked.st_uid, unpacked.st_gid) == (os.getuid(), os.getgid())
 
 
 def test_zip_symlink_and_traversal_are_refused(tmp_path: Path) -> None:

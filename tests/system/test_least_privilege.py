@@ -11,10 +11,20 @@ exist fails with that reason.
 The engines' user must be able to run the agent's Python: this one lives under /root, so the
 agent here runs on the system's interpreter of the same version, with this environment's
 packages (skipped, saying so, where there is none).
+
+The agent runs with only the capabilities its unit leaves it (llmgw-agent.service's
+``CapabilityBoundingSet=``, applied with setpriv as systemd would): starting, adopting and
+installing all work with those. llama.cpp is installed from a release archive served here
+(a stand-in llama-server built with gcc that prints who runs it): its files belong to the
+engines' user, and ``ctl engine-check`` runs it as that user.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import http.server
+import io
 import json
 import os
 import pwd
@@ -23,20 +33,43 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
+import threading
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import pytest
 import yaml
 
 from llmgw.node.engine_user import UNDUMPABLE_ENV
-from tests.system.harness import LLMGW, WAIT, Cluster, Proc, iter_replicas, ready_replicas
+from llmgw.node.install.llamacpp import DEFAULT_VERSION, _asset_name
+from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, iter_replicas, ready_replicas
 
 USER = "llmgw-test-engine"
 NODE = "lp-1"
 REPO = Path(__file__).resolve().parents[2]
 SITE = Path(sysconfig.get_paths()["purelib"])
+UNIT = REPO / "systemd" / "llmgw-agent.service"
+#: Capability numbers (linux/capability.h) of those the agent's unit may name.
+CAPABILITY_BITS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_DAC_READ_SEARCH": 2, "CAP_FOWNER": 3, "CAP_FSETID": 4,
+                   "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_NET_ADMIN": 12,
+                   "CAP_IPC_LOCK": 14, "CAP_SYS_CHROOT": 18, "CAP_SYS_PTRACE": 19, "CAP_SYS_RESOURCE": 24,
+                   "CAP_MKNOD": 27, "CAP_AUDIT_WRITE": 29, "CAP_SETFCAP": 31, "CAP_SYSLOG": 34}
+#: The stand-in llama-server: a llama.cpp-style version line; its device listing says who runs it.
+STAND_IN_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--version") == 0) {
+        fprintf(stderr, "version: 9.9.9-test (build 11312, commit 0c1e570)\nbuilt with test\n");
+        return 0;
+    }
+    if (argc > 1 && strcmp(argv[1], "--list-devices") == 0) { printf("Available devices: none; run by uid=%d\n", (int)getuid()); }
+    return 0;
+}
+"""
 
 
 def reachable_by_others(path: Path) -> bool:
@@ -63,6 +96,8 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="starting engines as another user needs root (CI runs as root)"),
     pytest.mark.skipif(shutil.which("useradd") is None or shutil.which("userdel") is None,
                        reason="useradd/userdel (Debian's passwd package) are not installed"),
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed"),
+    pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc (to build the stand-in llama-server) is not installed"),
     pytest.mark.skipif(PYTHON is None, reason=f"no Python {sys.version_info[0]}.{sys.version_info[1]} that another user "
                                               "can run (this one is under a private directory)"),
     pytest.mark.skipif(not (reachable_by_others(REPO) and reachable_by_others(SITE)),
@@ -85,11 +120,76 @@ print(json.dumps(seen))
 """
 
 
-def agent_proc(config: Path, log: Path) -> Proc:
-    """The agent on the system interpreter with this environment's packages (its engines inherit both)."""
+def unit_capabilities() -> list[str]:
+    """The capabilities llmgw-agent.service bounds the agent to (its ``CapabilityBoundingSet=``)."""
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("CapabilityBoundingSet="):
+            return line.split("=", 1)[1].split()
+    raise AssertionError(f"{UNIT} has no CapabilityBoundingSet=")
+
+
+def agent_proc(config: Path, log: Path, cache: Path) -> Proc:
+    """The agent on the system interpreter with this environment's packages (its engines inherit
+    both), bounded to its unit's capabilities (setpriv, as systemd's CapabilityBoundingSet=
+    does), with ``cache`` as its XDG cache (so root's own engine builds are not found)."""
     boot = (f"import runpy, site, sys; site.addsitedir({str(SITE)!r}); sys.argv = ['llmgw'] + sys.argv[1:]; "
             "runpy.run_module('llmgw', run_name='__main__')")
-    return Proc([str(PYTHON), "-c", boot, "agent", "-c", str(config)], log, env={"PYTHONPATH": str(SITE)})
+    bound = ",".join(["-all", *("+" + name.removeprefix("CAP_").lower() for name in unit_capabilities())])
+    return Proc(["setpriv", f"--bounding-set={bound}", "--", str(PYTHON), "-c", boot, "agent", "-c", str(config)], log,
+                env={"PYTHONPATH": str(SITE), "XDG_CACHE_HOME": str(cache)})
+
+
+def capabilities(pid: int) -> dict[str, int]:
+    """The capability sets of ``pid`` (CapBnd, CapEff, ...) from /proc, as numbers."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {key: int(value, 16) for key, value in fields.items() if key.startswith("Cap")}
+
+
+class Served:
+    """``directory`` served over HTTP on 127.0.0.1 (a thread), as a release mirror is."""
+
+    def __init__(self, directory: Path) -> None:
+        handler = functools.partial(_QuietHandler, directory=str(directory))
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def mirror(tmp_path: Path) -> Iterator[Served]:
+    """A llama.cpp release mirror holding this machine's archive of the pinned version (its
+    llama-server the stand-in) and its .sha256 file; ``{tag}/{asset}`` under its base."""
+    asset = _asset_name(DEFAULT_VERSION)
+    if asset is None:
+        pytest.skip("llama.cpp publishes no release archive for this CPU")
+    source = tmp_path / "stand-in.c"
+    source.write_text(STAND_IN_C)
+    binary = tmp_path / "llama-server"
+    subprocess.run(["gcc", "-o", str(binary), str(source)], check=True, capture_output=True, timeout=WAIT)
+    www = tmp_path / "www" / DEFAULT_VERSION
+    www.mkdir(parents=True)
+    with tarfile.open(www / asset, "w:gz") as tar:
+        info = tarfile.TarInfo("build/bin/llama-server")
+        info.mode, data = 0o755, binary.read_bytes()
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    (www / f"{asset}.sha256").write_text(f"{hashlib.sha256((www / asset).read_bytes()).hexdigest()}  {asset}\n")
+    served = Served(tmp_path / "www")
+    try:
+        yield served
+    finally:
+        served.close()
 
 
 def ids_of(pid: int) -> tuple[list[int], list[int]]:
@@ -119,9 +219,9 @@ async def root() -> AsyncIterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secrets(root: Path) -> None:
+async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secrets(root: Path, mirror: Served) -> None:
     subprocess.run(["userdel", USER], capture_output=True, timeout=WAIT)  # a leftover of a killed run
-    async with Cluster(root) as cluster:
+    async with Cluster(root, extra={"engines": {"llama.cpp": DEFAULT_VERSION}}) as cluster:
         token = cluster.ctl_json("nodes", "add", NODE)["token"]
         config = root / f"{NODE}.yaml"
         joined = subprocess.run(
@@ -133,13 +233,33 @@ async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secret
         assert (root / "created-users").read_text() == f"{USER}\n"  # beside agent.yaml: what `llmgw wipe` removes
         settings = yaml.safe_load(config.read_text())
         assert settings["engine_user"] == USER
-        config.write_text(yaml.safe_dump({**settings, "engine_host": "127.0.0.1", "firewall": False}))
+        config.write_text(yaml.safe_dump({**settings, "engine_host": "127.0.0.1", "firewall": False,
+                                          "engine_urls": {"llama.cpp": mirror.base + "/{tag}/{asset}"}}))
         engine_uid = pwd.getpwnam(USER).pw_uid
         engine_gid = pwd.getpwnam(USER).pw_gid
 
-        agent = agent_proc(config, root / "agent-1.log")
+        agent = agent_proc(config, root / "agent-1.log", root / "agent-cache")
         cluster.agents[NODE] = agent
         await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
+        # The unit's set, and nothing more (less where this machine's own bounding set lacks one: a container's).
+        bound = sum(1 << CAPABILITY_BITS[name] for name in unit_capabilities()) & capabilities(os.getpid())["CapBnd"]
+        caps = capabilities(agent.pid)
+        assert caps["CapBnd"] == bound and caps["CapEff"] == bound, caps
+
+        # llama.cpp, wanted by server.yaml, is installed from the mirror by the engines' user: its
+        # files are that user's, and the engine check runs it as that user.
+        async def llama_installed() -> dict | None:
+            [node] = cluster.ctl_json("nodes")
+            llama = {e["name"]: e for e in node["engines"]}.get("llama.cpp")
+            return llama if llama and llama["installed"] else None
+
+        llama = await eventually(llama_installed, "llama.cpp installed on the node")
+        installed = Path(llama["path"])
+        assert installed.is_relative_to(root / NODE / "engines"), installed
+        assert {p.lstat().st_uid for p in (root / NODE / "engines").rglob("*")} == {engine_uid}  # all it wrote
+        check = cluster.ctl("engine-check", NODE, "llama.cpp")
+        assert check.returncode == 0 and f"run by uid={engine_uid}" in check.stdout, check.stdout + check.stderr
+
         assert cluster.ctl("models", "add", "m1", "--engine", "sim", "--replicas", "2").returncode == 0
         replicas = await ready_replicas(cluster, "m1", 2)
         pids = sorted(r["pid"] for r in replicas)
@@ -147,6 +267,7 @@ async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secret
             uids, gids = ids_of(pid)
             assert uids == [engine_uid] * 4 and gids == [engine_gid] * 4, (pid, uids, gids)
             assert f"{UNDUMPABLE_ENV}=1".encode() in Path(f"/proc/{pid}/environ").read_bytes()  # root reads it
+            assert capabilities(pid)["CapEff"] == capabilities(pid)["CapPrm"] == 0  # an engine holds no capability
 
         # A plain process of the engines' user: its environment is readable to that user, so a
         # denial below is the engines' own doing, not a check that cannot succeed.
@@ -169,7 +290,7 @@ async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secret
         # The agent restarts: it adopts the engines, which kept their pids and their user.
         agent.signal(signal.SIGTERM)
         await agent.wait_exit()
-        agent = agent_proc(config, root / "agent-2.log")
+        agent = agent_proc(config, root / "agent-2.log", root / "agent-cache")
         cluster.agents[NODE] = agent
         await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
         again = await ready_replicas(cluster, "m1", 2)
@@ -179,7 +300,7 @@ async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secret
         agent.signal(signal.SIGTERM)
         await agent.wait_exit()
         config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "engine_user": "llmgw-nobody-here"}))
-        agent = agent_proc(config, root / "agent-3.log")
+        agent = agent_proc(config, root / "agent-3.log", root / "agent-cache")
         cluster.agents[NODE] = agent
         await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
         assert cluster.ctl("models", "add", "m2", "--engine", "sim").returncode == 0

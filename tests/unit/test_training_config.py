@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from llmgw import training_pairs as pairs
+from llmgw.node import child
 from llmgw.node.training import overlay, run, trainer
 from llmgw.node.training.gguf import GgufConversionError, convert_adapter_to_gguf, find_llamacpp_sdist
 from llmgw.training_pairs import MAX_PROBLEMS_SHOWN, Pair, PairsError, parse_pairs, read_pairs
@@ -169,9 +170,9 @@ async def test_lines_splits_chunks_and_cuts_an_endless_line() -> None:
             return self.chunks.pop(0)
 
     got: list[bytes] = []
-    huge = b"z" * (run.MAX_EVENT_LINE + 10)
-    await run._lines(Stream([b"a\nb", b"c\n", huge[:100], huge[100:], b"tail\nd\nlast"]), got.append)  # type: ignore[arg-type]
-    assert got == [b"a", b"bc", huge[:run.MAX_EVENT_LINE], b"d", b"last"]
+    huge = b"z" * (child.MAX_LINE + 10)
+    await child.read_lines(Stream([b"a\nb", b"c\n", huge[:100], huge[100:], b"tail\nd\nlast"]), got.append)  # type: ignore[arg-type]
+    assert got == [b"a", b"bc", huge[:child.MAX_LINE], b"d", b"last"]
 
 
 def test_failure_messages() -> None:

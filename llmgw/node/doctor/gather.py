@@ -221,10 +221,14 @@ def _engine_user(config: AgentConfig, has_gpus: bool) -> EngineUserFacts:
 async def _engines(config: AgentConfig, has_gpus: bool, check: bool,
                    progress: Callable[[str], None]) -> tuple[EngineProbe, ...]:
     from llmgw.node.install import InstallError, InstallSettings, build_installers
+    from llmgw.node.install.as_user import as_engine_user
 
-    installers = build_installers(InstallSettings(install_dir=config.install_dir, cache_dir=config.cache_dir,
-                                                  url_templates=config.engine_urls, pypi_index=config.pypi_index,
-                                                  has_nvidia_gpu=has_gpus, engine_paths=config.engine_paths))
+    settings = InstallSettings(install_dir=config.install_dir, cache_dir=config.cache_dir,
+                               url_templates=config.engine_urls, pypi_index=config.pypi_index,
+                               has_nvidia_gpu=has_gpus, engine_paths=config.engine_paths)
+    # Checks run engines: as the engines' user, as the agent runs them (llmgw/node/install/as_user.py).
+    installers = as_engine_user(build_installers(settings), settings, engine_user.wanted_user(config.engine_user),
+                                config.state_dir / engine_user.ENGINE_HOME_DIR)
     probes = []
     for name, installer in sorted(installers.items()):
         if name in config.disabled_engines:

@@ -362,6 +362,11 @@ def exclusive_blocking(path: Path, on_wait: Callable[[], None] = lambda: None) -
 # -- unpacking ------------------------------------------------------------------------------
 
 
+#: The permission bits an unpacked file keeps: never setuid, setgid or sticky, never writable
+#: by group or others (what tarfile's "data" filter keeps).
+DATA_MODE_MASK = 0o755
+
+
 def _inside(root: Path, target: Path) -> bool:
     """Returns whether ``target`` (normalised, not resolved) lies inside ``root``."""
     root_n = os.path.normpath(root)
@@ -416,5 +421,13 @@ def safe_extract(archive: Path, dest: Path, *, prefix: str = "") -> None:
             if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
                 raise ArtifactError(f"the archive is refused: {m.name!r} is a device file or FIFO")
             _check_member(dest, m.name, m.linkname if (m.issym() or m.islnk()) else None, m.islnk())
-        # The members were checked above; the "data" filter checks again (and strips setuid bits).
-        tf.extractall(dest, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            # The members were checked above; the "data" filter checks again (and strips setuid bits).
+            tf.extractall(dest, members=members, filter="data")
+            return
+        # Python before 3.11.4 (Debian 12's 3.11.2) has no filters: do what "data" does to the
+        # checked members, so nothing is made setuid nor handed to the archive's owners.
+        for m in members:
+            m.mode &= DATA_MODE_MASK
+            m.uid, m.gid, m.uname, m.gname = os.getuid(), os.getgid(), "", ""
+        tf.extractall(dest, members=members)

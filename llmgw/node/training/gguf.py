@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from llmgw.node.engine_user import EngineUser, popen_identity
 from llmgw.node.install import search_roots
 from llmgw.node.install.llamacpp import ENGINE_NAME, SDIST_LLAMA_DIR, SDIST_SHA256, SRC_MARKER, default_root
 
@@ -88,6 +89,7 @@ def convert_adapter_to_gguf(
     outtype: str = DEFAULT_OUTTYPE,
     env: Mapping[str, str] | None = None,
     timeout: float = CONVERT_TIMEOUT,
+    user: EngineUser | None = None,
 ) -> Path:
     """Converts the PEFT adapter in ``adapter_dir`` (trained on ``base_model_dir``, a Hugging
     Face model directory whose config the converter reads) into the GGUF file ``out_path``;
@@ -95,7 +97,8 @@ def convert_adapter_to_gguf(
 
     Runs ``sdist_dir``'s (:func:`find_llamacpp_sdist`) ``convert_lora_to_gguf.py`` with
     ``python`` (the vLLM environment's), ``PYTHONPATH`` at the tree's ``gguf-py`` and no
-    network (``HF_HUB_OFFLINE``), in the environment ``env`` (default: this process's).
+    network (``HF_HUB_OFFLINE``), in the environment ``env`` (default: this process's), as
+    ``user`` (None: as this process; that user must be able to write beside ``out_path``).
     Writes to a temporary name beside ``out_path`` and renames it: ``out_path`` is
     complete or absent. Raises :class:`GgufConversionError` for a missing input, an
     unknown ``outtype``, a converter that cannot start, fails (its last output lines) or
@@ -120,7 +123,7 @@ def convert_adapter_to_gguf(
     try:
         try:
             done = subprocess.run(argv, capture_output=True, text=True, errors="replace", env=child_env,
-                                  cwd=sdist_dir, timeout=timeout, stdin=subprocess.DEVNULL)
+                                  cwd=sdist_dir, timeout=timeout, stdin=subprocess.DEVNULL, **popen_identity(user))
         except subprocess.TimeoutExpired:
             raise GgufConversionError(f"{CONVERTER} did not finish within {timeout:g} s") from None
         except OSError as exc:

@@ -17,13 +17,11 @@ next event (its stdout is gone) instead of training for nobody.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -32,10 +30,10 @@ import attrs
 import trio
 
 from llmgw.node.engine_user import EngineUserError, resolve
-from llmgw.node.process import KILL_WAIT, describe_exit, signal_group
+from llmgw.node.child import MAX_LINE, run_reporting_child
+from llmgw.node.process import describe_exit
 from llmgw.node.training.overlay import overlay_env
 from llmgw.node.training.trainer import EVENTS, EXIT_ERROR, EXIT_TERMINATED, QUIET_ENV, output_taken, partial_dir
-from llmgw.trioutil import unwrap_single_group
 
 __all__ = [
     "CONFIG_NAME",
@@ -55,15 +53,12 @@ CONFIG_NAME = "trainer-config.json"
 #: Seconds between SIGTERM and SIGKILL when a run is cancelled: the trainer stops before
 #: its next step, and one step of a large model on a GPU takes seconds; ten is a hang.
 STOP_GRACE = 10.0
-#: How often the group is checked for survivors after SIGKILL (its leader is reaped by trio;
-#: others are not our children).
-GROUP_POLL = 0.05
 #: stderr lines kept for errors: a Python traceback with its context.
 STDERR_LINES = 40
 #: stderr lines put into a TrainingError's message.
 ERROR_LINES = 12
 #: A stdout line longer than this is not an event (events are a few hundred bytes); it is cut.
-MAX_EVENT_LINE = 64 * 1024
+MAX_EVENT_LINE = MAX_LINE
 #: Bounds of :class:`TrainerConfig`. Rank: vLLM's largest ``--max-lora-rank`` is 512.
 MAX_RANK = 512
 #: A million steps is months on a GPU: beyond it a number is a mistake.
@@ -189,60 +184,6 @@ def parse_event(line: bytes | str) -> dict[str, Any] | None:
     return data
 
 
-async def _lines(stream: trio.abc.ReceiveStream, on_line: Callable[[bytes], None]) -> None:
-    """Calls ``on_line`` with each line of ``stream`` (without its newline) until EOF; a line
-    over :data:`MAX_EVENT_LINE` is cut there, the rest of it dropped."""
-    buf = b""
-    dropping = False
-    async for chunk in stream:
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for raw in lines:
-            if dropping:
-                dropping = False
-                continue
-            on_line(raw)
-        if len(buf) > MAX_EVENT_LINE:
-            if not dropping:
-                on_line(buf[:MAX_EVENT_LINE])
-            buf, dropping = b"", True
-    if buf and not dropping:
-        on_line(buf)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Returns whether any process of group ``pgid`` still exists (zombies count until reaped)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a member we may not signal is still a member
-        return True
-    return True
-
-
-async def _stop_group(proc: trio.Process, grace: float) -> None:
-    """Stops the process group led by ``proc`` and waits until none of it runs.
-
-    SIGTERM to the group while the leader runs, up to ``grace`` seconds for it to exit,
-    then SIGKILL to the group (also when the leader exited in time: a child it left
-    behind dies too); waits for the leader (our child: reaped) and polls for the other
-    members for up to :data:`KILL_WAIT` seconds. Shielded: runs to the end even in a
-    cancelled scope.
-    """
-    pgid = proc.pid
-    with trio.CancelScope(shield=True):
-        if proc.returncode is None:
-            signal_group(pgid, signal.SIGTERM)
-            with trio.move_on_after(grace):
-                await proc.wait()
-        signal_group(pgid, signal.SIGKILL)
-        with trio.move_on_after(KILL_WAIT):
-            await proc.wait()
-            while _group_alive(pgid):
-                await trio.sleep(GROUP_POLL)
-
-
 async def run_trainer(
     config: TrainerConfig,
     *,
@@ -281,71 +222,54 @@ async def run_trainer(
     if output_taken(output):
         raise TrainingError(f"output_dir {output} already exists and is not empty: choose a new directory")
     output_existed = output.exists()
-    identity: dict[str, Any] = {}
+    engine_user = None
     if user:
         try:
             engine_user = await trio.to_thread.run_sync(resolve, user)
         except EngineUserError as exc:
             raise TrainingError(str(exc)) from None
-        if engine_user is not None:
-            identity = {"user": engine_user.uid, "group": engine_user.gid, "extra_groups": list(engine_user.groups)}
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / CONFIG_NAME
     config_path.write_text(json.dumps(config.to_json(), indent=2) + "\n")
     child_env = {**QUIET_ENV, **(os.environ if env is None else env), **overlay_env(overlay)}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    argv = [str(python), str(TRAINER_SCRIPT), str(config_path)]
-    stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
     last: dict[str, dict[str, Any]] = {}
+    strays: list[str] = []  # stdout lines that are not events: shown with stderr's on failure
+    pids: list[int] = []
     started = time.monotonic()
 
     def on_stdout(raw: bytes) -> None:
         event = parse_event(raw)
         if event is None:
             if raw.strip():
-                stderr_tail.append(raw.decode("utf-8", errors="replace"))
+                strays.append(raw.decode("utf-8", errors="replace"))
+                del strays[:-STDERR_LINES]
             return
         last[event["event"]] = event
         on_event(event)
 
-    def on_stderr(raw: bytes) -> None:
-        stderr_tail.append(raw.decode("utf-8", errors="replace").rstrip("\r"))
-
-    try:
-        proc = await trio.lowlevel.open_process(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, env=child_env, cwd=workdir, **identity,
-        )
-    except OSError as exc:
-        raise TrainingError(f"cannot start the trainer with {python}: {exc}") from None
     succeeded = False
     try:
-        assert proc.stdout is not None and proc.stderr is not None
-        with unwrap_single_group():  # on_event's own exception reaches the caller as itself
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_lines, proc.stderr, on_stderr)
-                await _lines(proc.stdout, on_stdout)
-                await proc.wait()
-                # Anything the trainer left running holds its stderr open: the reader would wait for it.
-                signal_group(proc.pid, signal.SIGKILL)
-        code = proc.returncode
+        try:
+            ended = await run_reporting_child(
+                [str(python), str(TRAINER_SCRIPT), str(config_path)], env=child_env, cwd=workdir,
+                on_stdout=on_stdout, stop_grace=STOP_GRACE, user=engine_user, stderr_lines=STDERR_LINES,
+                on_start=pids.append)
+        except OSError as exc:
+            raise TrainingError(f"cannot start the trainer with {python}: {exc}") from None
         done = last.get("done")
-        if code == 0 and done is not None:
+        if ended.code == 0 and done is not None:
             succeeded = True
             return TrainResult(
                 adapter_dir=Path(done["adapter_dir"]), first_loss=float(done["first_loss"]),
                 final_loss=float(done["final_loss"]), steps=int(done["steps"]),
                 peak_memory_bytes=int(done["peak_memory_bytes"]), device=str(last.get("start", {}).get("device", "")),
                 elapsed_s=time.monotonic() - started, train_s=float(done["elapsed_s"]))
-        raise TrainingError(_failure(code, last, list(stderr_tail)))
+        raise TrainingError(_failure(ended.code, last, [*strays, *ended.stderr]))
     finally:
-        with trio.CancelScope(shield=True):
-            await _stop_group(proc, STOP_GRACE)
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    await pipe.aclose()
-            if not succeeded:
-                await trio.to_thread.run_sync(_remove_leftovers, output, proc.pid, output_existed)
+        if not succeeded and pids:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_remove_leftovers, output, pids[0], output_existed)
 
 
 def _failure(code: int | None, last: Mapping[str, dict[str, Any]], tail: list[str]) -> str:
