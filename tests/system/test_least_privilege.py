@@ -37,7 +37,7 @@ import tarfile
 import tempfile
 import threading
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
 import yaml
@@ -128,15 +128,16 @@ def unit_capabilities() -> list[str]:
     raise AssertionError(f"{UNIT} has no CapabilityBoundingSet=")
 
 
-def agent_proc(config: Path, log: Path, cache: Path) -> Proc:
+def agent_proc(config: Path, log: Path, cache: Path, env: dict[str, str] | None = None) -> Proc:
     """The agent on the system interpreter with this environment's packages (its engines inherit
     both), bounded to its unit's capabilities (setpriv, as systemd's CapabilityBoundingSet=
-    does), with ``cache`` as its XDG cache (so root's own engine builds are not found)."""
+    does), with ``cache`` as its XDG cache (so root's own engine builds are not found) and
+    ``env`` added to its environment."""
     boot = (f"import runpy, site, sys; site.addsitedir({str(SITE)!r}); sys.argv = ['llmgw'] + sys.argv[1:]; "
             "runpy.run_module('llmgw', run_name='__main__')")
     bound = ",".join(["-all", *("+" + name.removeprefix("CAP_").lower() for name in unit_capabilities())])
     return Proc(["setpriv", f"--bounding-set={bound}", "--", str(PYTHON), "-c", boot, "agent", "-c", str(config)], log,
-                env={"PYTHONPATH": str(SITE), "XDG_CACHE_HOME": str(cache)})
+                env={"PYTHONPATH": str(SITE), "XDG_CACHE_HOME": str(cache), **(env or {})})
 
 
 def capabilities(pid: int) -> dict[str, int]:
@@ -219,22 +220,29 @@ async def root() -> AsyncIterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secrets(root: Path, mirror: Served) -> None:
+def join(cluster: Cluster, root: Path, **settings: Any) -> Path:
+    """Joins node :data:`NODE` to ``cluster`` with ``llmgw agent join --engine-user`` (which
+    creates the engines' user and notes it for ``llmgw wipe``); returns its agent.yaml, with
+    engines on loopback, no firewall and ``settings`` added."""
     subprocess.run(["userdel", USER], capture_output=True, timeout=WAIT)  # a leftover of a killed run
+    token = cluster.ctl_json("nodes", "add", NODE)["token"]
+    config = root / f"{NODE}.yaml"
+    joined = subprocess.run(
+        [*LLMGW, "agent", "--config", str(config), "join", "--server", cluster.rpc, "--token", token,
+         "--state-dir", str(root / NODE), "--engine-user", USER, "--no-start"],
+        capture_output=True, text=True, timeout=WAIT)
+    assert joined.returncode == 0, joined.stderr + joined.stdout
+    assert f"created the engines' user {USER}" in joined.stdout
+    assert (root / "created-users").read_text() == f"{USER}\n"  # beside agent.yaml: what `llmgw wipe` removes
+    written = yaml.safe_load(config.read_text())
+    assert written["engine_user"] == USER
+    config.write_text(yaml.safe_dump({**written, "engine_host": "127.0.0.1", "firewall": False, **settings}))
+    return config
+
+
+async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secrets(root: Path, mirror: Served) -> None:
     async with Cluster(root, extra={"engines": {"llama.cpp": DEFAULT_VERSION}}) as cluster:
-        token = cluster.ctl_json("nodes", "add", NODE)["token"]
-        config = root / f"{NODE}.yaml"
-        joined = subprocess.run(
-            [*LLMGW, "agent", "--config", str(config), "join", "--server", cluster.rpc, "--token", token,
-             "--state-dir", str(root / NODE), "--engine-user", USER, "--no-start"],
-            capture_output=True, text=True, timeout=WAIT)
-        assert joined.returncode == 0, joined.stderr + joined.stdout
-        assert f"created the engines' user {USER}" in joined.stdout
-        assert (root / "created-users").read_text() == f"{USER}\n"  # beside agent.yaml: what `llmgw wipe` removes
-        settings = yaml.safe_load(config.read_text())
-        assert settings["engine_user"] == USER
-        config.write_text(yaml.safe_dump({**settings, "engine_host": "127.0.0.1", "firewall": False,
-                                          "engine_urls": {"llama.cpp": mirror.base + "/{tag}/{asset}"}}))
+        config = join(cluster, root, engine_urls={"llama.cpp": mirror.base + "/{tag}/{asset}"})
         engine_uid = pwd.getpwnam(USER).pw_uid
         engine_gid = pwd.getpwnam(USER).pw_gid
 
