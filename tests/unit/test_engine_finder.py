@@ -128,15 +128,16 @@ def test_an_environment_of_another_engine_does_not_count(tmp_path: Path) -> None
 VERSION_LINE = "version: 0.5.0-dev (build 11312, commit 0c1e570)"
 
 
-def llama_at(root: Path, name: str, source: str, *, version_line: str = VERSION_LINE, binary: str = "bin/llama-server") -> Path:
+def llama_at(root: Path, name: str, source: str, *, version_line: str = VERSION_LINE, binary: str = "bin/llama-server",
+             version: str = llamacpp.DEFAULT_VERSION, installed_at: float = 1.0) -> Path:
     directory = root / name
     (directory / "bin").mkdir(parents=True)
     server = directory / "bin" / "llama-server"
     server.write_text("#!/bin/sh\necho 'version: 0.5.0-dev (build 11312, commit 0c1e570)'\n")
     server.chmod(0o755)
     (directory / llamacpp.MARKER).write_text(json.dumps({
-        "version": llamacpp.DEFAULT_VERSION, "version_line": version_line, "binary": binary,
-        "source": source, "installed_at": 1.0,
+        "version": version, "version_line": version_line, "binary": binary,
+        "source": source, "installed_at": installed_at,
     }))
     return directory
 
@@ -151,6 +152,19 @@ def test_llamacpp_install_dir_wins_even_over_a_source_build_in_the_default_root(
     sdist = llama_at(mine, "b11312-cpu-615fe45f", "sdist")
     found = llamacpp.find_installed([mine, default])
     assert found is not None and found.directory == sdist
+
+
+async def test_llamacpp_the_version_installed_last_is_the_one_probed_and_run(tmp_path: Path) -> None:
+    # server.yaml asked for b12000 after b11312 was built: the probe must report it (or the
+    # converger installs it again forever) and the adapter must run it.
+    llama_at(tmp_path, "b11312-cpu-615fe45f", "sdist")
+    newer = llama_at(tmp_path, "b12000-ubuntu-x64", "https://mirror/x.tar.gz", version="b12000",
+                     version_line="version: 1.0 (build 12000, commit abc)", installed_at=2.0)
+    found = llamacpp.find_installed([tmp_path])
+    assert found is not None and found.directory == newer and found.version == "b12000"
+    assert (await llamacpp.LlamaCppInstaller(tmp_path).probe()).version == "b12000"
+    pinned = llamacpp.find_installed([tmp_path], llamacpp.DEFAULT_VERSION)  # what an install of b11312 finds
+    assert pinned is not None and pinned.source == "sdist"
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,8 @@ class Installed:
     version: str  # "b11312"
     version_line: str  # "version: 0.5.0-dev (build 11312, commit 0c1e570)"
     source: str  # "sdist" or the archive URL
+    #: When its marker was written (seconds since the epoch; 0 unknown): the latest install wins.
+    installed_at: float = attrs.field(default=0.0, eq=False)
 
 
 def read_marker(directory: Path) -> Installed | None:
@@ -198,7 +200,9 @@ def read_marker(directory: Path) -> Installed | None:
     if problem is not None:
         log_ignored_marker(directory, problem)
         return None
-    return Installed(directory, directory / data["binary"], data["version"], data["version_line"], str(data["source"]))
+    installed_at = data.get("installed_at")
+    return Installed(directory, directory / data["binary"], data["version"], data["version_line"], str(data["source"]),
+                     float(installed_at) if isinstance(installed_at, (int, float)) else 0.0)
 
 
 _BUILD_OF_VERSION = re.compile(r"b(\d+)")
@@ -231,13 +235,16 @@ def marker_problem(directory: Path, data: Any) -> str | None:
     return None
 
 
-def find_installed(roots: Iterable[Path] | None = None, version: str = DEFAULT_VERSION) -> Installed | None:
-    """Returns an installed llama-server of ``version`` under ``roots``, or None if there is none.
+def find_installed(roots: Iterable[Path] | None = None, version: str | None = None) -> Installed | None:
+    """Returns the installed llama-server that runs here, of ``version`` (None: any), or None.
 
     ``roots`` are searched in order (default: the agent's install dirs, then the default
-    root; see :func:`llmgw.node.install.search_roots`): the first root holding one wins, and
-    within a root a source build is preferred over an archive. Markers that do not match
-    their directory are ignored with a log line (:func:`marker_problem`).
+    root; see :func:`llmgw.node.install.search_roots`): the first root holding one wins.
+    Within it the version installed last wins (an install of another version, as server.yaml
+    ``engines:`` asks, takes over from the one before, as for vLLM's environments), and of
+    that version a source build is preferred over an archive. The probe and the engine
+    adapter both ask this, so the version reported is the one that runs. Markers that do not
+    match their directory are ignored with a log line (:func:`marker_problem`).
     Cheap (reads markers, no process started): safe to call per shard start.
     """
     roots = search_roots(default_root(), ENGINE_NAME) if roots is None else list(roots)
@@ -246,10 +253,11 @@ def find_installed(roots: Iterable[Path] | None = None, version: str = DEFAULT_V
             children = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith("."))
         except OSError:
             continue
-        found = [inst for inst in map(read_marker, children) if inst is not None and inst.version == version]
+        found = [inst for inst in map(read_marker, children)
+                 if inst is not None and (version is None or inst.version == version)]
         if found:
-            found.sort(key=lambda i: (i.source != "sdist", str(i.directory)))
-            return found[0]
+            latest = max(found, key=lambda i: i.installed_at).version
+            return min((i for i in found if i.version == latest), key=lambda i: (i.source != "sdist", str(i.directory)))
     return None
 
 
