@@ -220,16 +220,36 @@ class JobRunner:
             del self._held[spec.id]
 
     async def _send_result(self, result: Path, fmt: str, reports: "_Reports") -> None:
+        """Sends ``result`` in pieces of RESULT_PIECE_BYTES; a new leader that adopts the job
+        meanwhile holds none of the pieces sent before, so the pieces start again from the
+        first for it. Raises RuntimeError when no control plane takes them."""
         data = await trio.to_thread.run_sync(result.read_bytes)
         digest = hashlib.sha256(data).hexdigest()
-        for offset in range(0, max(len(data), 1), RESULT_PIECE_BYTES):
-            piece = data[offset:offset + RESULT_PIECE_BYTES]
+        while True:
+            generation = reports.generation
             try:
-                await reports.call(lambda r, o=offset, p=piece: r.result(o, p, len(data), digest, fmt))
+                for offset in range(0, max(len(data), 1), RESULT_PIECE_BYTES):
+                    piece = data[offset:offset + RESULT_PIECE_BYTES]
+
+                    async def send(reporter: Any, offset: int = offset, piece: bytes = piece) -> None:
+                        if reports.generation != generation:
+                            raise _Restart
+                        await reporter.result(offset, piece, len(data), digest, fmt)
+
+                    await reports.call(send)
+            except _Restart:
+                log.info("training job %s: sending its result again from the start, to the control plane that "
+                         "adopted it", reports.job_id)
+                continue
             except _ReportsLost as exc:
                 raise RuntimeError(f"the result could not be sent: {exc}") from None
+            break
         log.info("training job %s: sent its %s result (%d bytes, sha256 %s)", reports.job_id, fmt, len(data),
                  digest[:12])
+
+
+class _Restart(Exception):
+    """The job's reports were rebound while its result was being sent: start the pieces again."""
 
 
 class _ReportsLost(Exception):
@@ -244,10 +264,13 @@ class _Reports:
     def __init__(self, job_id: str, reporter: Any, scope: trio.CancelScope) -> None:
         self.job_id, self.reporter, self.scope = job_id, reporter, scope
         self.lost = ""
+        #: Counts rebinds: a multi-call exchange (the result's pieces) restarts when it changes.
+        self.generation = 0
         self._rebound = trio.Event()
 
     def rebind(self, reporter: Any) -> None:
         self.reporter = reporter
+        self.generation += 1
         self._rebound.set()
         log.info("training job %s: a new control plane takes its reports", self.job_id)
 
