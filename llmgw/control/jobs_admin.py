@@ -117,7 +117,7 @@ class JobsAdminMixin:
 
     async def jobLogs(self, id: str, lines: int, _context: Any, **_: Any) -> None:  # noqa: A002
         job = await self._jobs_store.get_training_job(check_job_id(str(id)))
-        kept = self._jobs_scheduler().logs(job.id, int(lines))
+        kept = await self._jobs_scheduler().logs(job.id, int(lines))
         _context.results.lines = kept or [f"{job.state}: {job.message}"]
 
     async def downloadJob(self, id: str, offset: int, length: int, _context: Any, **_: Any) -> None:  # noqa: A002

@@ -6,8 +6,9 @@ that has vLLM installed (training uses the torch of the node's vLLM environment)
 trains nothing else and, for a job asking for card memory, has a card with that much free
 (beside an engine if it leaves that much). What the trainer reports comes back through a
 ``JobReporter`` capability handed per job: progress is kept in memory and written to the
-store at most every :data:`PERSIST_INTERVAL_S`; the result arrives in pieces, is checked
-against its SHA-256 and kept in the store. A node that goes fails its job with that reason.
+store at most every :data:`PERSIST_INTERVAL_S`, with the job's log (its last :data:`LOG_LINES`
+lines, a file of the job's beside its pairs and result); the result arrives in pieces, is
+checked against its SHA-256 and kept in the store. A node that goes fails its job with that reason.
 
 A control plane failover does not lose a job: its state is in the store, the node keeps
 training (its reports wait for a new leader), and a new leader adopts each job a previous
@@ -35,7 +36,7 @@ from llmgw.catalog.sources import job_source
 from llmgw.control.registry import NodeState, NodeView, Registry
 from llmgw.control.sessions import NodeSessions
 from llmgw.control.store import Store
-from llmgw.control.store.training import PAIRS, RESULT
+from llmgw.control.store.training import LOG, PAIRS, RESULT
 from llmgw.nodeprotocol import TRAINING
 from llmgw.rpc import convert, schema
 from llmgw.rpc.errors import remote_reason
@@ -141,10 +142,24 @@ class JobScheduler:
         """The jobs training now, with their latest progress (for /metrics)."""
         return [r.job for r in self._running.values()]
 
-    def logs(self, job_id: str, lines: int) -> list[str]:
-        """The last ``lines`` events the job's trainer reported (empty after a control plane change)."""
-        kept = self._logs.get(job_id, ())
+    async def logs(self, job_id: str, lines: int) -> list[str]:
+        """The last ``lines`` (0: all kept) lines of the job's log: what its trainer reported and
+        what became of it; from the store for a job this control plane has not seen (it ended
+        before a restart, or ran under an earlier leader)."""
+        kept = self._logs.get(job_id)
+        if kept is None:
+            kept = collections.deque(await self._stored_log(job_id), maxlen=LOG_LINES)
         return list(kept)[-lines:] if lines else list(kept)
+
+    async def _stored_log(self, job_id: str) -> list[str]:
+        text = (await self.store.read_training_file(job_id, LOG)).decode("utf-8", errors="replace")
+        return text.splitlines()
+
+    async def _write_log(self, job_id: str) -> None:
+        """Stores the job's log as this control plane holds it (its last LOG_LINES lines)."""
+        kept = self._logs.get(job_id)
+        if kept is not None:
+            await self.store.put_training_file(job_id, LOG, "\n".join(kept).encode())
 
     async def cancel(self, job: TrainingJob, actor: str) -> TrainingJob:
         """Cancels ``job``: a queued one at once, a running one once its node killed the trainer
@@ -162,7 +177,9 @@ class JobScheduler:
                 except (trio.TooSlowError, Exception) as exc:  # noqa: BLE001 - the node went, or is stuck
                     message += f" (node {running.node} did not confirm: {_reason(exc)})"
         self._note(job.id, message)
-        return await self.store.update_training_job(attrs.evolve(job, state=CANCELLED, message=message))
+        stored = await self.store.update_training_job(attrs.evolve(job, state=CANCELLED, message=message))
+        await self._write_log(job.id)
+        return stored
 
     async def result_piece(self, job_id: str, offset: int, length: int = RESULT_PIECE_BYTES
                            ) -> tuple[bytes, int, str, str]:
@@ -189,6 +206,7 @@ class JobScheduler:
         for job in await self.store.list_training_jobs():
             if job.state == RUNNING:
                 self._orphans[job.id] = (job, deadline)
+                self._logs[job.id] = collections.deque(await self._stored_log(job.id), maxlen=LOG_LINES)
                 self._note(job.id, f"waiting for {job.assigned_node} to report it to this control plane")
         task_status.started()
         async with trio.open_nursery() as nursery:
@@ -236,6 +254,7 @@ class JobScheduler:
                 message = f"the control plane changed while it trained and {job.assigned_node} {why}"
                 self._note(job_id, message)
                 await self.store.update_training_job(attrs.evolve(job, state=FAILED, message=message))
+                await self._write_log(job_id)
 
     async def _fail_departed(self) -> None:
         """Fails each running job whose node is no longer ONLINE."""
@@ -255,6 +274,8 @@ class JobScheduler:
                 stored = await self.store.update_training_job(running.job)
                 if stored.final:  # cancelled meanwhile (by another admin call)
                     self._running.pop(stored.id, None)
+                else:
+                    await self._write_log(stored.id)
 
     async def _place_queued(self) -> None:
         busy = {r.node for r in self._running.values()} | {job.assigned_node for job, _ in self._orphans.values()}
@@ -317,6 +338,7 @@ class JobScheduler:
         self._running[job.id] = running
         await self.store.update_training_job(running.job)
         self._note(job.id, running.job.message)
+        await self._write_log(job.id)
         spec = {"id": job.id, "model": job.model, "weights": job.weights,
                 "params": convert.training_params_dict(job.params), "gpu": gpu, "gpuUuid": uuid,
                 "gguf": model is not None and model.engine == "llama.cpp"}
@@ -442,9 +464,13 @@ class JobScheduler:
         self._note(job_id, f"{state}: {message}")
         log.info("training job %s %s: %s", job_id, state, message)
         await self.store.update_training_job(attrs.evolve(running.job, state=state, message=message, **result))
+        await self._write_log(job_id)
         self._wake.set()
 
     def _note(self, job_id: str, line: str) -> None:
+        running = self._running.get(job_id)
+        if running is not None:
+            running.dirty = True  # the log is written with the progress
         if job_id not in self._logs:
             self._logs[job_id] = collections.deque(maxlen=LOG_LINES)
             for old in list(self._logs)[:-LOG_JOBS]:

@@ -252,11 +252,13 @@ async def test_a_running_job_survives_a_control_plane_failover(
 
         rpc = await eventually(new_leader, "a standby to lead")
 
-        def adopted() -> bool:
+        def adopted() -> str | None:
             out = cluster.ctl("--server", rpc, "jobs", "logs", job["id"])
-            return out.returncode == 0 and "adopted from node-a" in out.stdout
+            return out.stdout if out.returncode == 0 and "adopted from node-a" in out.stdout else None
 
-        await eventually(adopted, "the new leader to adopt the running job")
+        logged = await eventually(adopted, "the new leader to adopt the running job")
+        # The log the first leader kept (stored with the job) goes on at the new one.
+        assert logged.index("sent to node-a") < logged.index("waiting for node-a") < logged.index("adopted from node-a")
     finally:
         os.killpg(trainer.pid, signal.SIGCONT)
 

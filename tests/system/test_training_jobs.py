@@ -62,3 +62,13 @@ async def test_jobs_are_checked_queued_with_their_reason_and_cancelled(cluster: 
     assert shown.returncode == 0 and "m1-qa for m1" in shown.stdout and "12 pairs" in shown.stdout
     nothing = cluster.ctl("jobs", "download", job["id"], "-o", str(tmp_path / "out.tar"))
     assert nothing.returncode != 0 and "has no result" in nothing.stderr
+
+    # A control plane restart: the job and its log (kept in the store) are still there.
+    assert cluster.server is not None
+    cluster.server.kill()
+    await cluster.start_server()
+    [listed] = cluster.ctl_json("jobs", "list")
+    assert (listed["id"], listed["state"]) == (job["id"], "cancelled")
+    logged = cluster.ctl("jobs", "logs", job["id"])
+    # The stored line, not the stand-in a job without a log gets ("cancelled: cancelled by ...").
+    assert logged.returncode == 0 and logged.stdout.splitlines() == [listed["message"]], logged.stdout + logged.stderr

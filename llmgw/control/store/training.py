@@ -23,7 +23,9 @@ from llmgw.training import RESULT_PIECE_BYTES, TrainingJob, TrainingParams
 _COLUMNS = ("id, adapter, model, weights, node, gpu_mib, params, state, message, assigned_node, gpu, progress, "
             "pairs, created_by, created_at, updated_at, result_bytes, result_sha256, result_format, register")
 _PROGRESS = ("step", "steps", "loss", "first_loss", "peak_memory_bytes", "device")
-PAIRS, RESULT = "pairs", "result"
+#: A job's files: the pairs it trains on, its result, and its log (what its trainer reported,
+#: the last LOG_LINES lines, kept so a control plane that takes over still shows them).
+PAIRS, RESULT, LOG = "pairs", "result", "log"
 
 
 class NoSuchJob(StoreError):
