@@ -1,0 +1,97 @@
+"""What one relayed stream costs llmgw's gateway, counted rather than timed.
+
+``python -m bench.relaycost [--seconds 5] [--streams 16] [--profile]``
+
+Starts four fast engines (``bench/fastengine.c``: chunked SSE, one token per millisecond) and
+llmgw's router alone in its own process (as ``bench.gateway`` does), runs ``--streams`` paced
+streaming clients for ``--seconds`` (``bench.gateway.run_streams``) and prints one JSON object:
+the streams served, the gateway's CPU per stream (psutil, user + system), TTFT and event gaps;
+with ``--profile`` the gateway runs under cProfile and the report adds what wall-clock noise on
+a shared machine hides: Python function calls, socket reads and socket writes per stream and
+per event (exact counts, comparable between two versions of the gateway), and the functions
+with the most time of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import psutil
+
+from bench import gateway as gw
+from llmgw.sim.launch import free_tcp_port
+
+#: Engines behind the gateway (as bench.gateway runs them).
+REPLICAS = 4
+#: Functions listed in the report, by time of their own.
+TOP_FUNCTIONS = 15
+
+
+def run(seconds: float, streams: int, profile: bool) -> dict[str, Any]:
+    """Runs the streams through a fresh gateway; returns the report (see the module docstring)."""
+    work = Path(tempfile.mkdtemp(prefix="llmgw-relaycost-"))
+    fleet = gw.Fleet(work)
+    stats_path = work / "gateway.prof"
+    try:
+        replicas, _ = gw.start_fast_replicas(fleet, REPLICAS, gw.build_fastengine(), 1000)
+        port = free_tcp_port()
+        serve = ["-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", "1",
+                 *[f"http://{host}:{p}" for host, p in replicas]]
+        cmd = [sys.executable, *(["-m", "cProfile", "-o", str(stats_path)] if profile else []), *serve]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        proc = fleet.spawn("llmgw", cmd, env)
+        gw._wait_port(port, proc, gw.START_TIMEOUT_S, lambda: gw._http_ok(port, gw.CHAT_BODY))
+        gateway = psutil.Process(proc.pid)
+        before = gateway.cpu_times()
+        figures = gw.run_streams([(gw.HOST, port)], streams, seconds)
+        after = gateway.cpu_times()
+        fleet.stop(proc)  # SIGTERM: the gateway returns, and cProfile writes its file
+        cpu_s = (after.user + after.system) - (before.user + before.system)
+        served = max(int(figures["requests"]), 1)
+        report: dict[str, Any] = {"streams": streams, "seconds": seconds, **figures,
+                                  "gateway_cpu_ms_per_stream": 1000 * cpu_s / served}
+        if profile:
+            report["profile"] = _profile(stats_path, served, figures["events_per_stream"])
+        return report
+    finally:
+        fleet.close()
+
+
+def _profile(path: Path, streams: int, events_per_stream: float) -> dict[str, Any]:
+    """Counts from the gateway's cProfile file, per stream and per event (the profile covers the
+    whole run, warm-up included: counts per stream are comparable between runs, not exact)."""
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    calls = sum(row[1] for row in stats.values())
+
+    def count(name: str) -> int:
+        return sum(row[1] for key, row in stats.items() if key[2] == name)
+
+    per_event = max(streams * events_per_stream, 1.0)
+    top = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:TOP_FUNCTIONS]
+    return {
+        "calls_per_stream": calls / streams, "calls_per_event": calls / per_event,
+        "reads_per_stream": count("<built-in method posix.read>") / streams,
+        "writes_per_stream": count("<built-in method posix.write>") / streams,
+        "top_own_time": [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls": row[1], "own_s": round(row[2], 4)}
+                         for k, row in top],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.relaycost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds of streaming (default 5)")
+    parser.add_argument("--streams", type=int, default=gw.STREAM_CONCURRENCY, help="concurrent streams")
+    parser.add_argument("--profile", action="store_true", help="run the gateway under cProfile and count")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.seconds, args.streams, args.profile), indent=1))
+
+
+if __name__ == "__main__":
+    main()
