@@ -30,6 +30,7 @@ from llmgw.node.install import InstallError
 from llmgw.node.install.as_user import run_as_engine_user
 from llmgw.node.install.llamacpp import fetch_sdist
 from llmgw.node.install.python_env import default_root
+from llmgw.node.training.overlay import SUBDIR as OVERLAY_SUBDIR
 from llmgw.node.training.overlay import find_overlay, install_overlay, vllm_python
 from llmgw.node.training.run import TrainerConfig, run_trainer
 from llmgw.training import GGUF, PEFT
@@ -56,7 +57,8 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
             if engine_user:  # as the engines' user, like every engine install (llmgw/node/install/as_user.py)
                 overlay = Path(await run_as_engine_user(
                     {"action": "overlay", "python": str(python), "root": str(engines_root)}, user_name=engine_user,
-                    home=engine_home, writes=(engines_root,), progress=note, what="installing the training overlay"))
+                    home=engine_home, writes=(engines_root / OVERLAY_SUBDIR,), progress=note,
+                    what="installing the training overlay"))
             else:
                 overlay = await trio.to_thread.run_sync(lambda: install_overlay(python, engines_root, note),
                                                         abandon_on_cancel=False)

@@ -47,6 +47,10 @@ DEFAULT_HEALTH_PATH = "/health"
 #: only stdlib-only modules that run in the engine's own interpreter (``llmgw_vllm_guard``, vLLM's
 #: guard middleware; ``llmgw_sglang_launch``, which hands SGLang its secret off the command line).
 ENGINE_PATH = str(Path(__file__).resolve().with_name("engine_path"))
+#: The directory holding the ``llmgw`` package: put on the PYTHONPATH of what the agent runs
+#: as ``python -m llmgw...`` (the simulator, installs as the engines' user), so it imports this
+#: very llmgw even where it runs from a source tree (``llmgw up``, the tests).
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
 class EngineRefused(ValueError):
     """A shard's args or env contain something the node refuses to run."""

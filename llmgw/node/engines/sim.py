@@ -14,11 +14,10 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
-from pathlib import Path
 
 from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, check_refused, cuda_env
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, PACKAGE_ROOT, check_refused, cuda_env
 from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.spec import ENGINE_BUILT_IN, EngineInfo, ShardSpec
@@ -31,7 +30,6 @@ _OWN_EVENT_OPTIONS = ("--kv-events-endpoint", "--kv-replay-endpoint")
 
 # The directory holding the llmgw package, so ``-m llmgw.sim`` resolves to this same
 # llmgw even when it runs from a source checkout that is not installed.
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def sim_block_size(args: list[str] | tuple[str, ...]) -> int:
@@ -112,7 +110,7 @@ class SimEngine:
         """Returns the profile's env plus unbuffered output and a PYTHONPATH that finds llmgw
         (and the engine path's ``llmgw_undumpable``)."""
         inherited = os.environ.get("PYTHONPATH", "")
-        pythonpath = os.pathsep.join([_PACKAGE_ROOT, ENGINE_PATH] + ([inherited] if inherited else []))
+        pythonpath = os.pathsep.join([PACKAGE_ROOT, ENGINE_PATH] + ([inherited] if inherited else []))
         gpus = cuda_env(spec) if spec.gpus else {}  # as a real engine would get them (tests read them back)
         return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **gpus, **spec.env}
 

@@ -7,7 +7,9 @@ child process of its own: ``python -m llmgw.node.install.as_user``, with the req
 :data:`REQUEST_ENV` (an environment variable, readable by that user and root only; a mirror
 URL may hold credentials), its home and caches in the engines' home, and only the
 directories it writes handed to that user first (:func:`~llmgw.node.engine_user.hand_over`:
-the agent's ``install_dir`` and ``cache_dir``). It prints one JSON object per line:
+the engine's own directory under the agent's ``install_dir`` and ``cache_dir``, such as
+``<install_dir>/llama.cpp``; never those directories themselves, which an operator may share
+with other software). It prints one JSON object per line:
 ``{"progress": "..."}`` per step, then ``{"result": "..."}`` (exit status 0) or
 ``{"error": "..."}`` (exit status 1).
 
@@ -37,8 +39,9 @@ import trio
 
 from llmgw.node.child import run_reporting_child
 from llmgw.node.engine_user import EngineUserError, hand_over, home_env, prepare_home, resolve
-from llmgw.node.engines import base_environment
+from llmgw.node.engines import PACKAGE_ROOT, base_environment
 from llmgw.node.install import InstallError, Installer, InstallSettings, Progress
+from llmgw.spec import EngineInfo
 from llmgw.trioutil import unwrap_single_group
 
 __all__ = ["INSTALL_ENV", "REQUEST_ENV", "STOP_GRACE", "UserInstaller", "as_engine_user", "run_as_engine_user"]
@@ -54,9 +57,6 @@ STOP_GRACE = 60.0
 #: (its secrets, HF_TOKEN) reaches the child.
 INSTALL_ENV = ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
                "ALL_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "PIP_*", "LLMGW_ENGINES_DIR")
-#: The directory holding the ``llmgw`` package: put on the child's PYTHONPATH, so the child
-#: imports this very llmgw even where it runs from a source tree (``llmgw up``, the tests).
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def settings_to_json(settings: InstallSettings) -> dict[str, Any]:
@@ -146,8 +146,7 @@ async def run_as_engine_user(request: Mapping[str, Any], *, user_name: str, home
 
 class UserInstaller:
     """An :class:`~llmgw.node.install.Installer` whose ``install`` and ``check`` run as the
-    engines' user (:func:`run_as_engine_user`); ``probe`` (and ``watch``, where the inner
-    installer has one) run in the agent."""
+    engines' user (:func:`run_as_engine_user`); ``probe`` runs in the agent."""
 
     def __init__(self, inner: Installer, settings: InstallSettings, user_name: str, home: Path) -> None:
         self.inner = inner
@@ -157,7 +156,7 @@ class UserInstaller:
         self.user_name = user_name
         self.home = home
 
-    async def probe(self) -> Any:
+    async def probe(self) -> EngineInfo:
         """Returns the inner installer's probe (it reads markers; nothing runs)."""
         return await self.inner.probe()
 
@@ -173,7 +172,7 @@ class UserInstaller:
         request = {"action": action, "engine": self.name, "version": version,
                    "settings": settings_to_json(self.settings)}
         return await run_as_engine_user(request, user_name=self.user_name, home=self.home,
-                                        writes=(self.settings.install_dir, self.settings.cache_dir),
+                                        writes=(self.settings.install_dir / self.name, self.settings.cache_dir / self.name),
                                         progress=progress, what=what)
 
 
