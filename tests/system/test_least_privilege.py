@@ -21,9 +21,7 @@ engines' user, and ``ctl engine-check`` runs it as that user.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import http.server
 import io
 import json
 import os
@@ -35,7 +33,6 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
@@ -44,6 +41,7 @@ import yaml
 
 from llmgw.node.engine_user import UNDUMPABLE_ENV
 from llmgw.node.install.llamacpp import DEFAULT_VERSION, _asset_name
+from tests.component.test_install_llamacpp import Served
 from tests.system.harness import LLMGW, WAIT, Cluster, Proc, eventually, iter_replicas, ready_replicas
 
 USER = "llmgw-test-engine"
@@ -144,27 +142,6 @@ def capabilities(pid: int) -> dict[str, int]:
     """The capability sets of ``pid`` (CapBnd, CapEff, ...) from /proc, as numbers."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return {key: int(value, 16) for key, value in fields.items() if key.startswith("Cap")}
-
-
-class Served:
-    """``directory`` served over HTTP on 127.0.0.1 (a thread), as a release mirror is."""
-
-    def __init__(self, directory: Path) -> None:
-        handler = functools.partial(_QuietHandler, directory=str(directory))
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(10)
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        pass
 
 
 @pytest.fixture
