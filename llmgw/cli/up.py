@@ -34,9 +34,11 @@ from llmgw.control.store import STORE_DIR_MODE
 from llmgw.gctune import tune_for_serving
 from llmgw.router.build import build_gateway
 from llmgw.router.settings import GatewaySettings
+from llmgw.node import discovery
 from llmgw.node.agent import Agent, DeskLink
 from llmgw.node.engine_user import ENGINE_HOME_DIR
 from llmgw.node.fetch import FetchSettings
+from llmgw.node.install import Converger, InstallSettings, build_installers
 from llmgw.node.install.llamacpp import default_root as llamacpp_root
 from llmgw.node.install.python_env import default_root as engines_root
 from llmgw.node.job_training import make_train
@@ -171,12 +173,18 @@ def up(state_dir: Path | None, http_port: int, rpc_port: int, model_name: str, r
                     jobs = JobRunner(state_dir / "jobs", make_train(
                         engines_root=engines_root(), llamacpp_cache=llamacpp_root(), fetch=fetch, engine_user="",
                         engine_home=state_dir / "agent" / ENGINE_HOME_DIR))
+                    # The engines `make up` installed in the default root: probed and checked
+                    # (`ctl engine-check`), never installed (nothing is wanted of this node).
+                    gpus, _ = await trio.to_thread.run_sync(discovery.read_gpus)
+                    installers = build_installers(InstallSettings(install_dir=engines_root(), cache_dir=engines_root(),
+                                                                  has_nvidia_gpu=bool(gpus)))
                     agent = Agent(
                         node_id=node_id,
                         control_planes=[f"127.0.0.1:{plane.rpc_port}"],
                         context=client_ssl_context(node_creds.ca_pem, node_creds.cert_pem, node_creds.key_pem),
                         supervisor=supervisor,
                         engine_host="127.0.0.1",
+                        converger=Converger(installers),
                         jobs=jobs,
                         desk_link=desk_link,
                     )

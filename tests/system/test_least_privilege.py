@@ -126,15 +126,18 @@ def unit_capabilities() -> list[str]:
     raise AssertionError(f"{UNIT} has no CapabilityBoundingSet=")
 
 
+#: Runs llmgw's command line on the system interpreter with this environment's packages.
+BOOT = (f"import runpy, site, sys; site.addsitedir({str(SITE)!r}); sys.argv = ['llmgw'] + sys.argv[1:]; "
+        "runpy.run_module('llmgw', run_name='__main__')")
+
+
 def agent_proc(config: Path, log: Path, cache: Path, env: dict[str, str] | None = None) -> Proc:
     """The agent on the system interpreter with this environment's packages (its engines inherit
     both), bounded to its unit's capabilities (setpriv, as systemd's CapabilityBoundingSet=
     does), with ``cache`` as its XDG cache (so root's own engine builds are not found) and
     ``env`` added to its environment."""
-    boot = (f"import runpy, site, sys; site.addsitedir({str(SITE)!r}); sys.argv = ['llmgw'] + sys.argv[1:]; "
-            "runpy.run_module('llmgw', run_name='__main__')")
     bound = ",".join(["-all", *("+" + name.removeprefix("CAP_").lower() for name in unit_capabilities())])
-    return Proc(["setpriv", f"--bounding-set={bound}", "--", str(PYTHON), "-c", boot, "agent", "-c", str(config)], log,
+    return Proc(["setpriv", f"--bounding-set={bound}", "--", str(PYTHON), "-c", BOOT, "agent", "-c", str(config)], log,
                 env={"PYTHONPATH": str(SITE), "XDG_CACHE_HOME": str(cache), **(env or {})})
 
 
@@ -226,6 +229,12 @@ async def test_engines_run_as_the_engines_user_and_cannot_read_the_agents_secret
         agent = agent_proc(config, root / "agent-1.log", root / "agent-cache")
         cluster.agents[NODE] = agent
         await agent.wait_for_line(rf"agent: joined \S+ as node '{NODE}'")
+        # `llmgw doctor` (on the same interpreter) finds the engines' user and that it runs llmgw's Python.
+        doctor = subprocess.run([str(PYTHON), "-c", BOOT, "doctor", "-c", str(config), "--no-engine-checks", "--json"],
+                                capture_output=True, text=True, timeout=WAIT, env={**os.environ, "PYTHONPATH": str(SITE)})
+        about_user = [f for f in json.loads(doctor.stdout)["findings"] if f["topic"] == "engine-user"]
+        assert about_user == [{"severity": "ok", "topic": "engine-user", "fix": "",
+                               "message": f"engines run as {USER} (uid {engine_uid})"}], about_user
         # The unit's set, and nothing more (less where this machine's own bounding set lacks one: a container's).
         bound = sum(1 << CAPABILITY_BITS[name] for name in unit_capabilities()) & capabilities(os.getpid())["CapBnd"]
         caps = capabilities(agent.pid)

@@ -133,6 +133,11 @@ def test_disk_memlock_clock_control_planes_engines_and_the_engines_user() -> Non
     blocked = diagnose(attrs.evolve(mig_node(), engine_user=EngineUserFacts(
         "llmgw-engine", 998, gpu_access=False, gpu_detail="/dev/nvidia0 (0o660, group video)")))
     assert "the engines' user cannot open the GPUs: /dev/nvidia0 (0o660, group video)" in blocked.findings[0].message
+    no_python = diagnose(attrs.evolve(HEALTHY, engine_user=EngineUserFacts(
+        "llmgw-engine", 998, python_problem="/root/venv/bin/python3 is not readable or executable by it")))
+    [finding] = serious(no_python.findings)
+    assert finding.message == ("the engines' user cannot run llmgw's Python: /root/venv/bin/python3 is not readable "
+                               "or executable by it") and "--release-root" in finding.fix
 
 
 def test_gather_reads_this_machine(tmp_path: Path) -> None:

@@ -59,13 +59,16 @@ class ControlPlaneProbe:
 @attrs.frozen
 class EngineUserFacts:
     """The engines' user: its name ("" = the agent's own), uid (None: missing), why it cannot be
-    used ("" = it can), and whether it can open the NVIDIA device files (None: no GPUs)."""
+    used ("" = it can), whether it can open the NVIDIA device files (None: no GPUs), and why it
+    cannot run llmgw's Python ("" = it can, or it is the agent's own user): the simulator,
+    engine installs and checks run as ``python -m llmgw...`` as that user."""
 
     name: str
     uid: int | None = None
     problem: str = ""
     gpu_access: bool | None = None
     gpu_detail: str = ""
+    python_problem: str = ""
 
 
 @attrs.frozen
@@ -243,6 +246,10 @@ def check_engine_user(facts: NodeFacts) -> list[Finding]:
         return [Finding(Severity.FAIL, "engine-user", user.problem)]
     who = f"{user.name} (uid {user.uid})" if user.name else "the agent's own user"
     found = [Finding(Severity.OK, "engine-user", f"engines run as {who}")]
+    if user.python_problem:
+        found.append(Finding(Severity.FAIL, "engine-user", f"the engines' user cannot run llmgw's Python: "
+                             f"{user.python_problem}", "install llmgw where other users can read it (`llmgw agent "
+                             "join --release-root /opt/llmgw` lays it out so), or set engine_user: \"\" in agent.yaml"))
     if user.gpu_access is False:
         found.append(Finding(Severity.FAIL, "engine-user", f"the engines' user cannot open the GPUs: {user.gpu_detail}",
                              f"add {user.name or 'it'} to the group of /dev/nvidia* (or have the driver make them "

@@ -14,6 +14,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ import trio
 from llmgw.config import AgentConfig
 from llmgw.node import engine_user, markers
 from llmgw.node.discovery import cpu_flags, os_name
+from llmgw.node.engines import PACKAGE_ROOT
 from llmgw.node.doctor.checks import ControlPlaneProbe, EngineProbe, EngineUserFacts, NodeFacts
 from llmgw.node.gpus.discover import import_pynvml, read_gpu_inventory
 from llmgw.node.gpus.inventory import GpuInventory
@@ -201,8 +203,9 @@ def _engine_user(config: AgentConfig, has_gpus: bool) -> EngineUserFacts:
         return EngineUserFacts(name, problem=str(exc))
     if user is None:
         return EngineUserFacts("", os.geteuid())
+    python_problem = _python_problem(user)
     if not has_gpus:
-        return EngineUserFacts(name, user.uid)
+        return EngineUserFacts(name, user.uid, python_problem=python_problem)
     blocked = []
     for device in sorted(Path("/dev").glob(engine_user.GPU_DEVICE_GLOB)):
         try:
@@ -214,8 +217,28 @@ def _engine_user(config: AgentConfig, has_gpus: bool) -> EngineUserFacts:
         if not (others or group or st.st_uid == user.uid):
             blocked.append(f"{device} ({oct(st.st_mode & 0o777)}, group {engine_user.group_name(st.st_gid)})")
     if blocked:
-        return EngineUserFacts(name, user.uid, gpu_access=False, gpu_detail=", ".join(blocked))
-    return EngineUserFacts(name, user.uid, gpu_access=True, gpu_detail="/dev/nvidia* are open to it")
+        return EngineUserFacts(name, user.uid, gpu_access=False, gpu_detail=", ".join(blocked),
+                               python_problem=python_problem)
+    return EngineUserFacts(name, user.uid, gpu_access=True, gpu_detail="/dev/nvidia* are open to it",
+                           python_problem=python_problem)
+
+
+def _python_problem(user: engine_user.EngineUser) -> str:
+    """Why ``user`` cannot import llmgw with this Python ("" when it can), tried as that user
+    the way the agent starts the simulator and installs."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": PACKAGE_ROOT}
+    try:
+        done = subprocess.run([sys.executable, "-c", "import llmgw"], capture_output=True, text=True, env=env, cwd="/",
+                              timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                              **engine_user.popen_identity(user))
+    except PermissionError:
+        return f"{sys.executable} is not readable or executable by it"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{sys.executable} could not be started as it: {exc}"
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        return f"`{sys.executable} -c 'import llmgw'` failed: {lines[-1] if lines else done.returncode}"
+    return ""
 
 
 async def _engines(config: AgentConfig, has_gpus: bool, check: bool,

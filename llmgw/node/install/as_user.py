@@ -134,6 +134,10 @@ async def run_as_engine_user(request: Mapping[str, Any], *, user_name: str, home
     try:
         ended = await run_reporting_child([sys.executable, "-m", __name__], env=env, cwd=home, on_stdout=on_stdout,
                                           stop_grace=STOP_GRACE, user=user)
+    except PermissionError:
+        raise InstallError(f"{what}: the engines' user {user.name} cannot run llmgw's Python ({sys.executable}): "
+                           "install llmgw where other users can read it (`llmgw agent join --release-root "
+                           "/opt/llmgw` lays it out so), or set engine_user: \"\" in agent.yaml") from None
     except OSError as exc:
         raise InstallError(f"{what}: cannot start {sys.executable} as {user.name}: {exc}") from None
     if ended.code == 0 and "result" in outcome:
