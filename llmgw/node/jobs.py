@@ -167,6 +167,7 @@ class JobRunner:
         directory = self.workdir / spec.id
         scope, reports = active.scope, active.reports
         ok, message = False, ""
+        delivered: _Delivered | None = None  # the result, kept until the job's end is reported
         try:
             with scope:
                 await trio.to_thread.run_sync(_fresh_dir, directory)
@@ -192,7 +193,8 @@ class JobRunner:
 
                         result, fmt = await self._train(spec, pairs_path, directory / "work", on_event)
                         send.close()  # the relay ends once every event is sent
-                await self._send_result(result, fmt, reports)
+                data = await trio.to_thread.run_sync(result.read_bytes)
+                delivered = await self._send_result(data, fmt, reports)
                 ok = True
             if reports.lost:
                 ok, message = False, f"its control plane stopped taking reports ({reports.lost}): cancelled"
@@ -213,17 +215,36 @@ class JobRunner:
         log.info("training job %s %s", spec.id, "finished" if ok else f"ended: {message}")
         try:
             if not reports.lost:
-                await reports.call(lambda r: r.finished(ok, message))
-        except _ReportsLost as exc:
+                await self._report_end(ok, message, delivered, reports)
+        except (_ReportsLost, RuntimeError) as exc:
             log.warning("training job %s: could not report its end: %s", spec.id, exc)
         finally:
             del self._held[spec.id]
 
-    async def _send_result(self, result: Path, fmt: str, reports: "_Reports") -> None:
-        """Sends ``result`` in pieces of RESULT_PIECE_BYTES; a new leader that adopts the job
-        meanwhile holds none of the pieces sent before, so the pieces start again from the
-        first for it. Raises RuntimeError when no control plane takes them."""
-        data = await trio.to_thread.run_sync(result.read_bytes)
+    async def _report_end(self, ok: bool, message: str, delivered: "_Delivered | None", reports: "_Reports") -> None:
+        """Reports the job's end. A leader that adopted the job after its result went to
+        another holds none of it, so it is sent the result again first. Raises _ReportsLost
+        (no control plane took the end) or RuntimeError (none took the result)."""
+        while True:
+            async def finish(reporter: Any) -> None:
+                if delivered is not None and reports.generation != delivered.generation:
+                    raise _Restart
+                await reporter.finished(ok, message)
+
+            try:
+                await reports.call(finish)
+                return
+            except _Restart:
+                assert delivered is not None
+                log.info("training job %s: sending its result again, to the control plane that adopted it",
+                         reports.job_id)
+                delivered = await self._send_result(delivered.data, delivered.fmt, reports)
+
+    async def _send_result(self, data: bytes, fmt: str, reports: "_Reports") -> "_Delivered":
+        """Sends the result ``data`` in pieces of RESULT_PIECE_BYTES and returns what went to
+        which reporter. A new leader that adopts the job meanwhile holds none of the pieces
+        sent before, so the pieces start again from the first for it. Raises RuntimeError when
+        no control plane takes them."""
         digest = hashlib.sha256(data).hexdigest()
         while True:
             generation = reports.generation
@@ -243,9 +264,18 @@ class JobRunner:
                 continue
             except _ReportsLost as exc:
                 raise RuntimeError(f"the result could not be sent: {exc}") from None
-            break
-        log.info("training job %s: sent its %s result (%d bytes, sha256 %s)", reports.job_id, fmt, len(data),
-                 digest[:12])
+            log.info("training job %s: sent its %s result (%d bytes, sha256 %s)", reports.job_id, fmt, len(data),
+                     digest[:12])
+            return _Delivered(data, fmt, generation)
+
+
+@attrs.frozen
+class _Delivered:
+    """A job's result and the reports' generation (:attr:`_Reports.generation`) it all went to."""
+
+    data: bytes = attrs.field(repr=lambda d: f"<{len(d)} bytes>")
+    fmt: str
+    generation: int
 
 
 class _Restart(Exception):
