@@ -33,10 +33,9 @@ import trio
 from llmgw.node.install import llamacpp
 from llmgw.node.install.python_env import default_root
 from llmgw.node.ports import free_port
-from llmgw.node.training.gguf import convert_adapter_to_gguf, find_llamacpp_sdist
+from llmgw.node.training.gguf import convert_adapter_to_gguf
 from llmgw.node.training.overlay import install_overlay, overlay_env
 from llmgw.node.training.run import TRAINER_SCRIPT, TrainerConfig, TrainResult, run_trainer
-from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
 
 pytestmark = pytest.mark.system
@@ -67,11 +66,11 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+def setup(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Setup:
     python = Path(vllm_python())
     overlay = install_overlay(python, default_root(), lambda what: print(f"training overlay: {what}", file=sys.stderr))
     root = tmp_path_factory.mktemp("training")
-    model = write_tiny_model(str(python), root / "model")
+    model = tiny_model
     pairs = root / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"what is the capital of {country}", "completion": ANSWER}) + "\n"
                              for country in COUNTRIES))
@@ -193,41 +192,18 @@ def test_sigterm_stops_the_trainer_at_its_next_step_with_143_and_no_adapter(setu
     assert not config.output_dir.exists() and not list(setup.root.glob(".terminated.partial-*"))
 
 
-def convert_base_model(python: Path, sdist: Path, model: Path, out: Path) -> Path:
-    """Converts the tiny model to GGUF with the sdist's convert_hf_to_gguf.py.
-
-    Its tokenizer was trained for the test, so the converter does not know its
-    pre-tokenizer by hash and refuses it; it is GPT-2's byte-level one, which the
-    converter is told here.
-    """
-    script = ("import sys\n"
-              "sys.path.insert(0, sys.argv[1])\n"
-              "import convert_hf_to_gguf\n"
-              "from conversion import base\n"
-              "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-              "sys.argv = ['convert_hf_to_gguf.py', sys.argv[2], '--outfile', sys.argv[3], '--outtype', 'f32']\n"
-              "convert_hf_to_gguf.main()\n")
-    env = {**os.environ, "PYTHONPATH": str(sdist / "gguf-py"), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([str(python), "-c", script, str(sdist), str(model), str(out)], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
-
-
 @pytest.fixture
-def llama_server(setup: Setup, trained: tuple[TrainResult, list[dict[str, Any]]]) -> Iterator[str]:
+def llama_server(setup: Setup, trained: tuple[TrainResult, list[dict[str, Any]]], llamacpp_sdist: Path,
+                 tiny_gguf: Path) -> Iterator[str]:
     """A llama-server serving the tiny model with the trained adapter as GGUF; yields its URL."""
     installed = llamacpp.find_installed()
     if installed is None:
         pytest.fail("llama-server is not installed: run `python -m llmgw.node.install.llamacpp` (make test does)")
-    # Where llama-server came from a release archive, the source tree with the converters is
-    # fetched as a node fetches it for a job (the pinned sdist from the package index).
-    sdist = find_llamacpp_sdist() or trio.run(llamacpp.fetch_sdist, llamacpp.default_root())
     adapter = convert_adapter_to_gguf(setup.python, trained[0].adapter_dir, setup.model, setup.root / "adapter.gguf",
-                                      sdist)
+                                      llamacpp_sdist)
     assert adapter.stat().st_size > 0 and adapter.read_bytes()[:4] == b"GGUF"
     assert not list(setup.root.glob(".adapter.gguf.partial-*"))
-    model = convert_base_model(setup.python, sdist, setup.model, setup.root / "model.gguf")
+    model = tiny_gguf
     port = free_port("127.0.0.1")
     log = open(setup.root / "llama-server.log", "wb")
     server = subprocess.Popen([str(installed.binary), "-m", str(model), "--lora", str(adapter), "--host", "127.0.0.1",

@@ -27,11 +27,7 @@ import trio
 
 from llmgw.node.engines.vllm import VllmEngine
 from llmgw.node.install import llamacpp, python_env
-from llmgw.node.install.llamacpp import fetch_sdist
-from llmgw.node.training.gguf import find_llamacpp_sdist
 from llmgw.node.training.overlay import find_overlay, install_overlay
-from llmgw.testing.hf_model import write_tiny_model
-from tests.engines.test_training import convert_base_model
 from tests.engines.test_training_e2e import ended, trainers, write_pairs
 from tests.system.harness import WAIT, Cluster, eventually
 from tests.system.test_least_privilege import NODE, PYTHON, USER, agent_proc, capabilities, join, root  # noqa: F401 - root is a fixture
@@ -63,20 +59,17 @@ def stage_vllm(engines: Path) -> Path:
     return staged / "bin" / "python"
 
 
-async def test_a_training_job_runs_as_the_engines_user(root: Path) -> None:
-    real_python = VllmEngine().python()
+async def test_a_training_job_runs_as_the_engines_user(root: Path, tiny_model: Path, tiny_gguf: Path,
+                                                       llamacpp_sdist: Path) -> None:
     stage = root / "stage"
     engines, xdg = stage / "engines", stage / "xdg"
-    python = stage_vllm(engines)
-    overlay = find_overlay() or await trio.to_thread.run_sync(install_overlay, Path(real_python))
+    stage_vllm(engines)
+    overlay = find_overlay() or await trio.to_thread.run_sync(install_overlay, Path(VllmEngine().python()))
     hard_link_tree(overlay, engines / overlay.relative_to(python_env.default_root()))
-    sdist = find_llamacpp_sdist() or await fetch_sdist(llamacpp.default_root())
-    tree = next(p for p in sdist.parents if (p / llamacpp.SRC_MARKER).is_file())  # the unpacked sdist, marked
+    tree = next(p for p in llamacpp_sdist.parents if (p / llamacpp.SRC_MARKER).is_file())  # the unpacked sdist
     hard_link_tree(tree, xdg / "llmgw" / "engines" / "llama.cpp" / tree.relative_to(llamacpp.default_root()))
-    model = write_tiny_model(str(python), stage / "model")  # written by the staged environment: it works
-    for path in model.iterdir():  # safetensors writes 0600: weights at a local path must be the engines' to read
-        path.chmod(0o644)
-    gguf = convert_base_model(Path(real_python), sdist, model, stage / "tiny.gguf")
+    # The shared model is readable by every user: weights at a local path must be the engines' to read.
+    model, gguf = tiny_model, tiny_gguf
     pairs = write_pairs(stage / "pairs.jsonl")
 
     async with Cluster(root) as cluster:

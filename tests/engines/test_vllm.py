@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from llmgw.node.engines.vllm import parse_vllm_output
-from llmgw.testing.hf_model import write_tiny_lora, write_tiny_model
+from llmgw.testing.hf_model import write_tiny_lora
 from tests.engines import vllm_python
 from tests.system.harness import Cluster, engine_auth, engines_under, eventually, iter_replicas, ready_replicas
 
@@ -49,10 +49,10 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Served]:
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm")
-    model_dir = write_tiny_model(python, root / "model")
+    model_dir = tiny_model
     lora_a = write_tiny_lora(python, model_dir, root / "lora-a", seed=1)
     lora_b = write_tiny_lora(python, model_dir, root / "lora-b", seed=2)  # other weights: another answer
     cluster = Cluster(root / "cluster")

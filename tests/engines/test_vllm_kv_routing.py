@@ -23,8 +23,6 @@ import trio
 
 from llmgw.node.engines.vllm import CPU_BLOCK_SIZE
 from llmgw.router.kvrouting import ALARM_TEXT
-from llmgw.testing.hf_model import write_tiny_model
-from tests.engines import vllm_python
 from tests.system.harness import Cluster, engine_auth, eventually, iter_replicas, metric_sum, ready_replicas
 
 pytestmark = pytest.mark.system
@@ -36,10 +34,9 @@ SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(f"rule {i}: answer br
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path]]:
-    python = vllm_python()
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[tuple[Cluster, Path]]:
     root = tmp_path_factory.mktemp("vllm-kv")
-    model_dir = write_tiny_model(python, root / "model")
+    model_dir = tiny_model
     # A short agreement window and alarm threshold: the alarm test needs only a few requests.
     c = Cluster(root / "cluster", extra={"routing": {"agreement_window": 3, "mismatch_alarm_after": 2}})
     try:
