@@ -17,7 +17,7 @@ import logging
 import math
 import tarfile
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
@@ -49,19 +49,24 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
         def note(message: str) -> None:
             on_event(json.dumps({"event": "agent", "message": message}))
 
+        async def install(request: dict[str, str], writes: Path, what: str,
+                          here: Callable[[], Awaitable[Path]]) -> Path:
+            """Runs the install ``request`` as the engines' user, like every engine install
+            (llmgw/node/install/as_user.py), or ``here()`` where engines run as the agent."""
+            if not engine_user:
+                return await here()
+            return Path(await run_as_engine_user(request, user_name=engine_user, home=engine_home, writes=(writes,),
+                                                 progress=note, what=what))
+
         python = await trio.to_thread.run_sync(vllm_python)  # FileNotFoundError says how to install it
         overlay = (await trio.to_thread.run_sync(find_overlay, engines_root)
                    or await trio.to_thread.run_sync(find_overlay, default_root()))  # one `make test` installed
         if overlay is None:
             note("installing the training overlay (peft, accelerate; once per node)")
-            if engine_user:  # as the engines' user, like every engine install (llmgw/node/install/as_user.py)
-                overlay = Path(await run_as_engine_user(
-                    {"action": "overlay", "python": str(python), "root": str(engines_root)}, user_name=engine_user,
-                    home=engine_home, writes=(engines_root / OVERLAY_SUBDIR,), progress=note,
-                    what="installing the training overlay"))
-            else:
-                overlay = await trio.to_thread.run_sync(lambda: install_overlay(python, engines_root, note),
-                                                        abandon_on_cancel=False)
+            overlay = await install(
+                {"action": "overlay", "python": str(python), "root": str(engines_root)}, engines_root / OVERLAY_SUBDIR,
+                "installing the training overlay",
+                lambda: trio.to_thread.run_sync(lambda: install_overlay(python, engines_root, note)))
         weights = await fetch_weights(spec.weights, fetch, note, what="training weights")
         user = await trio.to_thread.run_sync(resolve, engine_user) if engine_user else None
         # What engines inherit (nothing of the agent's own secrets), and only the card placement chose.
@@ -81,20 +86,15 @@ def make_train(*, engines_root: Path, llamacpp_cache: Path, fetch: FetchSettings
         )
         result = await run_trainer(config, python=python, overlay=overlay, workdir=workdir / "trainer",
                                    on_event=lambda event: on_event(json.dumps(event, sort_keys=True)),
-                                   user=engine_user or None, env=env)
+                                   user=user, env=env)
         if spec.gguf:
             sdist = await trio.to_thread.run_sync(lambda: find_llamacpp_sdist([llamacpp_cache])
                                                   or find_llamacpp_sdist())
             if sdist is None:  # llama-server came from a release archive, or agent.yaml names one
                 note("fetching the llama.cpp source tree (its convert_lora_to_gguf.py converts the adapter)")
                 try:
-                    if engine_user:
-                        sdist = Path(await run_as_engine_user(
-                            {"action": "sdist", "cache": str(llamacpp_cache)}, user_name=engine_user,
-                            home=engine_home, writes=(llamacpp_cache,), progress=note,
-                            what="fetching the llama.cpp source tree"))
-                    else:
-                        sdist = await fetch_sdist(llamacpp_cache, note)
+                    sdist = await install({"action": "sdist", "cache": str(llamacpp_cache)}, llamacpp_cache,
+                                          "fetching the llama.cpp source tree", lambda: fetch_sdist(llamacpp_cache, note))
                 except InstallError as exc:
                     raise RuntimeError(f"the adapter cannot be converted to GGUF for llama.cpp: {exc}") from None
             out = workdir / "adapter.gguf"

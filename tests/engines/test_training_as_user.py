@@ -45,9 +45,8 @@ def hard_link_tree(source: Path, target: Path) -> None:
         pytest.skip(f"cannot hard-link {source} to {target} ({done.stderr.strip()}): staging would copy gigabytes")
 
 
-def stage_vllm(engines: Path) -> Path:
-    """Stages the vLLM environment under ``engines`` (an engines root) on :data:`PYTHON`;
-    returns the staged interpreter."""
+def stage_vllm(engines: Path) -> None:
+    """Stages the vLLM environment under ``engines`` (an engines root) on :data:`PYTHON`."""
     real = Path(VllmEngine().python()).parent.parent
     staged = engines / "vllm" / real.name
     subprocess.run([str(PYTHON), "-m", "venv", "--without-pip", str(staged)], check=True, timeout=WAIT)
@@ -56,7 +55,6 @@ def stage_vllm(engines: Path) -> Path:
     hard_link_tree(real / site, staged / site)
     for name in (python_env.MARKER, python_env.ENV_LOCK_COPY):  # what makes it count as installed
         shutil.copy2(real / name, staged / name)
-    return staged / "bin" / "python"
 
 
 async def test_a_training_job_runs_as_the_engines_user(root: Path, tiny_model: Path, tiny_gguf: Path,

@@ -85,6 +85,17 @@ async def training(cluster: Cluster, job_id: str) -> dict[str, Any]:
     return await eventually(stepping, f"training job {job_id} to report a step", timeout=TRAIN_TIMEOUT)
 
 
+async def ask(cluster: Cluster, model: str, question: str) -> Any:
+    """Returns the gateway's chat completion (four tokens, greedy) of ``question`` to ``model``."""
+    client = openai.AsyncOpenAI(base_url=f"{cluster.gateway}/v1", api_key="unused", max_retries=0,
+                                timeout=REQUEST_TIMEOUT)
+    try:
+        return await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0)
+    finally:
+        await client.close()
+
+
 def trainers() -> list[psutil.Process]:
     """The trainer processes on this machine (llmgw/node/training/trainer.py)."""
     found = []
@@ -134,15 +145,8 @@ async def test_a_job_trains_an_adapter_that_a_vllm_replica_serves_through_the_ga
         # The node fetched the adapter from the control plane over its session.
         assert any(cluster.root.rglob(f"jobs/{job['id']}/adapter_config.json"))
 
-        client = openai.AsyncOpenAI(base_url=f"{cluster.gateway}/v1", api_key="unused", max_retries=0,
-                                    timeout=REQUEST_TIMEOUT)
-        try:
-            chat = await client.chat.completions.create(
-                model="tiny-qa", messages=[{"role": "user", "content": "what is the capital of France"}],
-                max_tokens=4, temperature=0)
-            assert chat.model == "tiny-qa" and chat.usage is not None and chat.usage.completion_tokens >= 1
-        finally:
-            await client.close()
+        chat = await ask(cluster, "tiny-qa", "what is the capital of France")
+        assert chat.model == "tiny-qa" and chat.usage is not None and chat.usage.completion_tokens >= 1
 
 
 async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_loads(tiny: Tiny, tiny_gguf: Path,
@@ -175,15 +179,8 @@ async def test_a_job_for_a_llamacpp_model_gives_a_gguf_adapter_llama_server_load
         lora = cmdline[cmdline.index("--lora") + 1]
         assert lora.endswith(f"jobs/{job['id']}/adapter.gguf"), cmdline
 
-        client = openai.AsyncOpenAI(base_url=f"{cluster.gateway}/v1", api_key="unused", max_retries=0,
-                                    timeout=REQUEST_TIMEOUT)
-        try:
-            chat = await client.chat.completions.create(
-                model="tiny-gguf-qa", messages=[{"role": "user", "content": "what is the capital of Peru"}],
-                max_tokens=4, temperature=0)
-            assert chat.choices and chat.usage is not None and chat.usage.completion_tokens >= 1
-        finally:
-            await client.close()
+        chat = await ask(cluster, "tiny-gguf-qa", "what is the capital of Peru")
+        assert chat.choices and chat.usage is not None and chat.usage.completion_tokens >= 1
 
 
 async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tiny: Tiny, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.node.install import InstallError, InstallSettings, SimInstaller
+from llmgw.node.engines import PACKAGE_ROOT
 from llmgw.node.install import as_user
 from llmgw.node.install.llamacpp import LlamaCppInstaller
 
@@ -35,7 +36,7 @@ def test_the_child_gets_what_installs_need_and_none_of_the_agents_secrets(tmp_pa
         k: agent[k] for k in ("PATH", "HTTPS_PROXY", "no_proxy", "PIP_INDEX_URL", "SSL_CERT_FILE")}
     assert not {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "LLMGW_ADMIN_KEY"} & set(env)
     assert env["HOME"] == str(tmp_path) and env["TMPDIR"] == str(tmp_path / "tmp")
-    assert env["PYTHONPATH"].split(":") == [as_user.PACKAGE_ROOT, "/site"]
+    assert env["PYTHONPATH"].split(":") == [PACKAGE_ROOT, "/site"]
 
 
 def test_only_installers_that_write_are_wrapped(tmp_path: Path) -> None:
@@ -57,7 +58,7 @@ async def test_a_missing_engines_user_fails_the_install_and_hands_nothing_over(t
 
 
 def _child(request: object, home: Path) -> tuple[int, list[dict]]:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": as_user.PACKAGE_ROOT, as_user.REQUEST_ENV: json.dumps(request),
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": PACKAGE_ROOT, as_user.REQUEST_ENV: json.dumps(request),
            "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}  # no engine of this machine's is found
     done = subprocess.run([sys.executable, "-m", "llmgw.node.install.as_user"], capture_output=True, text=True,
                           env=env, timeout=60)

@@ -24,7 +24,7 @@ import trio
 from llmgw.config import AgentConfig
 from llmgw.node import engine_user, markers
 from llmgw.node.discovery import cpu_flags, os_name
-from llmgw.node.engines import PACKAGE_ROOT
+from llmgw.node.engines import llmgw_pythonpath
 from llmgw.node.doctor.checks import ControlPlaneProbe, EngineProbe, EngineUserFacts, NodeFacts
 from llmgw.node.gpus.discover import import_pynvml, read_gpu_inventory
 from llmgw.node.gpus.inventory import GpuInventory
@@ -226,7 +226,7 @@ def _engine_user(config: AgentConfig, has_gpus: bool) -> EngineUserFacts:
 def _python_problem(user: engine_user.EngineUser) -> str:
     """Why ``user`` cannot import llmgw with this Python ("" when it can), tried as that user
     the way the agent starts the simulator and installs."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": PACKAGE_ROOT}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": llmgw_pythonpath()}
     try:
         done = subprocess.run([sys.executable, "-c", "import llmgw"], capture_output=True, text=True, env=env, cwd="/",
                               timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL,

@@ -52,6 +52,13 @@ ENGINE_PATH = str(Path(__file__).resolve().with_name("engine_path"))
 #: very llmgw even where it runs from a source tree (``llmgw up``, the tests).
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 
+
+def llmgw_pythonpath(*more: str, environ: Mapping[str, str] | None = None) -> str:
+    """Returns the PYTHONPATH of a process the agent runs as ``python -m llmgw...``:
+    :data:`PACKAGE_ROOT`, then ``more``, then what ``environ`` (default: the agent's) has."""
+    inherited = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+    return os.pathsep.join([PACKAGE_ROOT, *more] + ([inherited] if inherited else []))
+
 class EngineRefused(ValueError):
     """A shard's args or env contain something the node refuses to run."""
 

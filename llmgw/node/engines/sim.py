@@ -12,12 +12,11 @@ wins (it breaks precise routing: useful to test the router's hash-agreement alar
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import sys
 
 from llmgw import kvhash
 from llmgw.catalog.engine_options import NO_KV_EVENTS_OPTION, llmgw_options, option_name, option_value
-from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, PACKAGE_ROOT, check_refused, cuda_env
+from llmgw.node.engines import DEFAULT_HEALTH_PATH, ENGINE_PATH, check_refused, cuda_env, llmgw_pythonpath
 from llmgw.node.engines.load import VLLM_METRICS, InFlightProbe
 from llmgw.node.kvevents import KvEventsConfig
 from llmgw.spec import ENGINE_BUILT_IN, EngineInfo, ShardSpec
@@ -109,10 +108,8 @@ class SimEngine:
     def env(self, spec: ShardSpec) -> dict[str, str]:
         """Returns the profile's env plus unbuffered output and a PYTHONPATH that finds llmgw
         (and the engine path's ``llmgw_undumpable``)."""
-        inherited = os.environ.get("PYTHONPATH", "")
-        pythonpath = os.pathsep.join([PACKAGE_ROOT, ENGINE_PATH] + ([inherited] if inherited else []))
         gpus = cuda_env(spec) if spec.gpus else {}  # as a real engine would get them (tests read them back)
-        return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **gpus, **spec.env}
+        return {"PYTHONUNBUFFERED": "1", "PYTHONPATH": llmgw_pythonpath(ENGINE_PATH), **gpus, **spec.env}
 
     def check_args(self, spec: ShardSpec) -> None:
         """Raises :class:`~llmgw.node.engines.EngineRefused` for refused args/env."""

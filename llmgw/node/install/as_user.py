@@ -39,7 +39,7 @@ import trio
 
 from llmgw.node.child import run_reporting_child
 from llmgw.node.engine_user import EngineUserError, hand_over, home_env, prepare_home, resolve
-from llmgw.node.engines import PACKAGE_ROOT, base_environment
+from llmgw.node.engines import base_environment, llmgw_pythonpath
 from llmgw.node.install import InstallError, Installer, InstallSettings, Progress
 from llmgw.spec import EngineInfo
 from llmgw.trioutil import unwrap_single_group
@@ -84,8 +84,7 @@ def child_environment(home: Path, environ: Mapping[str, str] | None = None) -> d
     env.update({key: value for key, value in environ.items()
                 if any(fnmatch.fnmatchcase(key, pattern) for pattern in INSTALL_ENV)})
     env.update(home_env(home))
-    inherited = environ.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT] + ([inherited] if inherited else []))
+    env["PYTHONPATH"] = llmgw_pythonpath(environ=environ)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

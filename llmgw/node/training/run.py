@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import attrs
 import trio
 
-from llmgw.node.engine_user import EngineUserError, resolve
+from llmgw.node.engine_user import EngineUser
 from llmgw.node.child import MAX_LINE, run_reporting_child
 from llmgw.node.process import describe_exit
 from llmgw.node.training.overlay import overlay_env
@@ -191,7 +191,7 @@ async def run_trainer(
     overlay: Path,
     workdir: Path,
     on_event: Callable[[dict[str, Any]], None],
-    user: str | None = None,
+    user: EngineUser | None = None,
     env: Mapping[str, str] | None = None,
 ) -> TrainResult:
     """Runs the trainer on ``config`` and returns the result once the adapter is in
@@ -202,16 +202,16 @@ async def run_trainer(
     config file (:data:`CONFIG_NAME`), created if missing, the trainer's working directory.
     ``on_event`` is called with every event (a dict, see
     :mod:`llmgw.node.training.trainer`) as it is printed; it must be cheap, and an exception
-    from it stops the trainer (as a cancellation does) and propagates. ``user``: the name
-    of the user to run the trainer as (:func:`llmgw.node.engine_user.resolve`; None or "":
-    as this process); that user must be able to read the model and pairs and write
+    from it stops the trainer (as a cancellation does) and propagates. ``user``: who runs the
+    trainer (:func:`llmgw.node.engine_user.resolve`; None: this process's user); that user
+    must be able to read the model and pairs and write
     ``workdir`` and the output's parent. ``env``: the trainer's environment (default: this
     process's); ``PYTHONPATH`` is replaced by the overlay, and
     :data:`~llmgw.node.training.trainer.QUIET_ENV` fills what it does not set. For an
     engines' user, pass :func:`llmgw.node.engine_user.home_env` of its prepared home in it.
 
     Raises :class:`TrainingError` when the output directory exists and is not empty
-    (before starting anything), the user cannot be used, the trainer cannot start, exits
+    (before starting anything), the trainer cannot start, exits
     non-zero (its ``error`` event's message, or its last stderr lines), or exits 0
     without a ``done`` event. Cancellation stops the trainer's whole process group
     (SIGTERM, SIGKILL after :data:`STOP_GRACE`) and waits for it, then propagates. On any
@@ -222,12 +222,6 @@ async def run_trainer(
     if output_taken(output):
         raise TrainingError(f"output_dir {output} already exists and is not empty: choose a new directory")
     output_existed = output.exists()
-    engine_user = None
-    if user:
-        try:
-            engine_user = await trio.to_thread.run_sync(resolve, user)
-        except EngineUserError as exc:
-            raise TrainingError(str(exc)) from None
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / CONFIG_NAME
     config_path.write_text(json.dumps(config.to_json(), indent=2) + "\n")
@@ -253,7 +247,7 @@ async def run_trainer(
         try:
             ended = await run_reporting_child(
                 [str(python), str(TRAINER_SCRIPT), str(config_path)], env=child_env, cwd=workdir,
-                on_stdout=on_stdout, stop_grace=STOP_GRACE, user=engine_user, stderr_lines=STDERR_LINES,
+                on_stdout=on_stdout, stop_grace=STOP_GRACE, user=user, stderr_lines=STDERR_LINES,
                 on_start=pids.append)
         except OSError as exc:
             raise TrainingError(f"cannot start the trainer with {python}: {exc}") from None
