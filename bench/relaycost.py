@@ -1,6 +1,6 @@
 """What one relayed stream costs llmgw's gateway, counted rather than timed.
 
-``python -m bench.relaycost [--seconds 5] [--streams 16] [--profile]``
+``python -m bench.relaycost [--seconds 5] [--streams 16] [--requests C] [--profile]``
 
 Starts four fast engines (``bench/fastengine.c``: chunked SSE, one token per millisecond) and
 llmgw's router alone in its own process (as ``bench.gateway`` does), runs ``--streams`` paced
@@ -9,7 +9,8 @@ the streams served, the gateway's CPU per stream (psutil, user + system), TTFT a
 with ``--profile`` the gateway runs under cProfile and the report adds what wall-clock noise on
 a shared machine hides: Python function calls, socket reads and socket writes per stream and
 per event (exact counts, comparable between two versions of the gateway), and the functions
-with the most time of their own.
+with the most time of their own. ``--requests C`` counts non-streaming requests instead: ``wrk``
+at concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from llmgw.sim.launch import free_tcp_port
 #: Engines behind the gateway (as bench.gateway runs them).
 REPLICAS = 4
 #: Functions listed in the report, by time of their own.
-TOP_FUNCTIONS = 15
+TOP_FUNCTIONS = 40
 
 
-def run(seconds: float, streams: int, profile: bool) -> dict[str, Any]:
-    """Runs the streams through a fresh gateway; returns the report (see the module docstring)."""
+def run(seconds: float, streams: int, profile: bool, requests: int = 0) -> dict[str, Any]:
+    """Runs the streams (or, with ``requests``, wrk at that concurrency) through a fresh gateway;
+    returns the report (see the module docstring)."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-relaycost-"))
     fleet = gw.Fleet(work)
     stats_path = work / "gateway.prof"
@@ -50,13 +52,17 @@ def run(seconds: float, streams: int, profile: bool) -> dict[str, Any]:
         gw._wait_port(port, proc, gw.START_TIMEOUT_S, lambda: gw._http_ok(port, gw.CHAT_BODY))
         gateway = psutil.Process(proc.pid)
         before = gateway.cpu_times()
-        figures = gw.run_streams([(gw.HOST, port)], streams, seconds)
+        if requests:
+            figures = {**gw.run_wrk(fleet, [(gw.HOST, port)], requests, seconds), "events_per_stream": 1.0}
+        else:
+            figures = gw.run_streams([(gw.HOST, port)], streams, seconds)
         after = gateway.cpu_times()
         fleet.stop(proc)  # SIGTERM: the gateway returns, and cProfile writes its file
         cpu_s = (after.user + after.system) - (before.user + before.system)
         served = max(int(figures["requests"]), 1)
-        report: dict[str, Any] = {"streams": streams, "seconds": seconds, **figures,
-                                  "gateway_cpu_ms_per_stream": 1000 * cpu_s / served}
+        unit = "request" if requests else "stream"
+        report: dict[str, Any] = {("concurrency" if requests else "streams"): requests or streams,
+                                  "seconds": seconds, **figures, f"gateway_cpu_ms_per_{unit}": 1000 * cpu_s / served}
         if profile:
             report["profile"] = _profile(stats_path, served, figures["events_per_stream"])
         return report
@@ -88,9 +94,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.relaycost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of streaming (default 5)")
     parser.add_argument("--streams", type=int, default=gw.STREAM_CONCURRENCY, help="concurrent streams")
+    parser.add_argument("--requests", type=int, default=0, metavar="C",
+                        help="count non-streaming requests instead, wrk at concurrency C")
     parser.add_argument("--profile", action="store_true", help="run the gateway under cProfile and count")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.seconds, args.streams, args.profile), indent=1))
+    print(json.dumps(run(args.seconds, args.streams, args.profile, args.requests), indent=1))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import attrs
 import httpx
@@ -45,8 +45,10 @@ from .errors import GatewayError
 from .http.cleanup import RequestCleanup, request_stack
 from .http.drain import StreamCut, StreamCuts
 from .http.extensions import REQUEST_ID_KEY
-from .http.forward import FastForward, ForwardCall, ForwardResult
-from .http.upstream import UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error
+from .http.forward import BodySink, FastForward, ForwardCall, ForwardResult
+from .http.upstream import (
+    BodyReader, UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error,
+)
 from .http.upstream_pool import H1Response
 from .kvindex import KvIndex
 from .kvrouting import make_policy
@@ -353,8 +355,8 @@ class Gateway:
     async def forward(self, call: ForwardCall) -> ForwardResult:
         """Serve one forwarded request; return (status, headers, body) (see the module docstring).
 
-        The body is bytes, or for an event stream an async iterator of chunks that
-        releases the replica's lease when it ends or is closed (the caller must close it).
+        The body is bytes, or for an event stream a :class:`_StreamRelay` that releases the
+        replica's lease when it ends or is closed (the caller must pump or close it).
 
         The request passes the stages in order, each a method below: :meth:`_resolve`
         (key 401, ``serving.stopped`` 503, size 413, body 400, the tenant's models 403,
@@ -512,8 +514,8 @@ class Gateway:
         """Return (status, headers, body) for the replica's answer ``upstream``.
 
         A whole body is read under the upstream deadlines, then the lease is released, the
-        response closed and the request accounted; an event stream is returned as an
-        iterator that does all three when it ends (:func:`_relay_stream`). Raises
+        response closed and the request accounted; an event stream is returned as a
+        :class:`_StreamRelay` that does all three when it ends. Raises
         GatewayError 504/502 if a whole body cannot be read.
         """
         lease = forwarded.lease
@@ -525,8 +527,8 @@ class Gateway:
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
             # Under the deadlines, cut by a stopping gateway's grace running out.
-            chunks = self.upstream_client().iter_body(upstream, lease.replica_id, self.streams)
-            return upstream.status_code, headers, _relay_stream(upstream, forwarded, chunks)
+            reader = self.upstream_client().body_reader(upstream, lease.replica_id, self.streams)
+            return upstream.status_code, headers, _StreamRelay(upstream, forwarded, reader)
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
@@ -611,53 +613,75 @@ def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]
     return json.dumps(changed).encode(), True
 
 
-async def _relay_stream(upstream: H1Response, forwarded: _Request, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Yield the upstream body's bytes as they arrive; at the end release the request's
-    lease, close ``upstream`` and account the request.
+class _StreamRelay:
+    """An engine's event stream on its way to the client (a
+    :class:`~llmgw.router.http.forward.StreamedBody`).
+
+    :meth:`pump` relays the upstream body piece by piece as it arrives, in one loop: read
+    (under the deadlines), note the first token, watch for usage, hand to the sink. At the
+    end, however it ends, the request's lease is released, ``upstream`` closed and the
+    request accounted (:meth:`aclose` does the same if the pump never ran).
 
     If the replica breaks the stream (closes it early, goes silent past the read
-    deadline), or the stopping gateway cuts it (``body`` raises StreamCut: its shutdown
-    grace ran out), the client gets one final SSE event ``data: {"error": {...}}`` (which OpenAI
-    clients raise as an error) and the stream's end instead of a silently truncated
+    deadline), or the stopping gateway cuts it (the reader raises StreamCut: its shutdown
+    grace ran out), the client gets one final SSE event ``data: {"error": {...}}`` (which
+    OpenAI clients raise as an error) and the stream's end instead of a silently truncated
     answer. Cancellation (client gone) closes the upstream connection and propagates.
     """
-    watch = forwarded.stream
-    assert watch is not None  # set when admitted, before any answer
-    model = forwarded.info.model
-    lease = forwarded.lease
-    try:
+
+    __slots__ = ("_upstream", "_forwarded", "_reader", "_closed")
+
+    def __init__(self, upstream: H1Response, forwarded: _Request, reader: BodyReader) -> None:
+        self._upstream = upstream
+        self._forwarded = forwarded
+        self._reader = reader
+        self._closed = False
+
+    async def pump(self, sink: BodySink) -> None:
+        forwarded = self._forwarded
+        watch = forwarded.stream
+        assert watch is not None  # set when admitted, before any answer
+        reader = self._reader
+        send = sink.send_piece
         try:
-            async with contextlib.aclosing(body) as chunks:  # type: ignore[type-var]
-                first_token = lease.first_token if lease is not None else None
-                async for chunk in chunks:
-                    if first_token is not None:
-                        first_token()  # an engine's first chunk follows its prefill
-                        first_token = None
-                    out = watch.feed(chunk)
-                    if out:
-                        yield out
-        except httpx.TimeoutException as error:
-            failure = errors.upstream_timeout(model, describe_error(error))
-        except httpx.HTTPError as error:
-            failure = errors.upstream_failed(model, describe_error(error))
-        except StreamCut:
-            failure = errors.shutting_down(model)
-        else:
+            try:
+                piece = await reader.next()
+                lease = forwarded.lease
+                if piece and lease is not None:
+                    lease.first_token()  # an engine's first piece follows its prefill
+                while piece:
+                    out = watch.feed(piece)
+                    if out and (pending := send(out)) is not None:
+                        await pending
+                    piece = await reader.next()
+            except httpx.TimeoutException as error:
+                failure = errors.upstream_timeout(forwarded.info.model, describe_error(error))
+            except httpx.HTTPError as error:
+                failure = errors.upstream_failed(forwarded.info.model, describe_error(error))
+            except StreamCut:
+                failure = errors.shutting_down(forwarded.info.model)
+            else:
+                failure = None
             rest = watch.flush()
-            if rest:
-                yield rest
+            if failure is not None:
+                log.warning("request %s: stream ended early: %s", forwarded.call.request_id, failure.message)
+                rest += b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
+            if rest and (pending := send(rest)) is not None:
+                await pending
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
             return
-        rest = watch.flush()
-        if rest:
-            yield rest
-        log.warning("request %s: stream ended early: %s", forwarded.call.request_id, failure.message)
-        yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
-    finally:
+        self._closed = True
+        self._reader.close()
+        forwarded = self._forwarded
         lease = forwarded.lease
         if lease is not None:
             lease.release()
-        forwarded.account(watch.usage)
-        await close_quietly(upstream)
+        forwarded.account(forwarded.stream.usage if forwarded.stream is not None else None)
+        await close_quietly(self._upstream)
 
 
 def _parse_request(path: str, body: bytes) -> RequestInfo:

@@ -8,7 +8,9 @@ fills in (``"tenant"``, ``"model"``, ``"replica"``; absent keys are recorded as 
 
 * when the response ends: the request by model, tenant and status, and its duration;
 * for event streams (``text/event-stream``): the time to the first non-empty body chunk
-  and the gap between consecutive non-empty chunks.
+  and the gap between consecutive non-empty chunks, whether they go through ``send`` or
+  through the server's body sink (:data:`~llmgw.router.http.extensions.BODY_SINK_KEY`,
+  which it wraps).
 
 The status is the one sent to the client; 499 when the client went away (or the request
 was cancelled) before a response started, 500 when the app raised before starting one.
@@ -27,7 +29,8 @@ from typing import Any, Awaitable, Callable, MutableMapping
 
 import trio
 
-from .metrics import GatewayMetrics
+from .http.extensions import BODY_SINK_KEY
+from .metrics import ChunkGaps, GatewayMetrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -81,6 +84,9 @@ class Instrumentation:
             extensions = scope["extensions"] = {}
         extensions[LABELS_KEY] = labels
         watch = _ResponseWatch(self._metrics, labels, send)
+        sink = extensions.get(BODY_SINK_KEY)
+        if sink is not None:  # the server's own sink for streamed pieces: watched too
+            extensions[BODY_SINK_KEY] = _WatchedSink(watch, sink)
         trace = None
         if self._tracer is not None:
             trace = extensions[TRACE_KEY] = self._tracer.start_request(scope)
@@ -101,7 +107,7 @@ class Instrumentation:
 class _ResponseWatch:
     """Wraps ``send`` for one request and records what went out (see the module docstring)."""
 
-    __slots__ = ("_metrics", "_labels", "_send", "_start", "_status", "_stream", "_last", "_gap")
+    __slots__ = ("_metrics", "_labels", "_send", "_start", "_status", "_stream", "_last", "_gaps")
 
     def __init__(self, metrics: GatewayMetrics, labels: dict[str, str], send: Send) -> None:
         self._metrics = metrics
@@ -111,13 +117,13 @@ class _ResponseWatch:
         self._status = 0
         self._stream = False
         self._last = 0.0
-        self._gap: Callable[[float], None] | None = None
+        self._gaps: ChunkGaps | None = None
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.body":
             if self._stream and message.get("body"):
-                self._chunk(time.perf_counter())
+                self.chunk()
         elif kind == "http.response.start":
             self._status = message["status"]
             for name, value in message.get("headers", ()):
@@ -126,13 +132,18 @@ class _ResponseWatch:
                     break
         await self._send(message)
 
-    def _chunk(self, now: float) -> None:
-        if self._gap is None:
+    def chunk(self) -> None:
+        """Note one non-empty body chunk sent now (a no-op unless the response is an event stream)."""
+        if not self._stream:
+            return
+        now = time.perf_counter()
+        gaps = self._gaps
+        if gaps is None:
             model = self._labels.get("model", "")
             self._metrics.first_chunk(model, now - self._start)
-            self._gap = self._metrics.chunk_gap_observer(model)
+            self._gaps = self._metrics.chunk_gaps(model)
         else:
-            self._gap(now - self._last)
+            gaps.add(now - self._last)
         self._last = now
 
     def fail(self, status: int) -> None:
@@ -144,7 +155,23 @@ class _ResponseWatch:
         """Record the finished request; return the status recorded."""
         status = self._status or CLIENT_CLOSED_STATUS
         labels = self._labels
+        if self._gaps is not None:
+            self._gaps.flush()
         self._metrics.request_done(
             labels.get("model", ""), labels.get("tenant", ""), status, time.perf_counter() - self._start
         )
         return status
+
+
+class _WatchedSink:
+    """The server's body sink, noting each piece in the response's watch before it goes."""
+
+    __slots__ = ("_watch", "_sink")
+
+    def __init__(self, watch: _ResponseWatch, sink: Any) -> None:
+        self._watch = watch
+        self._sink = sink
+
+    def send_piece(self, body: bytes) -> Awaitable[None] | None:
+        self._watch.chunk()
+        return self._sink.send_piece(body)

@@ -33,6 +33,7 @@ ASGI middleware (:mod:`llmgw.router.instrument`)::
     metrics.request_done(model, tenant, status, seconds)   # one finished HTTP request
     metrics.first_chunk(model, seconds)                    # time to first body chunk of a stream
     metrics.chunk_gap(model, seconds)                      # gap between two body chunks of a stream
+    gaps = metrics.chunk_gaps(model); gaps.add(seconds); gaps.flush()   # the same, a stream's at once
 
 In-flight per replica is read at scrape time: pass ``in_flight_source`` (e.g. the
 gateway's ``LoadTracker.snapshot``) and the gauge can never drift from the load the
@@ -48,12 +49,14 @@ An empty tenant or model is recorded as ``""`` / ``"unknown"``. Tenants come fro
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from bisect import bisect_left
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llmgw.config.sections import ROUTING_POLICIES
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -134,11 +137,13 @@ class GatewayMetrics:
             "Time from request start to the first body chunk of a streamed response, by model.",
             ("model",), buckets=TTFT_BUCKETS, registry=r,
         )
-        self.chunk_gap_seconds = Histogram(
+        # Observed per event of every stream: counted per stream, added here when it ends.
+        self.chunk_gap_seconds = _BatchedHistogram(
             f"{PREFIX}_inter_chunk_seconds",
             "Gap between consecutive body chunks of a streamed response, by model.",
-            ("model",), buckets=CHUNK_GAP_BUCKETS, registry=r,
+            "model", CHUNK_GAP_BUCKETS,
         )
+        r.register(self.chunk_gap_seconds)
         r.register(_InFlightCollector(self._in_flight_counts))
         self.queued_gauge = Gauge(
             f"{PREFIX}_queued", "Requests waiting in admission queues, by tenant and model.",
@@ -415,11 +420,14 @@ class GatewayMetrics:
 
     def chunk_gap(self, model: str, seconds: float) -> None:
         """Record the gap between two body chunks of a streamed response."""
-        self.chunk_gap_seconds.labels(self.model_label(model)).observe(seconds)
+        gaps = self.chunk_gaps(model)
+        gaps.add(seconds)
+        gaps.flush()
 
-    def chunk_gap_observer(self, model: str) -> Callable[[float], None]:
-        """Return ``observe(seconds)`` for the chunk gaps of one stream (label looked up once)."""
-        return self.chunk_gap_seconds.labels(self.model_label(model)).observe
+    def chunk_gaps(self, model: str) -> ChunkGaps:
+        """Return the tally of one stream's chunk gaps: :meth:`ChunkGaps.add` per gap,
+        :meth:`ChunkGaps.flush` when the stream ends (before then, they are not exposed)."""
+        return self.chunk_gap_seconds.tally(self.model_label(model))
 
     def _in_flight_counts(self) -> dict[str, int]:
         """Return in-flight counts by replica, idle known replicas included with 0."""
@@ -478,6 +486,76 @@ class _KvIndexCollector(Collector):
 #: plane feeds them all) or that any worker may raise (the hash alarm): merged across
 #: workers by the largest value, not the sum (llmgw/router/workers/protocol.py).
 SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()} | {KV_HASH_ALARM})
+
+
+class ChunkGaps:
+    """One stream's observations of a :class:`_BatchedHistogram`, counted here (a bisect and
+    two additions each) and added to the histogram at :meth:`flush`.
+
+    A histogram's ``observe`` takes two locks and walks the buckets: at one observation per
+    relayed event, a measurable part of the gateway's CPU per event.
+    """
+
+    __slots__ = ("_owner", "_label", "_bounds", "_counts", "_sum")
+
+    def __init__(self, owner: _BatchedHistogram, label: str, bounds: Sequence[float]) -> None:
+        self._owner = owner
+        self._label = label
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def add(self, seconds: float) -> None:
+        """Count one observation."""
+        self._counts[bisect_left(self._bounds, seconds)] += 1
+        self._sum += seconds
+
+    def flush(self) -> None:
+        """Add what was counted since the last flush to the histogram."""
+        if any(self._counts):
+            self._owner.add(self._label, self._counts, self._sum)
+            self._counts = [0] * len(self._counts)
+            self._sum = 0.0
+
+
+class _BatchedHistogram(Collector):
+    """A histogram with one label whose observations arrive in batches (:class:`ChunkGaps`),
+    exposed as Prometheus exposes a ``Histogram``."""
+
+    def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._label = label
+        self._bounds = tuple(sorted(b for b in buckets if b != float("inf")))
+        self._series: dict[str, tuple[list[int], list[float]]] = {}  # label -> (counts per bucket, [sum])
+
+    def tally(self, label: str) -> ChunkGaps:
+        """Return a new :class:`ChunkGaps` for ``label``'s series."""
+        return ChunkGaps(self, label, self._bounds)
+
+    def add(self, label: str, counts: Sequence[int], total: float) -> None:
+        """Add ``counts`` (one per bucket, the last for +Inf) and their sum ``total``."""
+        series = self._series.get(label)
+        if series is None:
+            series = self._series[label] = ([0] * (len(self._bounds) + 1), [0.0])
+        mine = series[0]
+        for i, count in enumerate(counts):
+            mine[i] += count
+        series[1][0] += total
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=[self._label])]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=[self._label])
+        for label, (counts, total) in sorted(self._series.items()):
+            cumulative = 0
+            buckets = []
+            for bound, count in zip((*self._bounds, float("inf")), counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            family.add_metric([label], buckets, total[0])
+        yield family
 
 
 class _InFlightCollector(Collector):

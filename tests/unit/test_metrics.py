@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,14 +90,21 @@ def test_middleware_observations() -> None:
     metrics = GatewayMetrics()
     metrics.request_done("m", "t", 200, 0.2)
     metrics.first_chunk("m", 0.05)
-    observe = metrics.chunk_gap_observer("m")
-    observe(0.01)
+    gaps = metrics.chunk_gaps("m")
+    gaps.add(0.01)
+    gaps.add(0.5)
     metrics.chunk_gap("m", 0.02)
     got = samples(metrics)
     assert got[("llmgw_gateway_requests_total", (("model", "m"), ("status", "200"), ("tenant", "t")))] == 1
     assert got[("llmgw_gateway_request_duration_seconds_count", (("model", "m"),))] == 1
     assert got[("llmgw_gateway_time_to_first_token_seconds_count", (("model", "m"),))] == 1
-    assert got[("llmgw_gateway_inter_chunk_seconds_count", (("model", "m"),))] == 2
+    assert got[("llmgw_gateway_inter_chunk_seconds_count", (("model", "m"),))] == 1  # the stream's are not in yet
+    gaps.flush()
+    got = samples(metrics)
+    assert got[("llmgw_gateway_inter_chunk_seconds_count", (("model", "m"),))] == 3
+    assert got[("llmgw_gateway_inter_chunk_seconds_sum", (("model", "m"),))] == pytest.approx(0.53)
+    assert got[("llmgw_gateway_inter_chunk_seconds_bucket", (("le", "0.025"), ("model", "m")))] == 2
+    assert got[("llmgw_gateway_inter_chunk_seconds_bucket", (("le", "+Inf"), ("model", "m")))] == 3
 
 
 def test_buckets_span_milliseconds_to_minutes() -> None:

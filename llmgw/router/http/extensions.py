@@ -28,3 +28,11 @@ FAST_LANE_KEY = "llmgw.fast_lane"
 #: The request's id (str), set by :class:`~llmgw.router.http.forward.FastForward` on every
 #: HTTP request before anything else reads it (see :mod:`.request_id`).
 REQUEST_ID_KEY = "llmgw.request_id"
+
+#: Set by the lane on a request it serves: a
+#: :class:`~llmgw.router.http.forward.BodySink` that sends the pieces of a chunked
+#: response once ``http.response.start`` has gone (before that, and for a response with a
+#: content-length, it hands each piece to the lane's ASGI ``send``). Middlewares that
+#: watch the body wrap it (:class:`~llmgw.router.instrument.Instrumentation`). It saves a
+#: relayed stream the message dict and the layers of ``send`` per event.
+BODY_SINK_KEY = "llmgw.body_sink"

@@ -20,21 +20,56 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 import trio
 
 from .. import errors
 from ..admission import request_too_large
 from ..errors import GatewayError
-from .extensions import ON_CLOSE_KEY, REQUEST_ID_KEY, WHOLE_BODY_KEY
+from .extensions import BODY_SINK_KEY, ON_CLOSE_KEY, REQUEST_ID_KEY, WHOLE_BODY_KEY
 from .request_id import request_id_from
 
 log = logging.getLogger(__name__)
 
+
+class BodySink(Protocol):
+    """Where a streamed body's pieces go once the response has started."""
+
+    def send_piece(self, body: bytes) -> Awaitable[None] | None:
+        """Send ``body`` (non-empty, not the last) as the response's next piece.
+
+        Returns None when it went out at once, else an awaitable the caller must await
+        before the next piece (the rest of it is waiting for room on the connection).
+        Errors and cancellation are those of the ASGI ``send``.
+        """
+
+
+class StreamedBody(Protocol):
+    """A body relayed as it comes (an engine's event stream)."""
+
+    async def pump(self, sink: BodySink) -> None:
+        """Send the body's pieces to ``sink`` until it ends; release what it holds (once)."""
+
+    async def aclose(self) -> None:
+        """Release what the body holds if :meth:`pump` never ran (idempotent)."""
+
+
 #: What :meth:`Gateway.forward` returns: status, response headers, and the body (whole, or
-#: an async iterator of chunks to relay as they come, which the caller must close).
-ForwardResult = tuple[int, dict[str, str], "bytes | AsyncIterator[bytes]"]
+#: a :class:`StreamedBody` to relay as it comes, which the caller must close).
+ForwardResult = tuple[int, dict[str, str], "bytes | StreamedBody"]
+
+
+class _AsgiSink:
+    """A :class:`BodySink` over the ASGI ``send`` (for servers that offer none of their own)."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        self._send = send
+
+    def send_piece(self, body: bytes) -> Awaitable[None]:
+        return self._send({"type": "http.response.body", "body": body, "more_body": True})
 
 
 class ForwardCall:
@@ -170,15 +205,14 @@ class FastForward:
             return
         try:
             await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-            async for chunk in content:
-                if chunk:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # The server's own sink (the fast lane's: framing and a direct write per piece),
+            # as wrapped by the middlewares between (instrumentation), else the ASGI send.
+            sink = call.scope["extensions"].get(BODY_SINK_KEY) or _AsgiSink(send)
+            await content.pump(sink)
             await send({"type": "http.response.body", "body": b""})
         finally:
-            aclose = getattr(content, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
+            with trio.CancelScope(shield=True):
+                await content.aclose()
 
 
 def _header(scope: Mapping[str, Any], name: bytes) -> str | None:

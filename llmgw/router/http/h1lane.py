@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import re
 from http import HTTPStatus
-from typing import Any, Final
+from typing import Any, Awaitable, Final
 from urllib.parse import unquote
 
 import h11
@@ -52,7 +52,7 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 
 from . import eagerio
-from .extensions import FAST_LANE_KEY, ON_CLOSE_KEY, WHOLE_BODY_KEY
+from .extensions import BODY_SINK_KEY, FAST_LANE_KEY, ON_CLOSE_KEY, WHOLE_BODY_KEY
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +230,7 @@ class FastLaneProtocol(H11Protocol):
         await self.context.mark_request()
         await self.send(Updated(idle=False))
         exchange = self._exchange = _Exchange(self, scope)
+        scope["extensions"][BODY_SINK_KEY] = exchange
         self.task_group.spawn(exchange.run)
 
     async def write(self, data: bytes) -> None:
@@ -376,6 +377,27 @@ class _Exchange:
                 self.head = head
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r} in state {self.state}")
+
+    def send_piece(self, body: bytes) -> Awaitable[None] | None:
+        """Send ``body`` as the next piece of a chunked response (the lane's
+        :class:`~llmgw.router.http.forward.BodySink`).
+
+        Frames it and writes it at once (:func:`~.eagerio.try_send`), without the ASGI
+        message and its checks: returns None when the kernel took it all, else the
+        coroutine that writes the rest. Anything but a started chunked response with its
+        head gone goes through :meth:`send` (and its errors).
+        """
+        protocol = self.protocol
+        stream = protocol._stream
+        if self.state != _RESPONSE or not self.chunked or self.head is not None or stream is None:
+            return self.send({"type": "http.response.body", "body": body, "more_body": True})
+        if not body:
+            return None
+        data = b"%x\r\n%s\r\n" % (len(body), body)
+        sent = eagerio.try_send(stream, data)
+        if sent == len(data):
+            return None
+        return protocol.write(data[sent:] if sent else data)  # no room: wait for it (or for the close)
 
     def _head(self, status: int, headers: Any) -> bytes:
         """Return the response head, and set the framing (content-length, chunked or none)."""

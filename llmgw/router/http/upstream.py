@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping
 
 import attrs
 import httpx
@@ -210,74 +210,32 @@ class UpstreamClient:
             self._count(replica.id, "status_5xx")
         return response
 
+    def body_reader(self, response: H1Response, replica_id: str, cuts: StreamCuts | None = None) -> BodyReader:
+        """Return a :class:`BodyReader` over the body of ``response`` (from :meth:`open`),
+        under the body deadlines; the caller must :meth:`~BodyReader.close` it, then close
+        ``response``.
+
+        ``cuts`` are the gateway's relayed streams (:mod:`~llmgw.router.http.drain`):
+        while their watch task runs, the deadlines are kept by it (no cancel scope per
+        piece), else each read gets a deadline scope, listed in ``cuts.reading`` while it
+        waits.
+        """
+        return BodyReader(response, replica_id, self.timeouts, cuts, self._count)
+
     async def iter_body(self, response: H1Response, replica_id: str,
                         cuts: StreamCuts | None = None) -> AsyncIterator[bytes]:
-        """Yield the raw body chunks of ``response`` (from :meth:`open`) as they arrive.
+        """Yield the body of ``response`` (from :meth:`open`) piece by piece as it arrives,
+        read by :meth:`body_reader` (see :meth:`BodyReader.next` for deadlines and errors).
 
-        The first chunk must come within the first-byte deadline of the head, each later
-        one within the chunk deadline of the previous one; otherwise raises
-        :class:`UpstreamDeadline`. ``cuts`` are the gateway's relayed streams
-        (:mod:`~llmgw.router.http.drain`): while their watch task runs, the deadlines are
-        kept by it (no cancel scope per chunk), else each read gets a deadline scope,
-        listed in ``cuts.reading`` while it waits. Once ``cuts.cut_all()`` was called, a
-        read raises :class:`~llmgw.router.http.drain.StreamCut` instead. Other failures
-        raise ``httpx.HTTPError``. Does not close ``response`` (a deadline or a cut may
-        have closed its connection); closing this generator (``contextlib.aclosing``)
-        closes the underlying stream iterator. Cancellation propagates.
+        Does not close ``response``; closing this generator (``contextlib.aclosing``) closes
+        the reader. Cancellation propagates.
         """
-        timeouts = self.timeouts
-        chunks = response.aiter_raw()
-        phase, limit = "first_chunk", timeouts.first_byte
-        watched = cuts.open(response.abort) if cuts is not None and cuts.watching else None
-        reading = cuts.reading if cuts is not None else None
+        reader = self.body_reader(response, replica_id, cuts)
         try:
-            while True:
-                if cuts is not None and cuts.cut:
-                    raise StreamCut
-                ended: str | None = None  # why the read was ended: CUT, DEADLINE or not at all
-                if watched is not None:
-                    watched.deadline = trio.current_time() + limit
-                    try:
-                        chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        return
-                    except httpx.HTTPError:
-                        if watched.ended is None:
-                            self._count(replica_id, "protocol")
-                            raise
-                        ended = watched.ended  # the watch closed the connection under the read
-                    # Not reading while the chunk goes to the client: a slow client is
-                    # not a silent replica.
-                    watched.deadline = NOT_READING
-                else:
-                    scope = trio.CancelScope(deadline=trio.current_time() + limit)
-                    if reading is not None:
-                        reading.add(scope)
-                    try:
-                        with scope:
-                            chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        return
-                    except httpx.HTTPError:
-                        self._count(replica_id, "protocol")
-                        raise
-                    finally:
-                        if reading is not None:
-                            reading.discard(scope)
-                    if scope.cancelled_caught:
-                        ended = CUT if cuts is not None and cuts.cut else DEADLINE
-                if ended == CUT:
-                    raise StreamCut
-                if ended == DEADLINE:
-                    self._count(replica_id, f"{phase}_timeout")
-                    raise UpstreamDeadline(replica_id, phase, limit)
-                yield chunk
-                phase, limit = "chunk", timeouts.chunk
+            while piece := await reader.next():
+                yield piece
         finally:
-            if watched is not None and cuts is not None:
-                cuts.close(watched)
-            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
-                await chunks.aclose()
+            reader.close()
 
     async def read_body(self, response: H1Response, replica_id: str) -> bytes:
         """Return the whole body of ``response``, read under the deadlines of :meth:`iter_body`.
@@ -313,6 +271,86 @@ class UpstreamClient:
     async def aclose(self) -> None:
         """Close every pooled connection; the client cannot be used afterwards."""
         await self._pool.aclose()
+
+
+class BodyReader:
+    """Reads one response's body piece by piece under the upstream deadlines
+    (:meth:`UpstreamClient.body_reader` makes it).
+
+    The first piece must come within the first-byte deadline of the head, each later one
+    within the chunk deadline of the previous one. :meth:`close` when done (it stops the
+    watch of the stream's reads); it does not close the response.
+    """
+
+    __slots__ = ("_response", "_replica_id", "_timeouts", "_cuts", "_count", "_watched", "_phase", "_limit")
+
+    def __init__(self, response: H1Response, replica_id: str, timeouts: UpstreamTimeouts, cuts: StreamCuts | None,
+                 count: Callable[[str, str], None]) -> None:
+        self._response = response
+        self._replica_id = replica_id
+        self._timeouts = timeouts
+        self._cuts = cuts
+        self._count = count
+        self._watched = cuts.open(response.abort) if cuts is not None and cuts.watching else None
+        self._phase, self._limit = "first_chunk", timeouts.first_byte
+
+    async def next(self) -> bytes:
+        """Return the body's next piece; b"" once the body has ended.
+
+        Raises :class:`UpstreamDeadline` when the piece did not come within its deadline,
+        :class:`~llmgw.router.http.drain.StreamCut` once ``cuts.cut_all()`` was called,
+        ``httpx.HTTPError`` when the exchange broke (each counted in the gateway's
+        metrics). Cancellation propagates.
+        """
+        cuts = self._cuts
+        if cuts is not None and cuts.cut:
+            raise StreamCut
+        limit = self._limit
+        watched = self._watched
+        ended: str | None = None  # why the read was ended: CUT, DEADLINE or not at all
+        if watched is not None:
+            watched.deadline = trio.current_time() + limit
+            try:
+                piece = await self._response.next_piece()
+            except httpx.HTTPError:
+                if watched.ended is None:
+                    self._count(self._replica_id, "protocol")
+                    raise
+                ended = watched.ended  # the watch closed the connection under the read
+            # Not reading while the piece goes to the client: a slow client is not a
+            # silent replica.
+            watched.deadline = NOT_READING
+        else:
+            scope = trio.CancelScope(deadline=trio.current_time() + limit)
+            reading = cuts.reading if cuts is not None else None
+            if reading is not None:
+                reading.add(scope)
+            try:
+                with scope:
+                    piece = await self._response.next_piece()
+            except httpx.HTTPError:
+                self._count(self._replica_id, "protocol")
+                raise
+            finally:
+                if reading is not None:
+                    reading.discard(scope)
+            if scope.cancelled_caught:
+                ended = CUT if cuts is not None and cuts.cut else DEADLINE
+        if ended is not None:
+            if ended == CUT:
+                raise StreamCut
+            self._count(self._replica_id, f"{self._phase}_timeout")
+            raise UpstreamDeadline(self._replica_id, self._phase, limit)
+        if self._phase == "first_chunk":
+            self._phase, self._limit = "chunk", self._timeouts.chunk
+        return piece
+
+    def close(self) -> None:
+        """Stop watching this body's reads (idempotent)."""
+        watched = self._watched
+        if watched is not None and self._cuts is not None:
+            self._watched = None
+            self._cuts.close(watched)
 
 
 def describe_error(error: BaseException) -> str:

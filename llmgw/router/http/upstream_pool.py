@@ -56,7 +56,8 @@ class H1Response:
     returns the connection to the pool if the body was read to the end, else closes it.
     """
 
-    __slots__ = ("status_code", "headers", "_conn", "_pool", "_framing", "_remaining", "_done", "_closed")
+    __slots__ = ("status_code", "headers", "_conn", "_pool", "_framing", "_remaining", "_done", "_closed", "_decoder",
+                 "_wait_first")
 
     def __init__(self, status_code: int, headers: Headers, conn: _Conn, pool: H1Pool, framing: str, length: int) -> None:
         self.status_code = status_code
@@ -67,40 +68,70 @@ class H1Response:
         self._remaining = length
         self._done = framing == "none" or (framing == "length" and length == 0)
         self._closed = False
+        self._decoder = ChunkedDecoder() if framing == "chunked" else None
+        self._wait_first = False
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         """Return an async iterator (closable: ``aclose``) over the body's payload bytes as
-        they arrive (chunked framing removed).
+        they arrive (chunked framing removed): :meth:`next_piece` until the body's end.
 
         It raises ``httpx.ReadError``/``RemoteProtocolError`` if the connection breaks or
-        the framing is invalid. Reading twice yields nothing the second time. A chunked
-        body's pieces come from :func:`_dechunk` itself, with no generator of this one's in
-        between: a layer of async generator costs microseconds per piece of a stream.
+        the framing is invalid. Reading twice yields nothing the second time.
+        """
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        while True:
+            piece = await self.next_piece()
+            if not piece:
+                return
+            yield piece
+
+    async def next_piece(self) -> bytes:
+        """Return the body's next payload bytes as they arrive (chunked framing removed); b""
+        once the body has ended (and on every call after).
+
+        One coroutine per piece, no generator in between: a relayed stream calls it once per
+        event, and each layer of async iteration costs microseconds there. Raises
+        ``httpx.ReadError`` if the connection breaks and ``httpx.RemoteProtocolError`` for
+        invalid framing or an end before the body's. Cancellation leaves the response
+        half-read (``aclose`` then closes its connection).
         """
         if self._done or self._closed:
-            return _nothing()
-        if self._framing == "chunked":
-            return _dechunk(self._conn, self)
-        return self._aiter_unchunked()
-
-    async def _aiter_unchunked(self) -> AsyncIterator[bytes]:
+            return b""
         conn = self._conn
-        if self._framing == "length":
-            while self._remaining > 0:
-                data = conn.take(self._remaining) or await conn.recv_body()
-                self._remaining -= len(data)
-                if self._remaining <= 0:
-                    self._done = True
-                yield data
-        else:  # until the engine closes the connection
+        decoder = self._decoder
+        if decoder is not None:
+            data = conn.take_all()
             while True:
-                data = conn.take_all()
-                if not data:
-                    data = await conn.recv(eof_ok=True)
-                    if not data:
+                if data:
+                    piece = decoder.feed(data)
+                    if decoder.ended:
+                        conn.buffer = decoder.rest
                         self._done = True
-                        return
-                yield data
+                        return piece
+                    if piece:
+                        return piece
+                # A streamed body's next piece is an engine's next token: rarely there yet
+                # when the last one has just been relayed, so the read waits for it first (a
+                # read that finds nothing is a syscall and an exception per event); after a
+                # read that filled its buffer (the engine is ahead), the next reads at once.
+                data = await conn.recv(wait_first=self._wait_first)
+                self._wait_first = len(data) < RECV_BYTES
+        if self._framing == "length":
+            remaining = self._remaining
+            data = conn.take(remaining) or await conn.recv_body()
+            if len(data) > remaining:  # bytes past the body: not ours to relay
+                conn.buffer = data[remaining:]
+                data = data[:remaining]
+            self._remaining = remaining - len(data)
+            if self._remaining <= 0:
+                self._done = True
+            return data
+        data = conn.take_all() or await conn.recv(eof_ok=True)  # until the engine closes the connection
+        if not data:
+            self._done = True
+        return data
 
     def take_complete(self) -> bytes | None:
         """Return the whole body if it has already arrived with the head, else None (read it then).
@@ -218,74 +249,93 @@ class _Conn:
             pass
 
 
-async def _nothing() -> AsyncIterator[bytes]:
-    """An async iterator over no bytes (a body already read)."""
-    return
-    yield b""  # makes this an async generator
+class ChunkedDecoder:
+    """Decodes an HTTP/1.1 chunked body fed in pieces as they arrive (RFC 9112 section 7.1).
 
-
-async def _dechunk(conn: _Conn, response: H1Response) -> AsyncIterator[bytes]:
-    """Yield the payload of ``response``'s chunked body from ``conn``, one piece per receive,
-    up to the last chunk; then mark ``response`` done.
-
-    Leaves any bytes after the body's end in ``conn.buffer`` (there should be none).
+    :meth:`feed` returns the payload bytes complete so far. Once the last chunk and its
+    trailers have arrived, :attr:`ended` is True and :attr:`rest` holds the bytes after the
+    body (there should be none). Trailers are skipped. Invalid framing raises
+    ``httpx.RemoteProtocolError``.
     """
-    buffer = conn.take_all()
-    remaining = 0  # payload bytes of the current chunk still to come
-    need_crlf = False  # the CRLF closing the current chunk is still to come
-    # A streamed body's next piece is an engine's next token: rarely there yet when the last
-    # one has just been relayed, so the read waits for it first (a read that would find
-    # nothing is a syscall and an exception per event); after a read that filled the buffer
-    # (the engine is ahead), the next one reads at once.
-    wait_first = False
-    while True:
+
+    __slots__ = ("_buffer", "_remaining", "_need_crlf", "_last", "ended", "rest")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._remaining = 0  # payload bytes of the current chunk still to come
+        self._need_crlf = False  # the CRLF closing the current chunk is still to come
+        self._last = False  # the last chunk's size line was read: its trailers are coming
+        self.ended = False
+        self.rest = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """Add ``data`` (bytes from the wire); return the payload it completes (maybe b"")."""
+        buffer = self._buffer + data if self._buffer else data
+        remaining = self._remaining
         out: list[bytes] = []
-        while buffer:
+        # The common case of a stream: one whole chunk per read, nothing held.
+        if not remaining and not self._need_crlf and not self._last:
+            line_end = buffer.find(b"\r\n")
+            if line_end > 0:
+                remaining = _chunk_size(buffer, line_end)
+                if remaining and len(buffer) == line_end + remaining + 4 and buffer.endswith(b"\r\n"):
+                    self._buffer = b""
+                    return buffer[line_end + 2:-2]
+                buffer = buffer[line_end + 2:]
+                self._last = remaining == 0
+        while buffer and not self.ended:
             if remaining:
                 piece = buffer[:remaining]
                 out.append(piece)
                 buffer = buffer[len(piece):]
                 remaining -= len(piece)
-                need_crlf = remaining == 0
+                self._need_crlf = remaining == 0
                 continue
-            if need_crlf:
+            if self._need_crlf:
                 if len(buffer) < 2:
                     break
                 if buffer[:2] != b"\r\n":
                     raise httpx.RemoteProtocolError("replica sent a chunk without its closing CRLF")
                 buffer = buffer[2:]
-                need_crlf = False
+                self._need_crlf = False
                 continue
+            if self._last:  # trailers up to the empty line
+                if buffer.startswith(b"\r\n"):
+                    self.rest = buffer[2:]
+                elif b"\r\n\r\n" in buffer:
+                    self.rest = buffer[buffer.index(b"\r\n\r\n") + 4:]
+                elif len(buffer) > MAX_HEAD_BYTES:
+                    raise httpx.RemoteProtocolError("replica sent over-long chunked trailers")
+                else:
+                    break
+                self.ended = True
+                buffer = b""
+                break
             line_end = buffer.find(b"\r\n")
             if line_end < 0:
                 if len(buffer) > MAX_CHUNK_LINE_BYTES:
                     raise httpx.RemoteProtocolError("replica sent an over-long chunk-size line")
                 break
-            try:
-                size = int(buffer[:line_end].split(b";", 1)[0], 16)
-            except ValueError:
-                raise httpx.RemoteProtocolError(
-                    f"replica sent an invalid chunk size {buffer[:line_end][:40]!r}") from None
-            if size < 0:
-                raise httpx.RemoteProtocolError("replica sent a negative chunk size")
-            if size == 0:  # last chunk: skip the trailers up to the empty line
-                rest = buffer[line_end + 2:]
-                while not (rest.startswith(b"\r\n") or b"\r\n\r\n" in rest):
-                    if len(rest) > MAX_HEAD_BYTES:
-                        raise httpx.RemoteProtocolError("replica sent over-long chunked trailers")
-                    rest += await conn.recv()
-                conn.buffer = rest[2:] if rest.startswith(b"\r\n") else rest[rest.index(b"\r\n\r\n") + 4:]
-                response._done = True
-                if out:
-                    yield b"".join(out)
-                return
-            remaining = size
+            size = _chunk_size(buffer, line_end)
             buffer = buffer[line_end + 2:]
-        if out:
-            yield out[0] if len(out) == 1 else b"".join(out)
-        data = await conn.recv(wait_first=wait_first)
-        wait_first = len(data) < RECV_BYTES
-        buffer += data
+            if size == 0:
+                self._last = True
+            remaining = size
+        self._remaining = remaining
+        self._buffer = buffer
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _chunk_size(buffer: bytes, line_end: int) -> int:
+    """Return the size on the chunk-size line ending at ``line_end``; raise RemoteProtocolError if invalid."""
+    line = buffer[:line_end]
+    try:
+        size = int(line.split(b";", 1)[0], 16)
+    except ValueError:
+        raise httpx.RemoteProtocolError(f"replica sent an invalid chunk size {line[:40]!r}") from None
+    if size < 0:
+        raise httpx.RemoteProtocolError("replica sent a negative chunk size")
+    return size
 
 
 def _parse_head(head: bytes) -> tuple[int, Headers, bool]:
