@@ -46,6 +46,7 @@ from .http.cleanup import RequestCleanup, request_stack
 from .http.drain import StreamCut, StreamCuts
 from .http.extensions import REQUEST_ID_KEY
 from .http.forward import BodySink, FastForward, ForwardCall, ForwardResult
+from .http.relayhub import RelayHub
 from .http.upstream import (
     BodyReader, UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error,
 )
@@ -177,6 +178,8 @@ class Gateway:
         #: The relayed streams' upstream reads; a stopping server cuts them when its
         #: shutdown grace runs out (each stream then ends with an SSE error event).
         self.streams = StreamCuts()
+        #: The task relaying the streams' events in batches while it runs (started with the app).
+        self.relay_hub = RelayHub()
         self.app = self._build_app()
 
     # -- app wiring ---------------------------------------------------------------------
@@ -247,8 +250,12 @@ class Gateway:
         # The relayed streams' read deadlines, kept by one task instead of a cancel scope
         # per chunk (llmgw/router/http/drain.py); it runs in the app's lifespan nursery.
         await self.app.nursery.start(self.streams.watch)
+        # Relays the streams' events that need no waiting, one trio wait per batch
+        # (llmgw/router/http/relayhub.py); it relies on the watch above for deadlines.
+        await self.app.nursery.start(self.relay_hub.run)
 
     async def _stop(self) -> None:
+        self.relay_hub.stop()
         self.streams.stop_watching()
         upstream, self.upstream = self.upstream, None
         self.policy.bind_upstream(None)
@@ -528,7 +535,7 @@ class Gateway:
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
             # Under the deadlines, cut by a stopping gateway's grace running out.
             reader = self.upstream_client().body_reader(upstream, lease.replica_id, self.streams)
-            return upstream.status_code, headers, _StreamRelay(upstream, forwarded, reader)
+            return upstream.status_code, headers, _StreamRelay(upstream, forwarded, reader, self.relay_hub)
         try:
             content = await self.upstream_client().read_body(upstream, lease.replica_id)  # under deadlines
         except httpx.TimeoutException as error:
@@ -617,10 +624,12 @@ class _StreamRelay:
     """An engine's event stream on its way to the client (a
     :class:`~llmgw.router.http.forward.StreamedBody`).
 
-    :meth:`pump` relays the upstream body piece by piece as it arrives, in one loop: read
-    (under the deadlines), note the first token, watch for usage, hand to the sink. At the
-    end, however it ends, the request's lease is released, ``upstream`` closed and the
-    request accounted (:meth:`aclose` does the same if the pump never ran).
+    :meth:`pump` relays the upstream body piece by piece as it arrives: read (under the
+    deadlines), note the first token, watch for usage, hand to the sink. Past the first
+    piece the pieces that need no waiting are relayed by ``hub``
+    (:mod:`~llmgw.router.http.relayhub`), the rest here. At the end, however it ends, the
+    request's lease is released, ``upstream`` closed and the request accounted
+    (:meth:`aclose` does the same if the pump never ran).
 
     If the replica breaks the stream (closes it early, goes silent past the read
     deadline), or the stopping gateway cuts it (the reader raises StreamCut: its shutdown
@@ -629,20 +638,29 @@ class _StreamRelay:
     answer. Cancellation (client gone) closes the upstream connection and propagates.
     """
 
-    __slots__ = ("_upstream", "_forwarded", "_reader", "_closed")
+    __slots__ = ("_upstream", "_forwarded", "_reader", "_hub", "_send", "_closed")
 
-    def __init__(self, upstream: H1Response, forwarded: _Request, reader: BodyReader) -> None:
+    def __init__(self, upstream: H1Response, forwarded: _Request, reader: BodyReader, hub: RelayHub) -> None:
         self._upstream = upstream
         self._forwarded = forwarded
         self._reader = reader
+        self._hub = hub
+        self._send: Callable[[bytes], Awaitable[None] | None] | None = None
         self._closed = False
+
+    def _forward(self, piece: bytes) -> Awaitable[None] | None:
+        """Pass ``piece`` on (what the usage watch lets through); return None once sent, else
+        the awaitable that sends the rest."""
+        out = self._forwarded.stream.feed(piece)  # type: ignore[union-attr]
+        return self._send(out) if out else None  # type: ignore[misc]
 
     async def pump(self, sink: BodySink) -> None:
         forwarded = self._forwarded
         watch = forwarded.stream
         assert watch is not None  # set when admitted, before any answer
         reader = self._reader
-        send = sink.send_piece
+        send = self._send = sink.send_piece
+        forward = self._forward
         try:
             try:
                 piece = await reader.next()
@@ -650,9 +668,9 @@ class _StreamRelay:
                 if piece and lease is not None:
                     lease.first_token()  # an engine's first piece follows its prefill
                 while piece:
-                    out = watch.feed(piece)
-                    if out and (pending := send(out)) is not None:
+                    if (pending := forward(piece)) is not None:
                         await pending
+                    await reader.via_hub(self._hub, forward)
                     piece = await reader.next()
             except httpx.TimeoutException as error:
                 failure = errors.upstream_timeout(forwarded.info.model, describe_error(error))

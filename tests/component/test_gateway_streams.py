@@ -16,6 +16,8 @@ from typing import AsyncIterator
 import trio
 
 from llmgw.router import LoadTracker, Replica, ReplicaTable, create_app, serve_gateway
+from llmgw.router.app import gateway_of
+from llmgw.router.http.relayhub import RelayHub
 from llmgw.sim import SimConfig, serve
 from llmgw.sim.launch import start_sim
 
@@ -33,14 +35,15 @@ def raise_fd_limit() -> None:
 
 
 @asynccontextmanager
-async def gateway_over(endpoints: list[str]) -> AsyncIterator[tuple[int, LoadTracker]]:
-    """Run the gateway over ``endpoints`` (replicas of MODEL); yield (port, load); stop it."""
+async def gateway_over(endpoints: list[str]) -> AsyncIterator[tuple[int, LoadTracker, RelayHub]]:
+    """Run the gateway over ``endpoints`` (replicas of MODEL); yield (port, load, its relay hub); stop it."""
     table = ReplicaTable()
     table.set_model_replicas(MODEL, [Replica(f"s{i}", MODEL, url, "node-1") for i, url in enumerate(endpoints)])
     load = LoadTracker()
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_gateway, create_app(table, load=load), "127.0.0.1", 0)
-        yield port, load
+        app = create_app(table, load=load)
+        port = await nursery.start(serve_gateway, app, "127.0.0.1", 0)
+        yield port, load, gateway_of(app).relay_hub
         nursery.cancel_scope.cancel()
 
 
@@ -86,7 +89,7 @@ async def test_a_thousand_concurrent_streams_all_complete() -> None:
             for _ in range(2):
                 _, port = await sims.start(serve, SimConfig(model=MODEL, port=0, max_num_seqs=512))
                 endpoints.append(f"http://127.0.0.1:{port}")
-            async with gateway_over(endpoints) as (port, load):
+            async with gateway_over(endpoints) as (port, load, hub):
                 prompts = [f"stream number {i}" for i in range(STREAMS)]
                 # The engine is deterministic: each prompt's text, asked for directly once.
                 expected: dict[int, str] = {}
@@ -115,6 +118,7 @@ async def test_a_thousand_concurrent_streams_all_complete() -> None:
                     for i in range(STREAMS):
                         clients.start_soon(lambda i=i: one(i, stream=True))
                 assert len(results) == STREAMS
+                assert hub.steps >= STREAMS  # the events past each stream's first went through the hub
                 for i in range(0, STREAMS, 97):  # spot-check content against non-streamed answers
                     await one(i, stream=False)
                 for i, (status, events) in results.items():
@@ -133,7 +137,7 @@ async def test_a_slow_reader_does_not_stall_other_streams() -> None:
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as sims:
             _, sim_port = await sims.start(serve, SimConfig(model=MODEL, port=0))
-            async with gateway_over([f"http://127.0.0.1:{sim_port}"]) as (port, load):
+            async with gateway_over([f"http://127.0.0.1:{sim_port}"]) as (port, load, _):
                 sock = trio.socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast
                 await sock.connect(("127.0.0.1", port))
@@ -173,7 +177,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event() ->
         lambda: start_sim(["--model", MODEL, "--port", "0", "--decode-us-per-token", "200000"]))
     try:
         with trio.fail_after(DEADLINE_S):
-            async with gateway_over([sim.url]) as (port, load):
+            async with gateway_over([sim.url]) as (port, load, _):
                 async with await trio.open_tcp_stream("127.0.0.1", port) as conn:
                     body = {"model": MODEL, "prompt": "a slow story", "max_tokens": 50, "stream": True}
                     await conn.send_all(request_bytes("/v1/completions", body))

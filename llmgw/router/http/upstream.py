@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping, NoReturn
 
 import attrs
 import httpx
@@ -35,6 +35,7 @@ from .upstream_pool import H1Pool, H1Response
 
 if TYPE_CHECKING:
     from ..metrics import GatewayMetrics
+    from .relayhub import RelayHub
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +283,8 @@ class BodyReader:
     watch of the stream's reads); it does not close the response.
     """
 
-    __slots__ = ("_response", "_replica_id", "_timeouts", "_cuts", "_count", "_watched", "_phase", "_limit")
+    __slots__ = ("_response", "_replica_id", "_timeouts", "_cuts", "_count", "_watched", "_phase", "_limit",
+                 "_hub", "_hub_fd", "_forward", "_pending", "_error")
 
     def __init__(self, response: H1Response, replica_id: str, timeouts: UpstreamTimeouts, cuts: StreamCuts | None,
                  count: Callable[[str, str], None]) -> None:
@@ -291,8 +293,15 @@ class BodyReader:
         self._timeouts = timeouts
         self._cuts = cuts
         self._count = count
-        self._watched = cuts.open(response.abort) if cuts is not None and cuts.watching else None
+        self._watched = cuts.open(self._abort) if cuts is not None and cuts.watching else None
         self._phase, self._limit = "first_chunk", timeouts.first_byte
+        # While the body is in a relay hub (:meth:`via_hub`): the hub, the socket it watches,
+        # what each piece goes to, and what the hub handed back.
+        self._hub: RelayHub | None = None
+        self._hub_fd = -1
+        self._forward: Callable[[bytes], Awaitable[None] | None] | None = None
+        self._pending: Awaitable[None] | None = None
+        self._error: httpx.HTTPError | None = None
 
     async def next(self) -> bytes:
         """Return the body's next piece; b"" once the body has ended.
@@ -309,14 +318,13 @@ class BodyReader:
         watched = self._watched
         ended: str | None = None  # why the read was ended: CUT, DEADLINE or not at all
         if watched is not None:
+            if watched.ended is not None:  # the watch closed the connection between two reads
+                self._failed(httpx.ReadError(f"the gateway closed the connection to replica {self._replica_id}"))
             watched.deadline = trio.current_time() + limit
             try:
                 piece = await self._response.next_piece()
-            except httpx.HTTPError:
-                if watched.ended is None:
-                    self._count(self._replica_id, "protocol")
-                    raise
-                ended = watched.ended  # the watch closed the connection under the read
+            except httpx.HTTPError as error:
+                self._failed(error)
             # Not reading while the piece goes to the client: a slow client is not a
             # silent replica.
             watched.deadline = NOT_READING
@@ -345,8 +353,83 @@ class BodyReader:
             self._phase, self._limit = "chunk", self._timeouts.chunk
         return piece
 
+    def _failed(self, error: httpx.HTTPError) -> NoReturn:
+        """Raise for a watched read that failed with ``error``: StreamCut or
+        :class:`UpstreamDeadline` if the watch ended it (it closed the connection under the
+        read), else ``error`` itself, counted."""
+        watched = self._watched
+        ended = watched.ended if watched is not None else None
+        if ended is None:
+            self._count(self._replica_id, "protocol")
+            raise error
+        if watched is not None:
+            watched.deadline = NOT_READING
+        if ended == CUT:
+            raise StreamCut from error
+        self._count(self._replica_id, f"{self._phase}_timeout")
+        raise UpstreamDeadline(self._replica_id, self._phase, self._limit) from error
+
+    async def via_hub(self, hub: RelayHub, forward: Callable[[bytes], Awaitable[None] | None]) -> None:
+        """Relay the body's next pieces to ``forward`` in ``hub`` while they need no waiting.
+
+        For a body past its first piece whose deadlines the watch keeps, on a plain socket
+        with nothing buffered; otherwise (and when the hub is not running) returns at once.
+        Returns when the hub hands the body back: it ended (:meth:`next` then returns b""),
+        the watch ended it, or a read failed (raised here as :meth:`next` raises it).
+        ``forward(piece)`` runs in the hub's task and returns None once the piece is sent,
+        else an awaitable for the rest of it, which is awaited here before returning.
+        Cancellation takes the body back from the hub and propagates.
+        """
+        watched = self._watched
+        fd = self._response.socket_fd()
+        if watched is None or fd is None or self._phase == "first_chunk" or not hub.running:
+            return
+        self._hub, self._hub_fd, self._forward = hub, fd, forward
+        watched.deadline = trio.current_time() + self._limit
+        try:
+            await hub.relay(fd, self._step)
+        finally:  # on cancellation, close() drops a write the hub handed back
+            self._hub = None
+            if watched.ended is None:
+                watched.deadline = NOT_READING
+        error, self._error = self._error, None
+        if error is not None:
+            self._failed(error)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+
+    def _step(self, now: float) -> bool:
+        """The hub's step (:data:`~llmgw.router.http.relayhub.Step`): relay what the socket holds."""
+        try:
+            piece = self._response.piece_nowait()
+        except httpx.HTTPError as error:
+            self._error = error
+            return False
+        if piece is None:
+            return True
+        self._watched.deadline = now + self._limit  # type: ignore[union-attr]
+        if piece:
+            pending = self._forward(piece)  # type: ignore[misc]
+            if pending is not None:  # the client has no room: the owner awaits the rest
+                self._pending = pending
+                return False
+        return not self._response.ended
+
+    def _abort(self) -> None:
+        """Close the connection (the watch's abort): taken from the hub first if it is there."""
+        hub = self._hub
+        if hub is not None:
+            hub.detach(self._hub_fd)
+        self._response.abort()
+
     def close(self) -> None:
-        """Stop watching this body's reads (idempotent)."""
+        """Stop watching this body's reads, and drop a write the hub handed back that was
+        never awaited (its owner was cancelled). Idempotent."""
+        pending, self._pending = self._pending, None
+        close = getattr(pending, "close", None)
+        if close is not None:
+            close()
         watched = self._watched
         if watched is not None and self._cuts is not None:
             self._watched = None

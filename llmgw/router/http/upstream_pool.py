@@ -26,6 +26,7 @@ wrap calls in ``trio.move_on_after``; cancellation closes the connection and pro
 
 from __future__ import annotations
 
+import os
 import time
 from typing import AsyncIterator, Iterable
 from urllib.parse import urlsplit
@@ -132,6 +133,43 @@ class H1Response:
         if not data:
             self._done = True
         return data
+
+    @property
+    def ended(self) -> bool:
+        """Whether the body has been read to its end."""
+        return self._done
+
+    def socket_fd(self) -> int | None:
+        """Return the descriptor of a chunked body's plain TCP socket with nothing buffered
+        (the case :meth:`piece_nowait` serves), else None."""
+        conn = self._conn
+        if self._decoder is None or self._done or self._closed or conn.buffer or type(conn.stream) is not trio.SocketStream:
+            return None
+        return conn.stream.socket.fileno()
+
+    def piece_nowait(self) -> bytes | None:
+        """Return the payload of what a chunked body's socket holds now (maybe b"": part of
+        a chunk), without waiting; None if it holds nothing. Check :attr:`ended` after.
+
+        Only for a response :meth:`socket_fd` gives a descriptor for. Raises
+        ``httpx.ReadError`` if the connection broke and ``httpx.RemoteProtocolError`` for
+        invalid framing or an end before the body's.
+        """
+        try:
+            data = os.read(self._conn.stream.socket.fileno(), RECV_BYTES)
+        except BlockingIOError:
+            return None
+        except OSError as error:
+            raise httpx.ReadError(f"connection to replica broke while reading: {error!r}") from error
+        if not data:
+            raise httpx.RemoteProtocolError("replica closed the connection in the middle of a response")
+        decoder = self._decoder
+        assert decoder is not None
+        piece = decoder.feed(data)
+        if decoder.ended:
+            self._conn.buffer = decoder.rest
+            self._done = True
+        return piece
 
     def take_complete(self) -> bytes | None:
         """Return the whole body if it has already arrived with the head, else None (read it then).
