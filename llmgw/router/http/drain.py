@@ -11,7 +11,7 @@ stream: a fifth of the gateway's CPU per event), so while :meth:`StreamCuts.watc
 past its deadline. The read then fails, and the relay reports it as the deadline it was.
 Without the watch task (a gateway that is not serving through its lifespan), each read
 gets its own deadline scope instead
-(:meth:`~llmgw.router.http.upstream.UpstreamClient.iter_body`).
+(:meth:`~llmgw.router.http.upstream.BodyReader.next`).
 
 A stopping gateway (:func:`~llmgw.router.http.serve.serve_gateway`) lets its in-flight
 requests finish for ``gateway.shutdown_grace`` seconds. A stream still running then

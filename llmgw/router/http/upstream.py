@@ -177,7 +177,7 @@ class UpstreamClient:
         with it. ``body`` is sent byte for byte.
 
         Returns a response whose body has not been read: the caller must read it with
-        :meth:`read_body` or :meth:`iter_body` (which apply the body deadlines) and then
+        :meth:`read_body`, :meth:`iter_body` or :meth:`body_reader` (which apply the body deadlines) and then
         ``await response.aclose()`` (see :func:`close_quietly`).
 
         Raises :class:`UpstreamConnectError` when the connection could not be made
