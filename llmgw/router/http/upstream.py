@@ -177,8 +177,8 @@ class UpstreamClient:
         with it. ``body`` is sent byte for byte.
 
         Returns a response whose body has not been read: the caller must read it with
-        :meth:`read_body`, :meth:`iter_body` or :meth:`body_reader` (which apply the body deadlines) and then
-        ``await response.aclose()`` (see :func:`close_quietly`).
+        :meth:`read_body`, :meth:`iter_body` or :meth:`body_reader` (which apply the body
+        deadlines) and then ``await response.aclose()`` (see :func:`close_quietly`).
 
         Raises :class:`UpstreamConnectError` when the connection could not be made
         (retryable), :class:`UpstreamDeadline` when no response head came within the
