@@ -143,7 +143,9 @@ class H1Response:
         """Return the descriptor of a chunked body's plain TCP socket with nothing buffered
         (the case :meth:`piece_nowait` serves), else None."""
         conn = self._conn
-        if self._decoder is None or self._done or self._closed or conn.buffer or type(conn.stream) is not trio.SocketStream:
+        if self._decoder is None or self._done or self._closed or conn.buffer:
+            return None
+        if type(conn.stream) is not trio.SocketStream:
             return None
         return conn.stream.socket.fileno()
 
