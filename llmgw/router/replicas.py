@@ -238,7 +238,9 @@ class LoadTracker:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._outstanding: dict[str, int] = {}
-        self._changed = trio.Event()
+        # Set at the next count change; made only while someone waits (two requests' worth of
+        # Event objects per request otherwise).
+        self._changed: trio.Event | None = None
         self.prefill = PrefillLedger(clock)
 
     def acquire(self, replica_id: str, prefill_tokens: int = 0,
@@ -268,6 +270,8 @@ class LoadTracker:
         Cancellation simply abandons the wait.
         """
         while not predicate(self):
+            if self._changed is None:
+                self._changed = trio.Event()
             await self._changed.wait()
 
     def _release(self, replica_id: str) -> None:
@@ -279,8 +283,10 @@ class LoadTracker:
         self._notify()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
 
 
 @attrs.frozen

@@ -162,6 +162,11 @@ class FastLaneProtocol(H11Protocol):
         # Hypercorn's send callback is not TCPServer.protocol_send: writes then go through it.
         server = getattr(self.send, "__self__", None)
         self._stream: Any = getattr(server, "stream", None)
+        # The connection's idle timer when it is llmgw's (hypercorn_patch.IdleTimer): told
+        # directly, not through an ``Updated`` event and Hypercorn's send (its type checks
+        # are ABC checks, and two coroutines per event); None: the events go as before.
+        timer = getattr(server, "idle_task", None)
+        self._timer: Any = timer if hasattr(timer, "rearm") else None
 
     async def handle(self, event: Any) -> None:
         if type(event) is RawData and self._lane_open and event.data:
@@ -228,7 +233,10 @@ class FastLaneProtocol(H11Protocol):
         self.keep_alive_requests += 1
         FastLaneProtocol.served += 1
         await self.context.mark_request()
-        await self.send(Updated(idle=False))
+        if self._timer is not None:
+            self._timer.disarm()
+        else:
+            await self.send(Updated(idle=False))
         exchange = self._exchange = _Exchange(self, scope)
         scope["extensions"][BODY_SINK_KEY] = exchange
         self.task_group.spawn(exchange.run)
@@ -261,7 +269,7 @@ class FastLaneProtocol(H11Protocol):
                 self._closed = True
                 with trio.CancelScope(shield=True):
                     await self.send(Closed())
-            else:
+            elif self._timer is None or not self._timer.rearm():
                 await self.send(Updated(idle=True))  # re-arms the idle timer: no checkpoint
         finally:
             if waiting is not None:

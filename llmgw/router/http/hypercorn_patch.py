@@ -149,10 +149,28 @@ class IdleTimer:
         """Arm the timer: the connection closes ``keep_alive_timeout`` seconds from now unless stopped."""
         if self._closed:
             return
+        if self._server is None:
+            self._server = action.__self__  # TCPServer._idle_timeout, bound
+            await task_group._nursery.start(self._watch)
+        self.rearm()
+
+    async def stop(self) -> None:
+        """Disarm the timer (a request is being served)."""
+        self.disarm()
+
+    def disarm(self) -> None:
+        """:meth:`stop`, synchronously (the fast lane calls it directly, not through an
+        ``Updated`` event and Hypercorn's send)."""
+        self._idle = False
+
+    def rearm(self) -> bool:
+        """:meth:`restart`, synchronously, once its watching task runs; return False (and do
+        nothing) before then, when :meth:`restart` must be awaited."""
         server = self._server
         if server is None:
-            server = self._server = action.__self__  # TCPServer._idle_timeout, bound
-            await task_group._nursery.start(self._watch)
+            return False
+        if self._closed:
+            return True
         now = trio.current_time()
         self._idle = True
         self._idle_since = now
@@ -163,10 +181,7 @@ class IdleTimer:
         if scope is not None and scope.deadline == math.inf:
             scope.deadline = now + server.config.keep_alive_timeout
         self._wake()
-
-    async def stop(self) -> None:
-        """Disarm the timer (a request is being served)."""
-        self._idle = False
+        return True
 
     def detach(self) -> None:
         """The connection is closing: end the watching task without closing anything."""
