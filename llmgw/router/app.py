@@ -245,7 +245,7 @@ class Gateway:
         self.metrics.routing_policy(routing.policy)
 
     async def _start(self) -> None:
-        self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics)
+        self.upstream = UpstreamClient(self.timeouts, metrics=self.metrics, watch=self.streams)
         self.policy.bind_upstream(self.upstream, self.app.nursery)  # a KV-aware policy tokenizes through it
         # The relayed streams' read deadlines, kept by one task instead of a cancel scope
         # per chunk (llmgw/router/http/drain.py); it runs in the app's lifespan nursery.

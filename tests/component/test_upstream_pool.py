@@ -8,8 +8,9 @@ from typing import Awaitable, Callable
 import httpx
 import pytest
 import trio
+import trio.testing
 
-from llmgw.router.http.upstream_pool import H1Pool
+from llmgw.router.http.upstream_pool import H1Pool, HeadWait
 
 DEADLINE_S = 10
 
@@ -190,5 +191,49 @@ async def test_errors_are_httpx_types() -> None:
             free.close()
             with pytest.raises(httpx.ConnectError):
                 await pool.request(f"http://127.0.0.1:{port}", "POST", "/", [], b"")
+            await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_aborted_wait_for_the_head_fails_at_once_and_is_not_sent_again() -> None:
+    requests: list[bytes] = []
+    never = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        while request := await _read_request(stream):
+            requests.append(request.rpartition(b"\r\n\r\n")[2])
+            if request.endswith(b"answer"):
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            else:
+                await never.wait()  # silent: the gateway's deadline watch ends the wait
+
+    async def aborted_request(pool: H1Pool, url: str, nursery: trio.Nursery) -> None:
+        head = HeadWait()
+
+        async def abort_when_waiting() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            head.abort()
+
+        nursery.start_soon(abort_when_waiting)
+        with pytest.raises(httpx.ReadError, match="was ended"):
+            await pool.request(url, "POST", "/v1/x", [], b"silence", head)
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await _serve(nursery, handler)
+            pool = _pool()
+            await aborted_request(pool, url, nursery)  # on a fresh connection
+            response = await pool.request(url, "POST", "/v1/x", [], b"answer")
+            assert await response.aread() == b"ok"
+            await response.aclose()  # back to the pool
+            # On the pooled connection: a stale pooled connection is retried on a new one,
+            # an aborted wait must not be.
+            await aborted_request(pool, url, nursery)
+            ended = HeadWait()
+            ended.abort()  # ended before the request goes out: nothing is sent
+            with pytest.raises(httpx.ReadError, match="was ended"):
+                await pool.request(url, "POST", "/v1/x", [], b"late", ended)
+            await trio.testing.wait_all_tasks_blocked()
+            assert requests == [b"silence", b"answer", b"silence"]
             await pool.aclose()
             nursery.cancel_scope.cancel()

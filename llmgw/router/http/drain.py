@@ -70,13 +70,15 @@ class StreamCuts:
     """The upstream reads of one gateway's relayed streams: their deadlines, and the switch
     that ends them all."""
 
-    __slots__ = ("reading", "watched", "cut", "_watching", "_opened")
+    __slots__ = ("reading", "watched", "uncut", "cut", "_watching", "_opened")
 
     def __init__(self) -> None:
         #: The cancel scopes of the unwatched reads waiting now (added and removed by the reader).
         self.reading: set[trio.CancelScope] = set()
         #: The open streams' watched reads (added and removed by the reader).
         self.watched: set[WatchedRead] = set()
+        #: Watched reads the cut leaves alone (requests waiting for their response head).
+        self.uncut: set[WatchedRead] = set()
         #: True once :meth:`cut_all` was called: readers raise :class:`StreamCut`.
         self.cut = False
         self._watching: trio.CancelScope | None = None
@@ -87,17 +89,19 @@ class StreamCuts:
         """Whether :meth:`watch` runs (reads may then go without a scope of their own)."""
         return self._watching is not None
 
-    def open(self, abort: Callable[[], None]) -> WatchedRead:
+    def open(self, abort: Callable[[], None], *, cut: bool = True) -> WatchedRead:
         """Return a :class:`WatchedRead` for a stream whose upstream connection ``abort``
-        closes, watched until :meth:`close` is called with it."""
+        closes, watched until :meth:`close` is called with it. ``cut=False``: a read
+        :meth:`cut_all` leaves alone (only its deadline is watched)."""
         read = WatchedRead(abort)
-        self.watched.add(read)
+        (self.watched if cut else self.uncut).add(read)
         self._opened.set()  # wakes the watch if it sleeps for want of streams
         return read
 
     def close(self, read: WatchedRead) -> None:
         """Stop watching ``read`` (its stream ended)."""
         self.watched.discard(read)
+        self.uncut.discard(read)
 
     async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """End each watched read that passes its deadline, every :data:`WATCH_TICK_S`
@@ -108,12 +112,13 @@ class StreamCuts:
             task_status.started()
             try:
                 while True:
-                    if not self.watched:
+                    if not self.watched and not self.uncut:
                         self._opened = trio.Event()
                         await self._opened.wait()
                     await trio.sleep(WATCH_TICK_S)
                     now = trio.current_time()
-                    for read in [r for r in self.watched if r.deadline < now]:
+                    late = [r for r in self.watched if r.deadline < now] + [r for r in self.uncut if r.deadline < now]
+                    for read in late:
                         read.end(DEADLINE)
             finally:
                 self._watching = None

@@ -31,7 +31,7 @@ from llmgw.config.defaults import (
 
 from ..replicas import Replica
 from .drain import CUT, DEADLINE, NOT_READING, StreamCut, StreamCuts
-from .upstream_pool import H1Pool, H1Response
+from .upstream_pool import H1Pool, H1Response, HeadWait
 
 if TYPE_CHECKING:
     from ..metrics import GatewayMetrics
@@ -138,15 +138,19 @@ class UpstreamClient:
     The transport is :class:`~llmgw.router.http.upstream_pool.H1Pool` (a lean HTTP/1.1 client: one
     write per request, no per-request header models); its errors are ``httpx`` types.
 
+    ``watch``: the gateway's relayed streams (:class:`~llmgw.router.http.drain.StreamCuts`);
+    while their watch task runs, it also keeps the first-byte deadlines of :meth:`open`.
     Create it inside a trio run (the app does so when serving starts) and close it with
     :meth:`aclose`.
     """
 
     def __init__(
-        self, timeouts: UpstreamTimeouts = UpstreamTimeouts(), *, metrics: GatewayMetrics | None = None
+        self, timeouts: UpstreamTimeouts = UpstreamTimeouts(), *, metrics: GatewayMetrics | None = None,
+        watch: StreamCuts | None = None,
     ) -> None:
         self.timeouts = timeouts
         self._metrics = metrics
+        self._watch = watch  # keeps the first-byte deadlines while its watch task runs
         # No proxy settings from the environment: an operator's HTTP(S)_PROXY must not
         # capture LAN traffic to engines. No redirects are followed.
         self._pool = H1Pool(
@@ -195,15 +199,30 @@ class UpstreamClient:
         if replica.api_key:  # the engine's own secret; the client's key never reaches the engine
             out_headers["authorization"] = f"Bearer {replica.api_key}"
         response: H1Response | None = None
+        watch = self._watch
+        # Under the first-byte deadline: kept by the streams' watch task while it runs (a
+        # cancel scope per request was measurable), else by a scope of its own.
+        watched = None
         try:
-            with trio.move_on_after(self.timeouts.first_byte):
-                response = await self._pool.request(replica.endpoint, method, target, out_headers.items(), body)
+            if watch is not None and watch.watching:
+                head = HeadWait()
+                watched = watch.open(head.abort, cut=False)
+                watched.deadline = trio.current_time() + self.timeouts.first_byte
+                try:
+                    response = await self._pool.request(replica.endpoint, method, target, out_headers.items(), body,
+                                                        head)
+                finally:
+                    watch.close(watched)
+            else:
+                with trio.move_on_after(self.timeouts.first_byte):
+                    response = await self._pool.request(replica.endpoint, method, target, out_headers.items(), body)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as error:
             self._count(replica.id, "connect")
             raise UpstreamConnectError(replica, error) from error
         except httpx.HTTPError:
-            self._count(replica.id, "protocol")
-            raise
+            if watched is None or watched.ended is None:
+                self._count(replica.id, "protocol")
+                raise
         if response is None:
             self._count(replica.id, "first_byte_timeout")
             raise UpstreamDeadline(replica.id, "first_byte", self.timeouts.first_byte)

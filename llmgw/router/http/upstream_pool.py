@@ -464,12 +464,14 @@ class H1Pool:
         return _Conn(stream, (host, port))
 
     async def request(self, base_url: str, method: str, target: str, headers: Iterable[tuple[str, str]],
-                      body: bytes) -> H1Response:
+                      body: bytes, head: HeadWait | None = None) -> H1Response:
         """Send one request to the engine at ``base_url`` and return once the response head arrived.
 
         ``target`` is the path and query (``/v1/chat/completions?x=1``); ``headers`` must
-        not include Host, Content-Length or Connection (set here). Raises as the module
-        docstring says; the caller must ``aclose`` the returned response.
+        not include Host, Content-Length or Connection (set here). ``head``: the wait for
+        the response head, which its :meth:`HeadWait.abort` ends (the connection is closed,
+        never retried): ``httpx.ReadError``. Raises as the module docstring says; the caller
+        must ``aclose`` the returned response.
         """
         if self._closed:
             raise httpx.ConnectError("the gateway's upstream client is closed")
@@ -489,16 +491,25 @@ class H1Pool:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(host, port)
+            if head is not None:
+                head.conn = conn
             try:
+                if head is not None and head.aborted:
+                    raise _StaleConnection()
                 return await self._exchange(conn, payload, method)
             except _StaleConnection:
                 await conn.aclose()
+                if head is not None and head.aborted:
+                    raise httpx.ReadError(f"the wait for replica {host}:{port}'s answer was ended") from None
                 if not reused:  # a fresh connection closed on us: the engine is refusing
                     raise httpx.RemoteProtocolError(f"replica {host}:{port} closed the connection without answering") from None
                 continue
             except BaseException:
                 await conn.aclose()
                 raise
+            finally:
+                if head is not None:
+                    head.conn = None
         raise AssertionError("unreachable: the second attempt uses a fresh connection")
 
     async def _exchange(self, conn: _Conn, payload: bytes, method: str) -> H1Response:
@@ -561,6 +572,25 @@ class H1Pool:
         for conns in idle.values():
             for conn in conns:
                 await conn.aclose()
+
+
+class HeadWait:
+    """A request's wait for its response head, ended from outside by :meth:`abort` (the
+    deadline's watch): the connection in use is closed, and no other is tried."""
+
+    __slots__ = ("conn", "aborted")
+
+    def __init__(self) -> None:
+        self.conn: _Conn | None = None
+        self.aborted = False
+
+    def abort(self) -> None:
+        """End the wait (never raises)."""
+        self.aborted = True
+        conn = self.conn
+        if conn is not None:
+            conn.keep_alive = False
+            conn.close_now()
 
 
 class _StaleConnection(Exception):
