@@ -17,9 +17,8 @@ Each failure is counted in the gateway's metrics (``upstream_error(replica, kind
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Mapping, NoReturn
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, NoReturn
 
 import attrs
 import httpx
@@ -181,8 +180,8 @@ class UpstreamClient:
         with it. ``body`` is sent byte for byte.
 
         Returns a response whose body has not been read: the caller must read it with
-        :meth:`read_body`, :meth:`iter_body` or :meth:`body_reader` (which apply the body
-        deadlines) and then ``await response.aclose()`` (see :func:`close_quietly`).
+        :meth:`read_body` or :meth:`body_reader` (which apply the body deadlines) and then
+        ``await response.aclose()`` (see :func:`close_quietly`).
 
         Raises :class:`UpstreamConnectError` when the connection could not be made
         (retryable), :class:`UpstreamDeadline` when no response head came within the
@@ -242,33 +241,21 @@ class UpstreamClient:
         """
         return BodyReader(response, replica_id, self.timeouts, cuts, self._count)
 
-    async def iter_body(self, response: H1Response, replica_id: str,
-                        cuts: StreamCuts | None = None) -> AsyncIterator[bytes]:
-        """Yield the body of ``response`` (from :meth:`open`) piece by piece as it arrives,
-        read by :meth:`body_reader` (see :meth:`BodyReader.next` for deadlines and errors).
-
-        Does not close ``response``; closing this generator (``contextlib.aclosing``) closes
-        the reader. Cancellation propagates.
-        """
-        reader = self.body_reader(response, replica_id, cuts)
-        try:
-            while piece := await reader.next():
-                yield piece
-        finally:
-            reader.close()
-
     async def read_body(self, response: H1Response, replica_id: str) -> bytes:
-        """Return the whole body of ``response``, read under the deadlines of :meth:`iter_body`.
+        """Return the whole body of ``response``, read by :meth:`body_reader`.
 
-        Raises as :meth:`iter_body` does; does not close ``response``.
+        Raises as :meth:`BodyReader.next` does; does not close ``response``.
         """
         whole = response.take_complete()  # already here with the head: no deadlines to apply
         if whole is not None:
             return whole
         parts = []
-        async with contextlib.aclosing(self.iter_body(response, replica_id)) as chunks:
-            async for chunk in chunks:
-                parts.append(chunk)
+        reader = self.body_reader(response, replica_id)
+        try:
+            while piece := await reader.next():
+                parts.append(piece)
+        finally:
+            reader.close()
         return b"".join(parts)
 
     async def call(self, replica: Replica, method: str, path: str, body: bytes, request_id: str) -> tuple[int, bytes]:
