@@ -693,6 +693,7 @@ class _StreamRelay:
         if self._closed:
             return
         self._closed = True
+        self._send = None  # the sink reaches back to the request
         self._reader.close()
         forwarded = self._forwarded
         lease = forwarded.lease

@@ -395,7 +395,7 @@ class BodyReader:
         try:
             await hub.relay(fd, self._step)
         finally:  # on cancellation, close() drops a write the hub handed back
-            self._hub = None
+            self._hub = self._forward = None  # (the relay holds this reader: no cycle left)
             if watched.ended is None:
                 watched.deadline = NOT_READING
         error, self._error = self._error, None
