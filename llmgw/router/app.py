@@ -668,9 +668,11 @@ class _StreamRelay:
                 if piece and lease is not None:
                     lease.first_token()  # an engine's first piece follows its prefill
                 while piece:
-                    if (pending := forward(piece)) is not None:
+                    pending = forward(piece)
+                    if pending is None:  # the sink sends at once: the hub may relay what follows
+                        await reader.via_hub(self._hub, forward)
+                    else:  # the client has no room now, or the sink is the ASGI send's
                         await pending
-                    await reader.via_hub(self._hub, forward)
                     piece = await reader.next()
             except httpx.TimeoutException as error:
                 failure = errors.upstream_timeout(forwarded.info.model, describe_error(error))
