@@ -48,7 +48,8 @@ async def _one(conn: trio.SocketStream, i: int, stream: bool) -> None:
             buffer += await conn.receive_some(65536)
         assert b"[DONE]" in buffer
         return
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     while len(buffer) < length:
         buffer += await conn.receive_some(65536)
 
@@ -75,4 +76,5 @@ async def test_requests_and_streams_leave_no_reference_cycles() -> None:
                 nursery.cancel_scope.cancel()
     finally:
         await trio.to_thread.run_sync(sim.stop)
-    assert unreachable <= MAX_UNREACHABLE, f"{unreachable} objects in reference cycles after {REQUESTS + STREAMS} requests"
+    assert unreachable <= MAX_UNREACHABLE, (
+        f"{unreachable} objects in reference cycles after {REQUESTS + STREAMS} requests")
