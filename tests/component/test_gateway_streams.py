@@ -13,6 +13,7 @@ import socket
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import pytest
 import trio
 
 from llmgw.router import LoadTracker, Replica, ReplicaTable, create_app, serve_gateway
@@ -80,9 +81,9 @@ async def read_all(stream: trio.SocketStream) -> bytes:
     return b"".join(parts)
 
 
-async def read_chunked(stream: trio.SocketStream) -> bytes:
-    """Read one chunked response on a keep-alive connection, up to its last chunk."""
-    data = b""
+async def read_chunked(stream: trio.SocketStream, data: bytes = b"") -> bytes:
+    """Return one chunked response on a keep-alive connection (``data``: what was read of it
+    already), read up to its last chunk."""
     while not data.endswith(b"\r\n0\r\n\r\n"):
         chunk = await stream.receive_some(65536)
         assert chunk, "the gateway closed a keep-alive connection mid-response"
@@ -187,7 +188,8 @@ async def test_a_slow_reader_does_not_stall_other_streams() -> None:
             sims.cancel_scope.cancel()
 
 
-async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event() -> None:
+@pytest.mark.parametrize("lane", [True, False], ids=["fast-lane-and-relay-hub", "h11"])
+async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(lane: bool) -> None:
     sim = await trio.to_thread.run_sync(
         lambda: start_sim(["--model", MODEL, "--port", "0", "--decode-us-per-token", "200000"]))
     try:
@@ -195,7 +197,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event() ->
             async with gateway_over([sim.url]) as (port, load, _):
                 async with await trio.open_tcp_stream("127.0.0.1", port) as conn:
                     body = {"model": MODEL, "prompt": "a slow story", "max_tokens": 50, "stream": True}
-                    await conn.send_all(request_bytes("/v1/completions", body))
+                    await conn.send_all(request_bytes("/v1/completions", body, close=not lane))
                     received = b""
                     while b"data: " not in received:  # the stream is open and a chunk came through
                         chunk = await conn.receive_some(65536)
@@ -203,7 +205,8 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event() ->
                         received += chunk
                     assert load.total() == 1
                     sim.proc.kill()  # SIGKILL: no goodbye from the engine
-                    received += await read_all(conn)  # must end, not hang
+                    # It must end, not hang.
+                    received = await read_chunked(conn, received) if lane else received + await read_all(conn)
                 status, events = sse_events(received)
                 assert status == 200
                 assert events and events[-1] != "[DONE]"
