@@ -194,7 +194,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(lane
         lambda: start_sim(["--model", MODEL, "--port", "0", "--decode-us-per-token", "200000"]))
     try:
         with trio.fail_after(DEADLINE_S):
-            async with gateway_over([sim.url]) as (port, load, _):
+            async with gateway_over([sim.url]) as (port, load, hub):
                 async with await trio.open_tcp_stream("127.0.0.1", port) as conn:
                     body = {"model": MODEL, "prompt": "a slow story", "max_tokens": 50, "stream": True}
                     await conn.send_all(request_bytes("/v1/completions", body, close=not lane))
@@ -212,6 +212,7 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error_event(lane
                 assert events and events[-1] != "[DONE]"
                 error = json.loads(events[-1])["error"]
                 assert error["code"] == "upstream_failed" and error["message"]
+                assert (hub.steps > 0) == lane  # the lane's stream broke in the hub
                 assert {"message", "type", "param", "code"} <= set(error)
                 await load.wait_until(lambda tracker: tracker.total() == 0)
     finally:
