@@ -112,3 +112,16 @@ async def test_a_failing_step_is_handed_back_and_logged(caplog: pytest.LogCaptur
     assert "carries on by itself" in caplog.text
     ours.close()
     theirs.close()
+
+
+async def test_a_closed_descriptor_is_not_taken() -> None:
+    hub = RelayHub()
+    ours, theirs = pair()
+    fd = ours.fileno()
+    ours.close()
+    theirs.close()
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hub.run)
+            await hub.relay(fd, Reader(ours))  # returns at once: its owner reads and fails by itself
+            nursery.cancel_scope.cancel()

@@ -116,8 +116,14 @@ class RelayHub:
         epoll = self._epoll
         if epoll is None:
             return
+        self.detach(fd)  # a stream still held on this descriptor (never: owners take theirs back)
+        try:
+            epoll.register(fd, select.EPOLLIN)
+        except FileExistsError:  # registered by a stream on a descriptor since closed and reused
+            epoll.modify(fd, select.EPOLLIN)
+        except OSError:  # not a descriptor epoll takes now (closed): the owner's read says why
+            return
         handed_back = trio.Event()
-        epoll.register(fd, select.EPOLLIN)
         self._streams[fd] = (step, handed_back)
         try:
             await handed_back.wait()
