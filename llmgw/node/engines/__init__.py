@@ -59,6 +59,7 @@ def llmgw_pythonpath(*more: str, environ: Mapping[str, str] | None = None) -> st
     inherited = (os.environ if environ is None else environ).get("PYTHONPATH", "")
     return os.pathsep.join([PACKAGE_ROOT, *more] + ([inherited] if inherited else []))
 
+
 class EngineRefused(ValueError):
     """A shard's args or env contain something the node refuses to run."""
 

@@ -27,9 +27,6 @@ SIM_STARTUP_TIMEOUT = 60.0
 #: Simulator options through which a profile publishes events itself: the agent then adds none.
 _OWN_EVENT_OPTIONS = ("--kv-events-endpoint", "--kv-replay-endpoint")
 
-# The directory holding the llmgw package, so ``-m llmgw.sim`` resolves to this same
-# llmgw even when it runs from a source checkout that is not installed.
-
 
 def sim_block_size(args: list[str] | tuple[str, ...]) -> int:
     """Returns the ``--block-size`` in ``args`` (``--block-size N`` or ``=N``; last wins), else the simulator's default."""
