@@ -32,8 +32,8 @@ ASGI middleware (:mod:`llmgw.router.instrument`)::
 
     metrics.request_done(model, tenant, status, seconds)   # one finished HTTP request
     metrics.first_chunk(model, seconds)                    # time to first body chunk of a stream
-    metrics.chunk_gap(model, seconds)                      # gap between two body chunks of a stream
-    gaps = metrics.chunk_gaps(model); gaps.add(seconds); gaps.flush()   # the same, a stream's at once
+    gaps = metrics.chunk_gaps(model)                       # one stream's gaps between body chunks:
+    gaps.add(seconds); gaps.flush()                        #   each counted, all recorded at its end
 
 In-flight per replica is read at scrape time: pass ``in_flight_source`` (e.g. the
 gateway's ``LoadTracker.snapshot``) and the gauge can never drift from the load the
@@ -418,12 +418,6 @@ class GatewayMetrics:
         """Record the time to the first body chunk of a streamed response."""
         self.ttft_seconds.labels(self.model_label(model)).observe(seconds)
 
-    def chunk_gap(self, model: str, seconds: float) -> None:
-        """Record the gap between two body chunks of a streamed response."""
-        gaps = self.chunk_gaps(model)
-        gaps.add(seconds)
-        gaps.flush()
-
     def chunk_gaps(self, model: str) -> ChunkGaps:
         """Return the tally of one stream's chunk gaps: :meth:`ChunkGaps.add` per gap,
         :meth:`ChunkGaps.flush` when the stream ends (before then, they are not exposed)."""
@@ -527,7 +521,8 @@ class _BatchedHistogram(Collector):
         self._documentation = documentation
         self._label = label
         self._bounds = tuple(sorted(b for b in buckets if b != float("inf")))
-        self._series: dict[str, tuple[list[int], list[float]]] = {}  # label -> (counts per bucket, [sum])
+        self._counts: dict[str, list[int]] = {}  # label value -> count per bucket, the last for +Inf
+        self._sums: dict[str, float] = {}
 
     def tally(self, label: str) -> ChunkGaps:
         """Return a new :class:`ChunkGaps` for ``label``'s series."""
@@ -535,26 +530,23 @@ class _BatchedHistogram(Collector):
 
     def add(self, label: str, counts: Sequence[int], total: float) -> None:
         """Add ``counts`` (one per bucket, the last for +Inf) and their sum ``total``."""
-        series = self._series.get(label)
-        if series is None:
-            series = self._series[label] = ([0] * (len(self._bounds) + 1), [0.0])
-        mine = series[0]
+        mine = self._counts.setdefault(label, [0] * (len(self._bounds) + 1))
         for i, count in enumerate(counts):
             mine[i] += count
-        series[1][0] += total
+        self._sums[label] = self._sums.get(label, 0.0) + total
 
     def describe(self) -> list[HistogramMetricFamily]:
         return [HistogramMetricFamily(self._name, self._documentation, labels=[self._label])]
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=[self._label])
-        for label, (counts, total) in sorted(self._series.items()):
+        for label, counts in sorted(self._counts.items()):
             cumulative = 0
             buckets = []
             for bound, count in zip((*self._bounds, float("inf")), counts):
                 cumulative += count
                 buckets.append((floatToGoString(bound), cumulative))
-            family.add_metric([label], buckets, total[0])
+            family.add_metric([label], buckets, self._sums[label])
         yield family
 
 

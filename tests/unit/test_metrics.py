@@ -90,10 +90,12 @@ def test_middleware_observations() -> None:
     metrics = GatewayMetrics()
     metrics.request_done("m", "t", 200, 0.2)
     metrics.first_chunk("m", 0.05)
+    first = metrics.chunk_gaps("m")
+    first.add(0.02)
+    first.flush()
     gaps = metrics.chunk_gaps("m")
     gaps.add(0.01)
     gaps.add(0.5)
-    metrics.chunk_gap("m", 0.02)
     got = samples(metrics)
     assert got[("llmgw_gateway_requests_total", (("model", "m"), ("status", "200"), ("tenant", "t")))] == 1
     assert got[("llmgw_gateway_request_duration_seconds_count", (("model", "m"),))] == 1

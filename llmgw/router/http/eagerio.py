@@ -55,24 +55,35 @@ async def send_all(stream: trio.abc.SendStream, data: bytes) -> None:
     await stream.send_all(memoryview(data)[sent:] if sent else data)
 
 
+def try_receive(stream: trio.SocketStream, max_bytes: int) -> bytes | None:
+    """Read up to ``max_bytes`` that the kernel has for ``stream`` (a plain
+    ``trio.SocketStream``) at once: the bytes, b"" at the end of the stream, or None when
+    nothing is there yet. Never waits; raises ``OSError`` when the socket is closed or broken.
+    """
+    try:
+        return os.read(stream.socket.fileno(), max_bytes)
+    except BlockingIOError:
+        return None
+
+
 async def receive_some(stream: trio.abc.ReceiveStream, max_bytes: int, *, wait_first: bool = False) -> bytes:
     """Return up to ``max_bytes`` from ``stream`` (b"" at end of stream), as ``receive_some`` does.
 
-    Returns without yielding when bytes (or the end of the stream) are already there.
-    With ``wait_first`` it waits for readability before the first read: for a reply
-    that cannot have come yet, this saves a read that would find nothing. Raises as
-    ``receive_some`` does.
+    Returns without yielding when bytes (or the end of the stream) are already there
+    (:func:`try_receive`). With ``wait_first`` it waits for readability before the first
+    read: for a reply that cannot have come yet, this saves a read that would find nothing.
+    Raises as ``receive_some`` does.
     """
     if type(stream) is trio.SocketStream:
         sock = stream.socket
-        wait = wait_first
+        if wait_first:
+            await trio.lowlevel.wait_readable(sock)
         while True:
             try:
-                if wait:
-                    await trio.lowlevel.wait_readable(sock)
-                return os.read(sock.fileno(), max_bytes)
-            except BlockingIOError:
-                wait = True  # nothing there yet
+                data = try_receive(stream, max_bytes)
             except OSError:
                 break  # closed or broken: receive_some below raises trio's error for it
+            if data is not None:
+                return data
+            await trio.lowlevel.wait_readable(sock)  # nothing there yet
     return await stream.receive_some(max_bytes)

@@ -26,7 +26,6 @@ wrap calls in ``trio.move_on_after``; cancellation closes the connection and pro
 
 from __future__ import annotations
 
-import os
 import time
 from typing import AsyncIterator, Iterable
 from urllib.parse import urlsplit
@@ -72,20 +71,14 @@ class H1Response:
         self._decoder = ChunkedDecoder() if framing == "chunked" else None
         self._wait_first = False
 
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        """Return an async iterator (closable: ``aclose``) over the body's payload bytes as
-        they arrive (chunked framing removed): :meth:`next_piece` until the body's end.
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """Yield the body's payload bytes as they arrive (chunked framing removed):
+        :meth:`next_piece` until the body's end.
 
-        It raises ``httpx.ReadError``/``RemoteProtocolError`` if the connection breaks or
-        the framing is invalid. Reading twice yields nothing the second time.
+        Raises ``httpx.ReadError``/``RemoteProtocolError`` if the connection breaks or the
+        framing is invalid. Reading twice yields nothing the second time.
         """
-        return self._pieces()
-
-    async def _pieces(self) -> AsyncIterator[bytes]:
-        while True:
-            piece = await self.next_piece()
-            if not piece:
-                return
+        while piece := await self.next_piece():
             yield piece
 
     async def next_piece(self) -> bytes:
@@ -101,17 +94,12 @@ class H1Response:
         if self._done or self._closed:
             return b""
         conn = self._conn
-        decoder = self._decoder
-        if decoder is not None:
+        if self._decoder is not None:
             data = conn.take_all()
             while True:
                 if data:
-                    piece = decoder.feed(data)
-                    if decoder.ended:
-                        conn.buffer = decoder.rest
-                        self._done = True
-                        return piece
-                    if piece:
+                    piece = self._decode(data)
+                    if piece or self._done:
                         return piece
                 # A streamed body's next piece is an engine's next token: rarely there yet
                 # when the last one has just been relayed, so the read waits for it first (a
@@ -153,18 +141,15 @@ class H1Response:
         """Return the payload of what a chunked body's socket holds now (maybe b"": part of
         a chunk), without waiting; None if it holds nothing. Check :attr:`ended` after.
 
-        Only for a response :meth:`socket_fd` gives a descriptor for. Raises
-        ``httpx.ReadError`` if the connection broke and ``httpx.RemoteProtocolError`` for
-        invalid framing or an end before the body's.
+        Only for a response :meth:`socket_fd` gives a descriptor for. Raises as
+        :meth:`next_piece` does.
         """
-        try:
-            data = os.read(self._conn.stream.socket.fileno(), RECV_BYTES)
-        except BlockingIOError:
-            return None
-        except OSError as error:
-            raise httpx.ReadError(f"connection to replica broke while reading: {error!r}") from error
-        if not data:
-            raise httpx.RemoteProtocolError("replica closed the connection in the middle of a response")
+        data = self._conn.recv_nowait()
+        return None if data is None else self._decode(data)
+
+    def _decode(self, data: bytes) -> bytes:
+        """Return the payload ``data`` (from the wire) completes; at the body's end, leave what
+        follows it in the connection's buffer and mark the body done."""
         decoder = self._decoder
         assert decoder is not None
         piece = decoder.feed(data)
@@ -242,9 +227,20 @@ class _Conn:
         try:
             data = await eagerio.receive_some(self.stream, RECV_BYTES, wait_first=wait_first)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-            raise httpx.ReadError(f"connection to replica broke while reading: {error!r}") from error
+            raise _broken(error) from error
         if not data and not eof_ok:
-            raise httpx.RemoteProtocolError("replica closed the connection in the middle of a response")
+            raise _ended_early()
+        return data
+
+    def recv_nowait(self) -> bytes | None:
+        """Return the bytes the socket (a plain TCP one) holds now, None if none; raise as
+        :meth:`recv` does (the end of the stream is an error)."""
+        try:
+            data = eagerio.try_receive(self.stream, RECV_BYTES)
+        except OSError as error:
+            raise _broken(error) from error
+        if data == b"":
+            raise _ended_early()
         return data
 
     async def recv_body(self) -> bytes:
@@ -287,6 +283,14 @@ class _Conn:
             self.stream.socket.close()
         except OSError:  # closing a broken socket: nothing to do about it
             pass
+
+
+def _broken(error: BaseException) -> httpx.ReadError:
+    return httpx.ReadError(f"connection to replica broke while reading: {error!r}")
+
+
+def _ended_early() -> httpx.RemoteProtocolError:
+    return httpx.RemoteProtocolError("replica closed the connection in the middle of a response")
 
 
 class ChunkedDecoder:
