@@ -351,10 +351,7 @@ class BodyReader:
             if scope.cancelled_caught:
                 ended = CUT if cuts is not None and cuts.cut else DEADLINE
         if ended is not None:
-            if ended == CUT:
-                raise StreamCut
-            self._count(self._replica_id, f"{self._phase}_timeout")
-            raise UpstreamDeadline(self._replica_id, self._phase, limit)
+            self._raise_ended(ended)
         if self._phase == "first_chunk":
             self._phase, self._limit = "chunk", self._timeouts.chunk
         return piece
@@ -364,16 +361,18 @@ class BodyReader:
         :class:`UpstreamDeadline` if the watch ended it (it closed the connection under the
         read), else ``error`` itself, counted."""
         watched = self._watched
-        ended = watched.ended if watched is not None else None
-        if ended is None:
+        if watched is None or watched.ended is None:
             self._count(self._replica_id, "protocol")
             raise error
-        if watched is not None:
-            watched.deadline = NOT_READING
-        if ended == CUT:
-            raise StreamCut from error
+        watched.deadline = NOT_READING
+        self._raise_ended(watched.ended)
+
+    def _raise_ended(self, why: str) -> NoReturn:
+        """Raise for a read the gateway ended (``why``: CUT or DEADLINE), counting a deadline."""
+        if why == CUT:
+            raise StreamCut
         self._count(self._replica_id, f"{self._phase}_timeout")
-        raise UpstreamDeadline(self._replica_id, self._phase, self._limit) from error
+        raise UpstreamDeadline(self._replica_id, self._phase, self._limit)
 
     async def via_hub(self, hub: RelayHub, forward: Callable[[bytes], Awaitable[None] | None]) -> None:
         """Relay the body's next pieces to ``forward`` in ``hub`` while they need no waiting.
