@@ -9,8 +9,9 @@ the streams served, the gateway's CPU per stream (psutil, user + system), TTFT a
 with ``--profile`` the gateway runs under cProfile and the report adds what wall-clock noise on
 a shared machine hides: Python function calls, socket reads and socket writes per stream and
 per event (exact counts, comparable between two versions of the gateway), and the functions
-with the most time of their own. ``--requests C`` counts non-streaming requests instead: ``wrk``
-at concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request.
+with the most time of their own (``--profile-out FILE`` keeps the raw profile). ``--requests C``
+counts non-streaming requests instead: ``wrk`` at concurrency ``C`` (as ``bench.gateway`` runs
+it), the figures per request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -35,9 +37,11 @@ REPLICAS = 4
 TOP_FUNCTIONS = 40
 
 
-def run(seconds: float, streams: int, profile: bool, requests: int = 0) -> dict[str, Any]:
+def run(seconds: float, streams: int, profile: bool, requests: int = 0,
+        profile_out: Path | None = None) -> dict[str, Any]:
     """Runs the streams (or, with ``requests``, wrk at that concurrency) through a fresh gateway;
-    returns the report (see the module docstring)."""
+    returns the report (see the module docstring). With ``profile_out`` the raw cProfile file is
+    copied there (for ``python -m pstats``)."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-relaycost-"))
     fleet = gw.Fleet(work)
     stats_path = work / "gateway.prof"
@@ -65,6 +69,8 @@ def run(seconds: float, streams: int, profile: bool, requests: int = 0) -> dict[
                                   "seconds": seconds, **figures, f"gateway_cpu_ms_per_{unit}": 1000 * cpu_s / served}
         if profile:
             report["profile"] = _profile(stats_path, served, figures["events_per_stream"])
+            if profile_out is not None:
+                shutil.copyfile(stats_path, profile_out)
         return report
     finally:
         fleet.close()
@@ -97,8 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=0, metavar="C",
                         help="count non-streaming requests instead, wrk at concurrency C")
     parser.add_argument("--profile", action="store_true", help="run the gateway under cProfile and count")
+    parser.add_argument("--profile-out", type=Path, metavar="FILE",
+                        help="with --profile: keep the raw cProfile file there")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.seconds, args.streams, args.profile, args.requests), indent=1))
+    print(json.dumps(run(args.seconds, args.streams, args.profile, args.requests, args.profile_out), indent=1))
 
 
 if __name__ == "__main__":

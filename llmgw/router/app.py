@@ -42,7 +42,7 @@ from .admin_api import ADMIN_API_METHODS, ADMIN_API_PREFIX, NO_ADMIN_API, AdminA
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
-from .http.cleanup import RequestCleanup, request_stack
+from .http.cleanup import LastSendShield, Releases
 from .http.drain import StreamCut, StreamCuts
 from .http.extensions import REQUEST_ID_KEY
 from .http.forward import BodySink, FastForward, ForwardCall, ForwardResult
@@ -197,7 +197,7 @@ class Gateway:
         gate = MetricsGate(app.asgi_app, MetricsAccess.on_gateway(self.metrics_config, self.auth.enabled))
         forward = FastForward(gate, self.forward, app.config, FORWARDED_PATHS, BODY_TIMEOUT_S)
         app.asgi_app = forward  # type: ignore[method-assign]
-        app.asgi_app = RequestCleanup(app.asgi_app)  # type: ignore[method-assign]
+        app.asgi_app = LastSendShield(app.asgi_app)  # type: ignore[method-assign]
         app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]
 
         app.before_serving(self._start)
@@ -409,7 +409,7 @@ class Gateway:
             raise errors.no_ready_replica(info.model)
         upstream = self.upstream_client()  # 503 while shutting down
         trace = call.scope["extensions"].get(TRACE_KEY) if self.tracer is not None else None
-        return _Request(call, tenant, info, target, body, labels, trace, request_stack(), upstream,
+        return _Request(call, tenant, info, target, body, labels, trace, call.releases, upstream,
                         len(candidates), self.usage, self.admission)
 
     async def _admit(self, forwarded: _Request) -> Sequence[Replica]:
@@ -426,7 +426,7 @@ class Gateway:
             ticket = await self.admission.admit(
                 forwarded.tenant, info.model, forwarded.ready, lambda: estimate_tokens(info.body)
             )
-        forwarded.stack.callback(ticket.release)
+        forwarded.releases.callback(ticket.release)
         target = forwarded.target
         candidates = self.adapters.serving(target, self.table.replicas(target.model) or ())
         if not candidates:
@@ -450,7 +450,7 @@ class Gateway:
         call = forwarded.call
         info = forwarded.info
         target = forwarded.target
-        stack = forwarded.stack
+        releases = forwarded.releases
         trace = forwarded.trace
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
@@ -462,16 +462,16 @@ class Gateway:
             route = await self._choose(forwarded, remaining)
             replica = route.replica
             lease = self.load.acquire(replica.id, route.prefill_tokens, route.on_first_token)
-            stack.callback(lease.release)
+            releases.callback(lease.release)
             # LoRA: llama.cpp's per-request lora field; the adapter loaded on the replica if needed.
             send_body = self.adapters.body_for(replica, target, forwarded.body, forwarded.tenant)
             adapter_hold = await self.adapters.acquire(replica, target, call.request_id)
             if adapter_hold is not NO_HOLD:
-                stack.callback(adapter_hold.release)
+                releases.callback(adapter_hold.release)
             trace_headers = None
             if trace is not None:
                 span, trace_headers = trace.start_upstream(replica.id)
-                stack.callback(trace.end, span)
+                releases.callback(trace.end, span)
             try:
                 response = await forwarded.upstream.open(
                     replica,
@@ -494,7 +494,7 @@ class Gateway:
             except httpx.HTTPError as error:
                 lease.release()
                 raise errors.upstream_failed(info.model, describe_error(error)) from error
-            stack.push_async_callback(close_quietly, response)
+            releases.push_async_callback(close_quietly, response)
             # LoRA: a 404 for an adapter the gateway loaded means the engine lost it (restart, or
             # another gateway worker unloaded it): load it again and retry once.
             if self.adapters.engine_answered(replica, target, response.status_code) and attempt + 1 < MAX_ATTEMPTS:
@@ -555,17 +555,17 @@ class _Request:
     :meth:`Gateway._resolve` makes it (tenant, parsed body, LoRA target: resolved once
     and read by every later stage), :meth:`Gateway._admit` adds the admission ticket
     and the stream's usage watch (:meth:`admitted`), :meth:`Gateway._route` the chosen
-    replica's lease. ``stack`` is the request's exit stack
-    (:class:`~llmgw.router.http.cleanup.RequestCleanup`).
+    replica's lease. ``releases`` is what the request holds, released when it ends
+    (:class:`~llmgw.router.http.cleanup.Releases`, the call's).
     :meth:`account` ends the request's accounting into ``meter`` and ``admission``.
     """
 
-    __slots__ = ("call", "tenant", "info", "target", "body", "labels", "trace", "stack", "upstream", "ready",
-                 "lease", "meter", "admission", "ticket", "stream")
+    __slots__ = ("call", "tenant", "info", "target", "body", "labels", "trace", "releases", "upstream",
+                 "ready", "lease", "meter", "admission", "ticket", "stream")
 
     def __init__(
         self, call: ForwardCall, tenant: Tenant, info: RequestInfo, target: Target, body: bytes,
-        labels: dict[str, str], trace: Any, stack: contextlib.AsyncExitStack, upstream: UpstreamClient,
+        labels: dict[str, str], trace: Any, releases: Releases, upstream: UpstreamClient,
         ready: int, meter: UsageMeter, admission: Admission,
     ) -> None:
         self.call = call
@@ -575,7 +575,7 @@ class _Request:
         self.body = body  # as sent upstream (a stream's asks for usage)
         self.labels = labels
         self.trace = trace
-        self.stack = stack
+        self.releases = releases
         self.upstream = upstream
         self.ready = ready  # ready replicas when resolved (admission's queue-length hint)
         self.meter = meter

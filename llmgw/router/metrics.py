@@ -49,6 +49,7 @@ An empty tenant or model is recorded as ``""`` / ``"unknown"``. Tenants come fro
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -115,41 +116,35 @@ class GatewayMetrics:
         self._in_flight_source = in_flight_source
         self._replica_ids = replica_ids
         self._error_labels: set[tuple[str, str]] = set()
-        # Children of the per-request series, by label values: prometheus_client's
-        # ``labels()`` validates and looks up on every call, a measurable share of the
-        # gateway's CPU per request. Series here are never removed, so caching is safe;
-        # the keys are bounded as the labels are (see the module docstring).
-        self._done_children: dict[tuple[str, str, int], tuple[Callable[[], None], Callable[[float], None]]] = {}
-        self._admitted_children: dict[tuple[str, str], Callable[[], None]] = {}
-        self._usage_children: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
         r = self.registry
-        self.requests = Counter(
+        # The series every request adds to are _DictCounter and _BatchedHistogram: an update
+        # is a dict entry's, not prometheus_client's lock and checks (see _DictCounter).
+        self.requests = _DictCounter(
             f"{PREFIX}_requests", "HTTP requests finished, by model, tenant and status code.",
             ("model", "tenant", "status"), registry=r,
         )
-        self.request_seconds = Histogram(
+        self.request_seconds = _BatchedHistogram(
             f"{PREFIX}_request_duration_seconds",
             "Time from request start to the last response byte, by model.",
-            ("model",), buckets=LATENCY_BUCKETS, registry=r,
+            "model", LATENCY_BUCKETS, registry=r,
         )
-        self.ttft_seconds = Histogram(
+        self.ttft_seconds = _BatchedHistogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "Time from request start to the first body chunk of a streamed response, by model.",
-            ("model",), buckets=TTFT_BUCKETS, registry=r,
+            "model", TTFT_BUCKETS, registry=r,
         )
         # Observed per event of every stream: counted per stream, added here when it ends.
         self.chunk_gap_seconds = _BatchedHistogram(
             f"{PREFIX}_inter_chunk_seconds",
             "Gap between consecutive body chunks of a streamed response, by model.",
-            "model", CHUNK_GAP_BUCKETS,
+            "model", CHUNK_GAP_BUCKETS, registry=r,
         )
-        r.register(self.chunk_gap_seconds)
         r.register(_InFlightCollector(self._in_flight_counts))
         self.queued_gauge = Gauge(
             f"{PREFIX}_queued", "Requests waiting in admission queues, by tenant and model.",
             ("tenant", "model"), registry=r,
         )
-        self.admitted_total = Counter(
+        self.admitted_total = _DictCounter(
             f"{PREFIX}_admitted", "Requests that passed admission, by tenant and model.",
             ("tenant", "model"), registry=r,
         )
@@ -157,11 +152,11 @@ class GatewayMetrics:
             f"{PREFIX}_shed", "Requests refused by admission, by tenant, model and reason.",
             ("tenant", "model", "reason"), registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = _DictCounter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens reported by engines, by tenant and model.",
             ("tenant", "model"), registry=r,
         )
-        self.completion_tokens = Counter(
+        self.completion_tokens = _DictCounter(
             f"{PREFIX}_completion_tokens", "Completion tokens reported by engines, by tenant and model.",
             ("tenant", "model"), registry=r,
         )
@@ -184,27 +179,27 @@ class GatewayMetrics:
             "reports how many of its workers route by each.", ("policy",), registry=r,
         )
         # KV-aware routing (llmgw/router/kvrouting.py): decisions, hit share, hash agreement.
-        self.routing_decisions = Counter(
+        self.routing_decisions = _DictCounter(
             f"{PREFIX}_routing_decisions", "Routing decisions among several replicas, by model and kind "
             "(precise: KV events; approximate: prefix tree; miss: no replica held a leading block).",
             ("model", "kind"), registry=r,
         )
-        self.routing_matched_blocks = Counter(
+        self.routing_matched_blocks = _DictCounter(
             f"{PREFIX}_routing_matched_blocks", "Leading prompt blocks the chosen replica had reported holding "
             "(KV events) when a request was routed to it, by model (divide by routing_prompt_blocks for the "
             "router's hit-share estimate; engine_cached_prompt_tokens is the engines' own count).",
             ("model",), registry=r,
         )
-        self.routing_prompt_blocks = Counter(
+        self.routing_prompt_blocks = _DictCounter(
             f"{PREFIX}_routing_prompt_blocks", "Prompt blocks of the routed requests the router hashed, by model.",
             ("model",), registry=r,
         )
-        self.engine_prompt_tokens = Counter(
+        self.engine_prompt_tokens = _DictCounter(
             f"{PREFIX}_engine_prompt_tokens", "Prompt tokens of answered requests, by model, as the engines "
             "counted them (divide engine_cached_prompt_tokens by it for the engines' own hit share).",
             ("model",), registry=r,
         )
-        self.engine_cached_prompt_tokens = Counter(
+        self.engine_cached_prompt_tokens = _DictCounter(
             f"{PREFIX}_engine_cached_prompt_tokens", "Prompt tokens the engines found in their prefix caches, "
             "by model (usage.prompt_tokens_details.cached_tokens: vLLM with --enable-prompt-tokens-details, "
             "which the agent sets, and the simulator).", ("model",), registry=r,
@@ -222,7 +217,7 @@ class GatewayMetrics:
             "disagrees with the engine's /tokenize (the replica is then tokenized by the engine), by model "
             "and replica.", ("model", "replica"), registry=r,
         )
-        self.prompts_tokenized = Counter(
+        self.prompts_tokenized = _DictCounter(
             f"{PREFIX}_prompts_tokenized", "Prompts the router tokenized to hash their KV blocks, by model and "
             "by whom: 'gateway' (the model's own tokenizer files, loaded in the gateway) or 'engine' (a /tokenize "
             "call).", ("model", "by"), registry=r,
@@ -280,11 +275,12 @@ class GatewayMetrics:
         """Count one routing decision of ``kind`` with ``matched`` of ``total`` prompt blocks
         reported held (``total`` 0: a request the router did not hash)."""
         label = self.model_label(model)
-        self.routing_decisions.labels(label, kind).inc()
+        self.routing_decisions.inc((label, kind))
         if total > 0:
-            self.routing_prompt_blocks.labels(label).inc(total)
+            by_model = (label,)
+            self.routing_prompt_blocks.inc(by_model, total)
             if matched > 0:
-                self.routing_matched_blocks.labels(label).inc(matched)
+                self.routing_matched_blocks.inc(by_model, matched)
 
     def mismatch(self, model: str, replica_id: str) -> None:
         """Count one routed request whose blocks ``replica_id`` never reported."""
@@ -300,7 +296,7 @@ class GatewayMetrics:
 
     def tokenized(self, model: str, by: str) -> None:
         """Count one prompt tokenized ``by`` "gateway" or "engine"."""
-        self.prompts_tokenized.labels(self.model_label(model), by).inc()
+        self.prompts_tokenized.inc((self.model_label(model), by))
 
     def tokenizer_check(self, model: str, agreed: bool) -> None:
         """Count one sampled tokenizer comparison."""
@@ -321,11 +317,7 @@ class GatewayMetrics:
 
     def admitted(self, tenant: str, model: str) -> None:
         """Count one request of ``tenant`` for ``model`` that passed admission."""
-        key = (tenant or "", self.model_label(model))
-        inc = self._admitted_children.get(key)
-        if inc is None:
-            inc = self._admitted_children[key] = self.admitted_total.labels(*key).inc
-        inc()
+        self.admitted_total.inc((tenant or "", self.model_label(model)))
 
     def queued(self, tenant: str, model: str, delta: int) -> None:
         """Add ``delta`` (+1 on entering, -1 on leaving) to the queue gauge of ``tenant``/``model``."""
@@ -339,20 +331,16 @@ class GatewayMetrics:
               cached_tokens: int = 0) -> None:
         """Add an engine's reported token usage (``cached_tokens``: of the prompt, found in
         its prefix cache); negative or non-int values are ignored."""
-        key = (tenant or "", self.model_label(model))
-        children = self._usage_children.get(key)
-        if children is None:  # label lookups once per (tenant, model): this runs per request
-            children = self._usage_children[key] = (
-                self.prompt_tokens.labels(*key).inc, self.engine_prompt_tokens.labels(key[1]).inc,
-                self.engine_cached_prompt_tokens.labels(key[1]).inc, self.completion_tokens.labels(*key).inc,
-            )
+        label = self.model_label(model)
+        key = (tenant or "", label)
+        by_model = (label,)
         if isinstance(prompt_tokens, int) and prompt_tokens > 0:
-            children[0](prompt_tokens)
-            children[1](prompt_tokens)
+            self.prompt_tokens.inc(key, prompt_tokens)
+            self.engine_prompt_tokens.inc(by_model, prompt_tokens)
             if isinstance(cached_tokens, int) and cached_tokens > 0:
-                children[2](min(cached_tokens, prompt_tokens))
+                self.engine_cached_prompt_tokens.inc(by_model, min(cached_tokens, prompt_tokens))
         if isinstance(completion_tokens, int) and completion_tokens > 0:
-            children[3](completion_tokens)
+            self.completion_tokens.inc(key, completion_tokens)
 
     def upstream_error(self, replica: str, kind: str) -> None:
         """Count one failed exchange with ``replica`` (a shard id) of the given ``kind``."""
@@ -404,19 +392,13 @@ class GatewayMetrics:
     def request_done(self, model: str, tenant: str, status: int, seconds: float) -> None:
         """Record one finished HTTP request (``status`` is the response code sent, or 499
         when the client went away before a response started)."""
-        key = (self.model_label(model), tenant or "", status)
-        children = self._done_children.get(key)
-        if children is None:
-            children = self._done_children[key] = (
-                self.requests.labels(key[0], key[1], str(status)).inc,
-                self.request_seconds.labels(key[0]).observe,
-            )
-        children[0]()
-        children[1](seconds)
+        label = self.model_label(model)
+        self.requests.inc((label, tenant or "", status))
+        self.request_seconds.observe(label, seconds)
 
     def first_chunk(self, model: str, seconds: float) -> None:
         """Record the time to the first body chunk of a streamed response."""
-        self.ttft_seconds.labels(self.model_label(model)).observe(seconds)
+        self.ttft_seconds.observe(self.model_label(model), seconds)
 
     def chunk_gaps(self, model: str) -> ChunkGaps:
         """Return the tally of one stream's chunk gaps: :meth:`ChunkGaps.add` per gap,
@@ -513,27 +495,47 @@ class ChunkGaps:
 
 
 class _BatchedHistogram(Collector):
-    """A histogram with one label whose observations arrive in batches (:class:`ChunkGaps`),
-    exposed as Prometheus exposes a ``Histogram``."""
+    """A histogram with one label, observed one value at a time (:meth:`observe`) or in
+    batches (:meth:`tally`, :class:`ChunkGaps`), exposed as a ``prometheus_client.Histogram``
+    is (buckets, count, sum, created). Like :class:`_DictCounter`: no locks, trio thread only."""
 
-    def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float]) -> None:
+    def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float], *,
+                 registry: CollectorRegistry) -> None:
         self._name = name
         self._documentation = documentation
         self._label = label
         self._bounds = tuple(sorted(b for b in buckets if b != float("inf")))
         self._counts: dict[str, list[int]] = {}  # label value -> count per bucket, the last for +Inf
         self._sums: dict[str, float] = {}
+        self._created: dict[str, float] = {}
+        registry.register(self)
 
     def tally(self, label: str) -> ChunkGaps:
         """Return a new :class:`ChunkGaps` for ``label``'s series."""
         return ChunkGaps(self, label, self._bounds)
 
+    def observe(self, label: str, value: float) -> None:
+        """Add one observation ``value`` to ``label``'s series."""
+        counts = self._counts.get(label)
+        if counts is None:
+            counts = self._series(label)
+        counts[bisect_left(self._bounds, value)] += 1
+        self._sums[label] += value
+
     def add(self, label: str, counts: Sequence[int], total: float) -> None:
         """Add ``counts`` (one per bucket, the last for +Inf) and their sum ``total``."""
-        mine = self._counts.setdefault(label, [0] * (len(self._bounds) + 1))
+        mine = self._counts.get(label)
+        if mine is None:
+            mine = self._series(label)
         for i, count in enumerate(counts):
             mine[i] += count
-        self._sums[label] = self._sums.get(label, 0.0) + total
+        self._sums[label] += total
+
+    def _series(self, label: str) -> list[int]:
+        counts = self._counts[label] = [0] * (len(self._bounds) + 1)
+        self._sums[label] = 0.0
+        self._created[label] = time.time()
+        return counts
 
     def describe(self) -> list[HistogramMetricFamily]:
         return [HistogramMetricFamily(self._name, self._documentation, labels=[self._label])]
@@ -547,6 +549,45 @@ class _BatchedHistogram(Collector):
                 cumulative += count
                 buckets.append((floatToGoString(bound), cumulative))
             family.add_metric([label], buckets, self._sums[label])
+            family.add_sample(self._name + "_created", {self._label: label}, self._created[label])
+        yield family
+
+
+class _DictCounter(Collector):
+    """A labelled counter whose series are entries of a dict, keyed by the tuple of label
+    values (any values; exposed as their ``str``): :meth:`inc` is one dict update.
+
+    ``prometheus_client.Counter`` takes a lock and validates on every increment (and
+    ``labels()`` looks the child up), a measurable share of the gateway's CPU per request.
+    The gateway updates its metrics on the trio thread only, and the registry collects on
+    it too, so no lock is needed. Exposed as a ``Counter`` is (``_total`` and ``_created``).
+    """
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], *,
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labels = tuple(labels)
+        self._values: dict[tuple[Any, ...], float] = {}
+        self._created: dict[tuple[Any, ...], float] = {}
+        registry.register(self)
+
+    def inc(self, key: tuple[Any, ...], amount: float = 1) -> None:
+        """Add ``amount`` to the series of label values ``key`` (one per label, in order)."""
+        values = self._values
+        if key in values:
+            values[key] += amount
+        else:
+            values[key] = amount
+            self._created[key] = time.time()
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=self._labels)]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
+        for key, value in sorted(self._values.items(), key=lambda item: tuple(map(str, item[0]))):
+            family.add_metric([str(part) for part in key], value, created=self._created[key])
         yield family
 
 

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config
 
 from llmgw.router.http.extensions import FAST_LANE_KEY, ON_CLOSE_KEY
@@ -33,13 +34,18 @@ class App:
     """ASGI app. Paths: ``/echo`` (the body back, with content-length, plus what the scope
     said), ``/stream`` (two chunks, no content-length), ``/empty`` (204), ``/fail`` (raises
     before responding), ``/short`` (declares 10 bytes, sends 2), ``/wait`` (waits for
-    ``http.disconnect`` and records it), ``/cut`` (cancelled during its last send)."""
+    ``http.disconnect`` and records it), ``/cut`` (cancelled during its last send),
+    ``/hang`` (waits forever, records its cancellation), ``/tail`` (responds, then waits
+    for ``tail_release`` before it returns)."""
 
     def __init__(self) -> None:
         self.scopes: list[dict[str, Any]] = []
         self.disconnected = trio.Event()
         self.closed_hook_called = False
         self.waiting = trio.Event()
+        self.cancelled = trio.Event()
+        self.tail_release = trio.Event()
+        self.log: list[str] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -53,6 +59,19 @@ class App:
             if not message.get("more_body"):
                 break
         path = scope["path"]
+        self.log.append(path)
+        if path == "/hang":
+            self.waiting.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self.cancelled.set()
+        if path == "/tail":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            await self.tail_release.wait()
+            self.log.append("/tail returned")
+            return
         if path == "/fail":
             raise RuntimeError("the app failed (expected by the test)")
         if path == "/wait":
@@ -216,6 +235,34 @@ async def test_a_client_leaving_gets_the_app_a_disconnect_and_the_close_hook() -
         await app.disconnected.wait()
     assert app.closed_hook_called
     assert FastLaneProtocol.served - before == 1
+
+
+async def test_a_client_leaving_cancels_the_app_on_the_lane() -> None:
+    app = App()
+    async with served(app) as stream:
+        await stream.send_all(_post("/hang"))
+        await app.waiting.wait()
+        await stream.aclose()
+        await app.cancelled.wait()
+    assert _all_on_the_lane(app, 1)
+
+
+async def test_the_next_request_on_a_connection_runs_once_the_app_before_it_returned() -> None:
+    """A connection's lane exchanges run one after another: an app that goes on after its
+    response (here until the test lets it) holds the next request until it returns."""
+    app = App()
+    async with served(app) as stream:
+        buffer = bytearray()
+        await stream.send_all(_post("/tail"))
+        await _read_response(stream, buffer)
+        await stream.send_all(_post("/echo", b"next"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert app.log == ["/tail"]
+        app.tail_release.set()
+        _, body = await _read_response(stream, buffer)
+        assert body == b"next"
+    assert app.log == ["/tail", "/tail returned", "/echo"]
+    assert _all_on_the_lane(app, 2)
 
 
 async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monkeypatch: pytest.MonkeyPatch) -> None:

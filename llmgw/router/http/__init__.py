@@ -12,8 +12,8 @@ forwarded POST bypasses it. From the client's socket to the engine's and back:
   and Hypercorn's per-request stream.
 * :mod:`.forward`: the ASGI layer in front of Quart: forwarded POSTs go straight to
   ``Gateway.forward``; every request gets its id (:mod:`.request_id`) here.
-* :mod:`.cleanup`: the ASGI layer giving each request an exit stack (leases, upstream
-  responses) and shielding a response's last send.
+* :mod:`.cleanup`: what a forwarded request holds (leases, upstream responses), released
+  however it ends, and the ASGI layer shielding a response's last send.
 * :mod:`.upstream`: the client towards the engines (deadlines per phase, errors
   described, failures counted) over :mod:`.upstream_pool`, a lean keep-alive HTTP/1.1
   connection pool per replica.

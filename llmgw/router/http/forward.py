@@ -3,8 +3,8 @@
 Quart's request machinery (request and app contexts, routing, the Response model, hooks)
 costs about twice as much CPU per request as the whole rest of a proxied request (Hypercorn
 plus the hop to the engine), and a gateway is all hot path. :class:`FastForward` sits
-in front of the Quart app, inside the gateway's ASGI middlewares (metrics, request
-cleanup), and handles ``POST`` on the forwarded paths itself; everything else (other
+in front of the Quart app, inside the gateway's ASGI middlewares (metrics, the shield of
+the last send), and handles ``POST`` on the forwarded paths itself; everything else (other
 methods, other paths, ``/metrics``, ``/v1/models``) goes to Quart unchanged.
 
 The request itself is handled by :meth:`llmgw.router.app.Gateway.forward` (auth,
@@ -27,7 +27,8 @@ import trio
 from .. import errors
 from ..admission import request_too_large
 from ..errors import GatewayError
-from .extensions import BODY_SINK_KEY, ON_CLOSE_KEY, REQUEST_ID_KEY, WHOLE_BODY_KEY
+from .cleanup import Releases
+from .extensions import BODY_SINK_KEY, FAST_LANE_KEY, ON_CLOSE_KEY, REQUEST_ID_KEY, WHOLE_BODY_KEY
 from .request_id import request_id_from
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,12 @@ class ForwardCall:
     ``headers`` maps lower-case names to values (first value of a repeated header);
     ``read_body()`` returns the whole body (raising a 413 GatewayError past the limit);
     ``max_bytes`` is the body limit (None: none);
-    ``scope`` is the ASGI scope (labels and the trace live in its ``extensions``).
+    ``scope`` is the ASGI scope (labels and the trace live in its ``extensions``);
+    ``releases`` what the request holds, released once its response is sent (or it failed).
     """
 
-    __slots__ = ("path", "query", "headers", "request_id", "content_length", "max_bytes", "scope", "read_body")
+    __slots__ = ("path", "query", "headers", "request_id", "content_length", "max_bytes", "scope", "read_body",
+                 "releases")
 
     def __init__(self, path: str, query: bytes, headers: Mapping[str, str], request_id: str,
                  content_length: int | None, max_bytes: int | None, scope: dict[str, Any],
@@ -94,6 +97,7 @@ class ForwardCall:
         self.max_bytes = max_bytes
         self.scope = scope
         self.read_body = read_body
+        self.releases = Releases()
 
 
 class _ClientGone(Exception):
@@ -138,12 +142,16 @@ class FastForward:
         # The app's MAX_CONTENT_LENGTH, read per request as Quart does (it may be changed live).
         limit: int | None = self._config["MAX_CONTENT_LENGTH"]
         body_timeout = self._body_timeout
-        # Hypercorn (as patched by hypercorn_patch, which serve_gateway applies) and the
-        # fast lane call on_close when the request's stream closes: cancelling this
-        # scope then does what a task waiting for http.disconnect would, without a task
-        # and a nursery per request.
+        extensions = scope.setdefault("extensions", {})
+        if FAST_LANE_KEY in extensions:
+            # The lane cancels the request itself when the client goes away (h1lane.py).
+            await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send)
+            return
+        # Hypercorn (as patched by hypercorn_patch, which serve_gateway applies) calls
+        # on_close when the request's stream closes: cancelling this scope then does what
+        # a task waiting for http.disconnect would, without a task and a nursery per request.
         with trio.CancelScope() as request_scope:
-            scope.setdefault("extensions", {})[ON_CLOSE_KEY] = request_scope.cancel
+            extensions[ON_CLOSE_KEY] = request_scope.cancel
             await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send)
 
     async def _serve(self, scope: dict[str, Any], headers: dict[str, str], request_id: str,
@@ -185,7 +193,14 @@ class FastForward:
             pass
 
     async def _respond(self, call: ForwardCall, send: Any) -> None:
-        """Run the forward and send its result (or its error) as ASGI messages."""
+        """Run the forward and send its result (or its error) as ASGI messages; then release
+        what the request holds (:attr:`ForwardCall.releases`), however it ended."""
+        try:
+            await self._forward_and_send(call, send)
+        finally:
+            await call.releases.aclose()
+
+    async def _forward_and_send(self, call: ForwardCall, send: Any) -> None:
         try:
             status, headers, content = await self._forward(call)
         except GatewayError as error:
