@@ -255,6 +255,12 @@ class LoadTracker:
         """Return the number of requests in flight on ``replica_id`` (0 if unknown)."""
         return self._outstanding.get(replica_id, 0)
 
+    @property
+    def counts(self) -> Mapping[str, int]:
+        """The non-zero in-flight counts by replica id, live (read-only: for a policy that
+        reads many at once; :meth:`snapshot` for a copy)."""
+        return self._outstanding
+
     def snapshot(self) -> dict[str, int]:
         """Return a copy of the non-zero in-flight counts by replica id."""
         return dict(self._outstanding)
@@ -413,8 +419,10 @@ class LeastOutstanding(RoutingPolicy):
         """Return the least-loaded candidate, rotating among equally loaded ones."""
         if not candidates:
             raise ValueError("choose() needs at least one candidate replica")
-        fewest = min(self._load.outstanding(r.id) for r in candidates)
-        tied = [r for r in candidates if self._load.outstanding(r.id) == fewest]
+        counts = self._load.counts
+        loads = [counts.get(r.id, 0) for r in candidates]
+        fewest = min(loads)
+        tied = [r for r, load in zip(candidates, loads) if load == fewest]
         turn = next(self._turns.setdefault(request.model, itertools.count()))
         return tied[turn % len(tied)]
 

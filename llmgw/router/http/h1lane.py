@@ -52,6 +52,7 @@ from urllib.parse import unquote
 import h11
 import trio
 from hypercorn import protocol as hypercorn_protocol
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 
@@ -159,6 +160,9 @@ class FastLaneProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._lane_open = not self.config.server_names and self.config.log.access_logger is None
         self._scheme = "https" if self.ssl else "http"
+        # The ASGI app inside Hypercorn's ASGIWrapper, which only drops the two arguments
+        # Hypercorn adds: the lane calls it directly (None: call Hypercorn's app, e.g. WSGI).
+        self._asgi: Any = self.app.app if type(self.app) is ASGIWrapper else None
         self._exchange: _Exchange | None = None
         self._exchange_done: trio.Event | None = None
         self._runner: _ExchangeRunner | None = None
@@ -376,7 +380,11 @@ class _Exchange:
         """
         protocol = self.protocol
         try:
-            await protocol.app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
+            asgi = protocol._asgi
+            if asgi is not None:
+                await asgi(self.scope, self.receive, self.send)
+            else:
+                await protocol.app(self.scope, self.receive, self.send, trio.to_thread.run_sync, trio.from_thread.run)
         except trio.Cancelled:
             raise
         except BaseExceptionGroup as error:

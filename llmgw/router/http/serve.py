@@ -20,6 +20,7 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
+from quart import Quart
 
 from . import hypercorn_patch
 
@@ -145,6 +146,9 @@ async def serve_gateway(
     """
     hypercorn_patch.apply()
     config = _config(graceful_timeout)
+    # A Quart app's __call__ only awaits its asgi_app (where the gateway's middlewares
+    # sit): served directly, every request skips that frame.
+    asgi = app.asgi_app if isinstance(app, Quart) else app
     sock = await _bind(host, port, reuse_port)
     bound_port: int = sock.getsockname()[1]
     shutdown = trio.Event()
@@ -157,7 +161,7 @@ async def serve_gateway(
         with server_scope:
             try:
                 await worker_serve(
-                    wrap_app(app, config.wsgi_max_body_size, "asgi"),
+                    wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
                     config,
                     sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
                     shutdown_trigger=shutdown.wait,
