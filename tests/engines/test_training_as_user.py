@@ -82,7 +82,7 @@ async def test_a_training_job_runs_as_the_engines_user(root: Path, tiny_model: P
                                str(pairs), "--steps", "200", "--lr", "0.01", "--rank", "4")
 
         # From its start (torch's import takes seconds) to its last step, the trainer is the engines' user's.
-        running = await eventually(trainers, "the trainer to start", timeout=120)
+        running = await eventually(lambda: trainers(cluster), "the trainer to start", timeout=120)
         for proc in running:
             assert proc.uids().real == proc.uids().effective == engine_uid, proc
             assert capabilities(proc.pid)["CapEff"] == 0

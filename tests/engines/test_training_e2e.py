@@ -96,12 +96,16 @@ async def ask(cluster: Cluster, model: str, question: str) -> Any:
         await client.close()
 
 
-def trainers() -> list[psutil.Process]:
-    """The trainer processes on this machine (llmgw/node/training/trainer.py)."""
+def trainers(cluster: Cluster) -> list[psutil.Process]:
+    """The trainer processes (llmgw/node/training/trainer.py) of ``cluster``'s agents: they run
+    in their job's directory, under the agent's state in the cluster's root (other tests may
+    run trainers of their own at the same time)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
         cmdline = proc.info["cmdline"] or []
-        if any(part.endswith("training/trainer.py") for part in cmdline):
+        cwd = proc.info["cwd"]
+        if cwd and Path(cwd).is_relative_to(cluster.root) and any(
+                part.endswith("training/trainer.py") for part in cmdline):
             found.append(proc)
     return found
 
@@ -192,13 +196,13 @@ async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tiny: T
         long = ("--steps", "100000", "--data", str(pairs))
         first = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-a", *long)
         await training(cluster, first["id"])
-        assert trainers(), "the trainer runs"
+        assert trainers(cluster), "the trainer runs"
         async with httpx.AsyncClient(timeout=30) as http:
             metrics = (await http.get(cluster.gateway + "/metrics")).text
         assert metric_sum(metrics, "llmgw_training_job_step", job=first["id"], node="node-a") >= 1
         cancelled = cluster.ctl_json("jobs", "cancel", first["id"])
         assert cancelled["state"] == "cancelled"
-        assert not trainers(), "cancel answers once the trainer's process group is gone"
+        assert not trainers(cluster), "cancel answers once the trainer's process group is gone"
 
         second = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-b", *long)
         await training(cluster, second["id"])
@@ -207,7 +211,7 @@ async def test_cancel_leaves_no_trainer_and_a_killed_agent_fails_its_job(tiny: T
         assert failed["state"] == "failed" and "node node-a went away" in failed["message"], failed
 
         def gone() -> bool:  # the trainer's reports go to a dead pipe: it ends at its next step
-            return not trainers()
+            return not trainers(cluster)
 
         await eventually(gone, "the orphaned trainer to exit")
 
@@ -224,7 +228,7 @@ async def test_a_running_job_survives_a_control_plane_failover(
     job = cluster.ctl_json("jobs", "train", "--model", "tiny", "--name", "tiny-ha", "--steps", "30",
                            "--data", str(pairs))
     await training(cluster, job["id"])
-    [trainer] = trainers()
+    [trainer] = trainers(cluster)
     # Hold the trainer still while the lead changes hands: the job must not end before.
     os.killpg(trainer.pid, signal.SIGSTOP)
     try:

@@ -30,7 +30,8 @@ PRIVATE_KEY = new_private_key().decode()
     ("headers {'authorization': 'Bearer sk-live-123456'}", "sk-live-123456", "'authorization': 'Bearer "),
     ('env {"HF_TOKEN": "hf_abcdef123456"}', "hf_abcdef123456", '"HF_TOKEN": "'),
     (f"read key.pem:\n{PRIVATE_KEY}done", PRIVATE_KEY.splitlines()[1], "read key.pem:"),
-])
+], ids=["api-key", "admin-token", "join-token", "dsn-url", "dsn-keywords", "bearer-header", "hf-token",
+        "private-key"])  # fixed ids: the secrets are made afresh per run (pytest-xdist compares ids)
 def test_every_secret_shape_is_redacted_and_the_rest_kept(line: str, secret: str, kept: str) -> None:
     out = redact(line)
     assert secret not in out and REDACTED in out and kept in out, out
