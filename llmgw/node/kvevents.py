@@ -97,6 +97,15 @@ class KvEventsConfig:
         moment ago (the kernel's choice); the caller persists it with the shard."""
         return cls(f"tcp://{host}:{_free_tcp_port(host)}", f"tcp://{host}:{_free_tcp_port(host)}", topic, block_size)
 
+    def ports(self) -> tuple[int, ...]:
+        """Returns the TCP ports of the two endpoints (those with one; ``tcp://host:port``)."""
+        found = []
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            _, _, port = endpoint.rpartition(":")
+            if port.isdigit():
+                found.append(int(port))
+        return tuple(found)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KvEventsConfig:
         """Returns the config; raises KeyError/TypeError/ValueError if ``data`` is malformed."""

@@ -53,13 +53,30 @@ logger = logging.getLogger(__name__)
 KV_EVENTS_HOST = "127.0.0.1"
 
 
-def kv_events_for(engine: Engine, spec: ShardSpec) -> KvEventsConfig | None:
-    """Returns where ``engine`` publishes KV events for ``spec`` (fresh loopback ports), or None
-    when it does not (no ``kv_events_for`` on the adapter, or turned off by the profile)."""
+#: Draws of fresh KV-event ports before giving up on ports apart from the node's others.
+KV_PORT_ATTEMPTS = 20
+
+
+def kv_events_for(engine: Engine, spec: ShardSpec, avoid: set[int] = frozenset()) -> KvEventsConfig | None:  # type: ignore[assignment]
+    """Returns where ``engine`` publishes KV events for ``spec`` (fresh loopback ports, two
+    different ones, none in ``avoid``), or None when it does not (no ``kv_events_for`` on the
+    adapter, or turned off by the profile).
+
+    Each port was free when drawn, but a port just released (the shard's own HTTP port,
+    drawn a moment before) can be drawn again: an engine given its HTTP port as a KV-event
+    port fails to listen at every start. Raises OSError if no draw kept apart.
+    """
     chooser = getattr(engine, "kv_events_for", None)
     if chooser is None:
         return None
-    return chooser(spec, KV_EVENTS_HOST)
+    for _ in range(KV_PORT_ATTEMPTS):
+        config: KvEventsConfig | None = chooser(spec, KV_EVENTS_HOST)
+        if config is None:
+            return None
+        ports = config.ports()
+        if len(set(ports)) == len(ports) and not avoid.intersection(ports):
+            return config
+    raise OSError(f"no free TCP ports for KV events apart from the {len(avoid)} ports of this node's shards")
 
 
 class Supervisor:
@@ -178,8 +195,9 @@ class Supervisor:
                              f"shard {spec.id} cannot start here")
         engine = get_engine(spec.engine, self.engines)
         engine.check_args(spec)
-        port = free_port(self.host, self.ports())
-        record = ShardRecord(spec=spec, port=port, kv_events=kv_events_for(engine, spec))
+        taken = self._allocated_ports()
+        port = free_port(self.host, taken)
+        record = ShardRecord(spec=spec, port=port, kv_events=kv_events_for(engine, spec, taken | {port}))
         try:
             await trio.to_thread.run_sync(shard_state.save, self.state_dir, record)
         except OSError as exc:
@@ -226,10 +244,20 @@ class Supervisor:
         node's firewall protects them from the moment they are given, llmgw/node/firewall.py)."""
         return {s.port for s in self._shards.values()}
 
+    def _allocated_ports(self) -> set[int]:
+        """Returns every port given to this supervisor's shards: their HTTP ports and their
+        engines' KV-event ports (a new shard's ports must avoid them all)."""
+        taken = self.ports()
+        for shard in self._shards.values():
+            kv_events = shard.record.kv_events
+            if kv_events is not None:
+                taken.update(kv_events.ports())
+        return taken
+
     def _new_shard(self, record: ShardRecord, engine: Engine | None, reporter: ShardReporter | None) -> Shard:
         """Returns the (not yet running) shard of ``record``, sharing this supervisor's settings."""
-        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings, taken_ports=self.ports,
-                               engine_user=self.engine_user)
+        context = ShardContext(self.state_dir, self.host, self.policy, self.fetch_settings,
+                               taken_ports=self._allocated_ports, engine_user=self.engine_user)
         return Shard(record, engine, reporter, context=context, on_stopped=self._forget)
 
     def _forget(self, shard: Shard) -> None:
