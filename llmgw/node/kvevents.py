@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 from typing import Any, Awaitable, Callable, Iterable
 
 import attrs
@@ -38,6 +37,7 @@ import zmq
 from llmgw import kvhash
 from llmgw import kvwire as wire
 from llmgw.logthrottle import LogThrottle, is_disconnection, reason
+from llmgw.node.ports import free_port
 from llmgw.spec import KvDelta, split_delta
 
 __all__ = [
@@ -92,10 +92,15 @@ class KvEventsConfig:
         return attrs.asdict(self)
 
     @classmethod
-    def on_free_ports(cls, host: str, *, block_size: int, topic: str = "kv") -> KvEventsConfig:
+    def on_free_ports(cls, host: str, *, block_size: int, topic: str = "kv",
+                      avoid: set[int] = frozenset()) -> KvEventsConfig:  # type: ignore[assignment]
         """Returns a config whose two endpoints are TCP ports on ``host`` that were free a
-        moment ago (the kernel's choice); the caller persists it with the shard."""
-        return cls(f"tcp://{host}:{_free_tcp_port(host)}", f"tcp://{host}:{_free_tcp_port(host)}", topic, block_size)
+        moment ago (the kernel's choice), different from each other and from ``avoid`` (the
+        ports the node gave its shards: the kernel hands a port just released out again);
+        the caller persists it with the shard. Raises OSError as :func:`~llmgw.node.ports.free_port`."""
+        events = free_port(host, avoid)
+        replay = free_port(host, avoid | {events})
+        return cls(f"tcp://{host}:{events}", f"tcp://{host}:{replay}", topic, block_size)
 
     def ports(self) -> tuple[int, ...]:
         """Returns the TCP ports of the two endpoints (those with one; ``tcp://host:port``)."""
@@ -115,13 +120,6 @@ class KvEventsConfig:
             topic=str(data.get("topic", "kv")),
             block_size=int(data.get("block_size", 0)),
         )
-
-
-def _free_tcp_port(host: str) -> int:
-    """Returns a TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _as_hash(value: object) -> int:

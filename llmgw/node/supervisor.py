@@ -53,30 +53,16 @@ logger = logging.getLogger(__name__)
 KV_EVENTS_HOST = "127.0.0.1"
 
 
-#: Draws of fresh KV-event ports before giving up on ports apart from the node's others.
-KV_PORT_ATTEMPTS = 20
-
-
-def kv_events_for(engine: Engine, spec: ShardSpec, avoid: set[int] = frozenset()) -> KvEventsConfig | None:  # type: ignore[assignment]
-    """Returns where ``engine`` publishes KV events for ``spec`` (fresh loopback ports, two
-    different ones, none in ``avoid``), or None when it does not (no ``kv_events_for`` on the
-    adapter, or turned off by the profile).
-
-    Each port was free when drawn, but a port just released (the shard's own HTTP port,
-    drawn a moment before) can be drawn again: an engine given its HTTP port as a KV-event
-    port fails to listen at every start. Raises OSError if no draw kept apart.
-    """
+def kv_events_for(
+    engine: Engine, spec: ShardSpec, avoid: set[int] = frozenset(),  # type: ignore[assignment]
+) -> KvEventsConfig | None:
+    """Returns where ``engine`` publishes KV events for ``spec`` (fresh loopback ports outside
+    ``avoid``), or None when it does not (no ``kv_events_for`` on the adapter, or turned off by
+    the profile). Raises OSError if no free ports outside ``avoid`` came up."""
     chooser = getattr(engine, "kv_events_for", None)
     if chooser is None:
         return None
-    for _ in range(KV_PORT_ATTEMPTS):
-        config: KvEventsConfig | None = chooser(spec, KV_EVENTS_HOST)
-        if config is None:
-            return None
-        ports = config.ports()
-        if len(set(ports)) == len(ports) and not avoid.intersection(ports):
-            return config
-    raise OSError(f"no free TCP ports for KV events apart from the {len(avoid)} ports of this node's shards")
+    return chooser(spec, KV_EVENTS_HOST, avoid)
 
 
 class Supervisor:

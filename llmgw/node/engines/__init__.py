@@ -105,9 +105,10 @@ class Engine(Protocol):
     #       what the engine's startup output says it computes on (devices, buffers, layers);
     #   gpu_failure(compute: Compute | None, spec: ShardSpec) -> str | None
     #       why a shard given GPUs is not using them, in the engine's own words (None: fine).
-    #   kv_events_for(spec: ShardSpec, host: str) -> llmgw.node.kvevents.KvEventsConfig | None
-    #       fresh KV-event endpoints and block size for a shard whose engine publishes vLLM KV
-    #       events (None: it does not); such an adapter's argv also takes ``kv_events=config``.
+    #   kv_events_for(spec: ShardSpec, host: str, avoid: set[int]) -> llmgw.node.kvevents.KvEventsConfig | None
+    #       fresh KV-event endpoints (ports outside ``avoid``, the node's shards' ports) and block
+    #       size for a shard whose engine publishes vLLM KV events (None: it does not); such an
+    #       adapter's argv also takes ``kv_events=config``.
     #       The supervisor asks once per shard, persists it, and binds the subscriber first.
     #   in_flight_probe() -> llmgw.node.engines.load.InFlightProbe
     #       how the engine says how many requests it has in flight (a rollout's drain waits for 0);

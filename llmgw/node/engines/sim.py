@@ -78,13 +78,14 @@ class SimEngine:
         """Returns how the simulator says how busy it is: vLLM's ``/metrics`` gauges."""
         return VLLM_METRICS
 
-    def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
-        """Returns fresh KV-event endpoints on ``host`` and the block size for ``spec``, or None
-        when the profile turns events off or publishes them itself."""
+    def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1",
+                      avoid: set[int] = frozenset()) -> KvEventsConfig | None:  # type: ignore[assignment]
+        """Returns fresh KV-event endpoints on ``host`` (ports outside ``avoid``) and the block
+        size for ``spec``, or None when the profile turns events off or publishes them itself."""
         own, args = llmgw_options(self.name, spec.args)
         if NO_KV_EVENTS_OPTION in own or any(option_name(a) in _OWN_EVENT_OPTIONS for a in args):
             return None
-        return KvEventsConfig.on_free_ports(host, block_size=sim_block_size(args))
+        return KvEventsConfig.on_free_ports(host, block_size=sim_block_size(args), avoid=avoid)
 
     def argv(self, spec: ShardSpec, host: str, port: int, *, kv_events: KvEventsConfig | None = None) -> list[str]:
         """Returns ``python -m llmgw.sim --host H --port P --model NAME``, the KV-event options

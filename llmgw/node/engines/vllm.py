@@ -391,13 +391,15 @@ class VllmEngine:
                           installable=True, detail=f"{marker.get('distribution', 'vllm')} in {directory}",
                           path=str(python_env.engine_python(directory)), origin=ENGINE_INSTALLED)
 
-    def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1") -> KvEventsConfig | None:
-        """Returns fresh KV-event endpoints on ``host`` (two free ports) and the block size for
-        ``spec``, or None when the profile turns events off. The supervisor calls it once per
+    def kv_events_for(self, spec: ShardSpec, host: str = "127.0.0.1",
+                      avoid: set[int] = frozenset()) -> KvEventsConfig | None:  # type: ignore[assignment]
+        """Returns fresh KV-event endpoints on ``host`` (two free ports outside ``avoid``) and the
+        block size for ``spec``, or None when the profile turns events off. The supervisor calls it once per
         shard and persists the result: an adopted engine keeps publishing to the same endpoint."""
         if NO_KV_EVENTS_OPTION in llmgw_options(self.name, spec.args)[0]:
             return None
-        return KvEventsConfig.on_free_ports(host, block_size=block_size_of(spec), topic=KV_EVENTS_TOPIC)
+        return KvEventsConfig.on_free_ports(host, block_size=block_size_of(spec), topic=KV_EVENTS_TOPIC,
+                                            avoid=avoid)
 
     def argv(self, spec: ShardSpec, host: str, port: int, *, kv_events: KvEventsConfig | None = None) -> list[str]:
         """Returns the vLLM command line for ``spec`` (publishing KV events to ``kv_events``
