@@ -7,10 +7,10 @@ import pytest
 
 pytest_plugins = ["tests.pg"]
 
-#: Tests that must have the machine to themselves, run one after another on one worker
-#: (``--dist loadgroup``): the engines (vLLM and the trainer take every core, and their
-#: deadlines assume it) and the tests that create or use the engines' system user (one
-#: per host).
+#: Tests run one after another on one worker (``--dist loadgroup``), beside the other
+#: worker's tests: the engines (vLLM and the trainer take every core: two at once would
+#: starve each other past their deadlines) and the tests that create or use the engines'
+#: system user (one per host).
 HOST_SERIAL = (
     "tests/engines/",
     "tests/system/test_least_privilege.py",
