@@ -7,12 +7,13 @@ import socket
 import subprocess
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 import yaml
 
 from tests.pg import as_conninfo
-from tests.system.harness import LLMGW, WAIT, Cluster
+from tests.system.harness import LLMGW, WAIT, Cluster, eventually
 
 pytestmark = pytest.mark.system
 
@@ -77,7 +78,8 @@ async def test_server_on_a_key_value_dsn_uses_postgresql_and_survives_a_terminat
         await cluster.init()
         await cluster.start_server()
         assert cluster.ctl("models", "add", "m1", "--engine", "sim").returncode == 0
-        # A DBA (or a failover) ends the store's connection: the next admin calls, a write
+        epoch = _leader(cluster)["epoch"]
+        # A DBA (or a failover) ends the store's connections: the next admin calls, a write
         # that is not safe to repeat among them, each succeed once on a new connection.
         with psycopg.connect(pg_dsn, autocommit=True, connect_timeout=3) as admin:
             killed = admin.execute(
@@ -85,6 +87,11 @@ async def test_server_on_a_key_value_dsn_uses_postgresql_and_survives_a_terminat
                 "WHERE datname = current_database() AND application_name = 'llmgw'", (TERMINATE_WAIT_MS,),
             ).fetchall()
         assert killed and all(ok for (ok,) in killed)
+        # The election's connection went too, and with it the session's advisory lock: the
+        # control plane steps down at its next renewal and leads again on a new connection.
+        # Admin calls in between are refused (a standby's); the calls below come after.
+        await eventually(lambda: (state := _leader(cluster))["leading"] and state["epoch"] > epoch,
+                         "the control plane to lead again at a new epoch")
         added = cluster.ctl("models", "add", "m2", "--engine", "sim")
         assert added.returncode == 0, added.stderr
         assert [m["name"] for m in cluster.ctl_json("models", "list")] == ["m1", "m2"]
@@ -94,3 +101,8 @@ async def test_server_on_a_key_value_dsn_uses_postgresql_and_survives_a_terminat
         assert conn.execute("SELECT name FROM models ORDER BY name").fetchall() == [("m1",), ("m2",)]
     assert not list(cluster.server_dir.glob("*.db*"))
     assert "the connection was lost" in (tmp_path / "server-1.log").read_text()
+
+
+def _leader(cluster: Cluster) -> dict[str, object]:
+    """Returns the control plane's ``GET /leader`` (leading, leader, epoch)."""
+    return httpx.get(cluster.gateway + "/leader", timeout=5).json()
