@@ -45,7 +45,8 @@ STEP_DOWN_SHARE = 0.6
 #: How often a standby tries to take the lead, and reads who holds it: a leader that died
 #: (its database session closed with it) is replaced within about this long.
 CAMPAIGN_POLL_S = 1.0
-#: Pause after the store could not be reached before campaigning again.
+#: Pause after the store failed before campaigning again (a lead that was lost while the
+#: store answers is campaigned for again at once).
 STORE_RETRY_S = 2.0
 
 
@@ -102,6 +103,7 @@ class LeaderElection:
         started = False
         while True:
             election: Election | None = None
+            pause = 0.0
             try:
                 election = await self._call(lambda: open_election(self._store_url, max(1.0, self.lease / 4)))
                 while True:
@@ -115,7 +117,10 @@ class LeaderElection:
                                 started = True
 
                         await self._lead(election, epoch, lead, leading)
-                        break  # campaign again on a new connection
+                        # Campaign again at once, on a new connection: the lead is often
+                        # lost with the old one (the lock went with its session), and the
+                        # store answers; waiting would leave the cluster without a leader.
+                        break
                     await self._observe(election)
                     if not started:
                         task_status.started()
@@ -123,13 +128,14 @@ class LeaderElection:
                     await trio.sleep(self.poll)
             except (StoreError, trio.TooSlowError) as exc:
                 log.warning("leader election on the store: %s; trying again in %gs", exc, STORE_RETRY_S)
+                pause = STORE_RETRY_S
                 if not started:
                     task_status.started()
                     started = True
             finally:
                 if election is not None:
                     _close_later(election)
-            await trio.sleep(STORE_RETRY_S)
+            await trio.sleep(pause)
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run blocking ``fn`` in a thread, for at most half a lease (TooSlowError: the

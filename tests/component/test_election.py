@@ -97,10 +97,35 @@ async def test_the_leader_stops_its_work_when_the_store_says_another_leads(pg_ds
             with raw_connection(pg_dsn) as conn:
                 conn.execute("UPDATE leadership SET epoch = epoch + 10")
             await eventually(lambda: ("cp-1", "stopped") in log, "cp-1 stopped its work")
-            with pytest.raises(FencedError):
-                await one.put_model(_model("late"), create_only=True)
+            # Writes at cp-1's epoch are refused (cp-1 itself campaigns again at once, and
+            # may lead again at a new epoch: the store behind ``one`` then follows it).
+            async with open_store(pg_dsn) as late:
+                late.set_fence(1)
+                with pytest.raises(FencedError):
+                    await late.put_model(_model("late"), create_only=True)
             # cp-1 closed its session, so the lock is free: one of the two leads at a new epoch.
             await eventually(lambda: a.leading or b.leading, "a new leader")
             leader = a if a.leading else b
             assert leader.epoch is not None and leader.epoch > 11
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.postgres
+async def test_a_leader_whose_session_was_terminated_campaigns_again_at_once(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pause after a store failure is made longer than the test's wait: the lead lost
+    # with its connection (the store still answers) must be campaigned for without it.
+    monkeypatch.setattr("llmgw.control.leader.STORE_RETRY_S", 3600.0)
+    async with open_store(pg_dsn) as store:
+        log: list[tuple[str, Any]] = []
+        alone = LeaderElection(pg_dsn, store, name="cp-1", rpc_address="a:1", http_address="http://a:2",
+                               lease=LEASE, poll=0.1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_campaign, alone, log)
+            assert alone.epoch == 1
+            with raw_connection(pg_dsn) as conn:
+                conn.execute("SELECT pg_terminate_backend(backend_pid::int) FROM leadership WHERE id = 1")
+            await eventually(lambda: alone.epoch == 2, "cp-1 leads again on a new session")
+            assert log == [("cp-1", 1), ("cp-1", "stopped"), ("cp-1", 2)]
             nursery.cancel_scope.cancel()
