@@ -17,7 +17,9 @@ starts, on this machine and on 127.0.0.1 only:
   compresses every ratio; kept for comparison with earlier figures.
 * the proxies under test, each pointed at all N: llmgw's gateway (the router alone,
   ``serve_gateway(create_app(table))`` in its own process), nginx as a plain reverse
-  proxy, ``sglang-router`` and ``vllm-router`` (round robin), LiteLLM's proxy,
+  proxy, ``sglang-router`` and ``vllm-router`` (round robin), LiteLLM's proxy, and
+  ``trio-floor`` (``bench/trio_floor.py``: the least a trio proxy in Python does per
+  request, the same socket calls as llmgw's hot path and none of its layers),
 
 and measures every target, plus the engines directly ("direct": one load generator per
 engine, the load split evenly), round by round so that all targets see the same machine
@@ -378,6 +380,16 @@ def start_nginx(fleet: Fleet, replicas: Sequence[tuple[str, int]]) -> Proxy:
     return Proxy("nginx", [(HOST, port)], [proc], ver)
 
 
+def start_trio_floor(fleet: Fleet, replicas: Sequence[tuple[str, int]]) -> Proxy:
+    """Start ``bench/trio_floor.py``, the least a trio proxy in Python does, over ``replicas``."""
+    port = free_tcp_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = fleet.spawn("trio-floor", [sys.executable, "-m", "bench.trio_floor", str(port),
+                                      *[f"{h}:{p}" for h, p in replicas]], env)
+    _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
+    return Proxy("trio-floor", [(HOST, port)], [proc], f"trio {trio.__version__}")
+
+
 def _venv_version(venv: Path, dist: str) -> str:
     out = subprocess.run([str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
                          capture_output=True, text=True, timeout=60)
@@ -714,6 +726,7 @@ PEER_STARTERS: dict[str, Callable[[Fleet, Sequence[tuple[str, int]]], Proxy]] = 
     "sglang-router": lambda fleet, reps: start_rust_router(fleet, "sglang-router", reps),
     "vllm-router": lambda fleet, reps: start_rust_router(fleet, "vllm-router", reps),
     "litellm": start_litellm,
+    "trio-floor": start_trio_floor,
 }
 
 
@@ -750,7 +763,7 @@ def ratios(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
     out["cpu_ms_per_request"] = {
         t: {s: round(v, 4) for s in ("c16", "c64", "stream") if (v := fig(t, s, "cpu_ms_per_request")) is not None}
         for t in results}
-    for peer in ("sglang-router", "vllm-router", "nginx"):
+    for peer in ("sglang-router", "vllm-router", "nginx", "trio-floor"):
         for scenario in ("c16", "c64", "stream"):
             out[f"llmgw_vs_{peer}_cpu_per_request_{scenario}"] = _ratio(
                 fig("llmgw", scenario, "cpu_ms_per_request"), fig(peer, scenario, "cpu_ms_per_request"))
@@ -805,7 +818,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not peers["wrk"]["ok"]:
         raise SystemExit(f"wrk is required: {peers['wrk']['reason']}")
     scenarios = [f"c{c}" for c in CONCURRENCIES] + ["stream"]
-    wanted = [p for p in ("nginx", "sglang-router", "vllm-router", "litellm") if p not in args.skip]
+    wanted = [p for p in ("trio-floor", "nginx", "sglang-router", "vllm-router", "litellm") if p not in args.skip]
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "settings": {"replicas": args.replicas, "rounds": args.rounds, "duration_s": args.duration,
