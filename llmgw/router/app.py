@@ -607,12 +607,24 @@ class _Request:
                               usage.cached_tokens)
 
 
+# The member _ask_for_usage puts first in a streamed request's JSON object.
+_INCLUDE_USAGE_MEMBER = b'"stream_options":{"include_usage":true},'
+
+
 def _ask_for_usage(parsed: Mapping[str, Any], body: bytes) -> tuple[bytes, bool]:
     """Return the body to send for a stream, with ``stream_options.include_usage`` set, and
     whether the usage chunk must be stripped (the client did not ask for it)."""
     options = parsed.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
         return body, False
+    if "stream_options" not in parsed and parsed:
+        # The common case, spliced in front of the client's own members instead of
+        # serializing the whole body again (40 us for a 15 kB prompt, growing with it).
+        # Only for a UTF-8 body that is a JSON object ("{" first): json.loads also takes
+        # UTF-16 and UTF-32, and a byte-order mark, which the splice would corrupt.
+        start = len(body) - len(body.lstrip(b" \t\r\n"))
+        if body[start:start + 1] == b"{":
+            return body[:start + 1] + _INCLUDE_USAGE_MEMBER + body[start + 1:], True
     changed = dict(parsed)
     changed["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {
         "include_usage": True
