@@ -69,8 +69,9 @@ def usage_of(value: Any) -> Usage | None:
     # A parsed JSON object is a dict: checked first, as the ABC check costs a microsecond.
     if type(value) is not dict and not isinstance(value, Mapping):
         return None
-    details = value.get("prompt_tokens_details")
-    cached = _tokens(details.get("cached_tokens")) if type(details) is dict or isinstance(details, Mapping) else 0
+    details = value.get("prompt_tokens_details")  # absent (None) from engines that do not count cached tokens
+    cached = _tokens(details.get("cached_tokens")) if details is not None and (
+        type(details) is dict or isinstance(details, Mapping)) else 0
     return Usage(_tokens(value.get("prompt_tokens")), _tokens(value.get("completion_tokens")), cached)
 
 
