@@ -143,6 +143,13 @@ class ReplicaTable:
         """Return ``model``'s info, or an empty :class:`ModelInfo` if none was set."""
         return self._info.get(model, _NO_INFO)
 
+    def knows(self, name: str) -> bool:
+        """Return whether ``name`` is a catalog model or an adapter of one (a metric's model label)."""
+        if name in self._replicas:
+            return True
+        parent = self._parents.get(name)
+        return parent is not None and parent in self._replicas
+
     def parent_of(self, name: str) -> str | None:
         """Return the catalog model whose adapter is called ``name``, or None if no model has one."""
         parent = self._parents.get(name)
