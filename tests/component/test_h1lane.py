@@ -36,7 +36,7 @@ class App:
     before responding), ``/short`` (declares 10 bytes, sends 2), ``/wait`` (waits for
     ``http.disconnect`` and records it), ``/cut`` (cancelled during its last send),
     ``/hang`` (waits forever, records its cancellation), ``/tail`` (responds, then waits
-    for ``tail_release`` before it returns)."""
+    for ``tail_release`` before it returns, or records its cancellation; ``tail_done`` then)."""
 
     def __init__(self) -> None:
         self.scopes: list[dict[str, Any]] = []
@@ -45,6 +45,7 @@ class App:
         self.waiting = trio.Event()
         self.cancelled = trio.Event()
         self.tail_release = trio.Event()
+        self.tail_done = trio.Event()
         self.log: list[str] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -69,7 +70,13 @@ class App:
         if path == "/tail":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
-            await self.tail_release.wait()
+            try:
+                await self.tail_release.wait()
+            except trio.Cancelled:
+                self.log.append("/tail cancelled")
+                raise
+            finally:
+                self.tail_done.set()
             self.log.append("/tail returned")
             return
         if path == "/fail":
@@ -263,6 +270,21 @@ async def test_the_next_request_on_a_connection_runs_once_the_app_before_it_retu
         assert body == b"next"
     assert app.log == ["/tail", "/tail returned", "/echo"]
     assert _all_on_the_lane(app, 2)
+
+
+async def test_an_app_goes_on_after_a_response_that_closed_its_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the connection after a response (here at the keep-alive limit) ends the
+    connection's read loop; the app's work after its response is not cancelled with it."""
+    monkeypatch.setattr(Config, "keep_alive_max_requests", 1)
+    app = App()
+    async with served(app) as stream:
+        await stream.send_all(_post("/tail"))
+        received = await _read_to_eof(stream)
+        assert received.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nconnection: close" in received
+        app.tail_release.set()
+        await app.tail_done.wait()
+    assert app.log == ["/tail", "/tail returned"]
+    assert _all_on_the_lane(app, 1)
 
 
 async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monkeypatch: pytest.MonkeyPatch) -> None:
