@@ -157,7 +157,8 @@ class Gateway:
         # Observability: metrics served on /metrics (in-flight read from ``load``); the
         # tracer (None: tracing off) is owned by the gateway and closed when it stops.
         self.metrics = metrics if metrics is not None else GatewayMetrics()
-        self.metrics.bind_sources(table.knows, self.load.snapshot, lambda: _replica_ids(table))  # adapters are names too
+        # A model label is a catalog model or an adapter of one (table.knows).
+        self.metrics.bind_sources(table.knows, self.load.snapshot, lambda: _replica_ids(table))
         # LoRA adapters: names resolved to models, loads on demand (llmgw/router/adapters.py).
         self.adapters = Adapters(table, self.load, UpstreamAdmin(self.upstream_client), metrics=self.metrics)
         self.metrics.bind_kv(self.kv_index)

@@ -145,10 +145,7 @@ class ReplicaTable:
 
     def knows(self, name: str) -> bool:
         """Return whether ``name`` is a catalog model or an adapter of one (a metric's model label)."""
-        if name in self._replicas:
-            return True
-        parent = self._parents.get(name)
-        return parent is not None and parent in self._replicas
+        return name in self._replicas or self.parent_of(name) is not None
 
     def parent_of(self, name: str) -> str | None:
         """Return the catalog model whose adapter is called ``name``, or None if no model has one."""
