@@ -62,7 +62,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import psutil
 import trio

@@ -109,7 +109,7 @@ class Floor:
             while True:
                 line, headers = await client.head()
                 body = await client.body(int(headers.get(b"content-length", b"0")))
-                json.loads(body)["model"]
+                json.loads(body)["model"]  # what a gateway routes by, parsed as it must be
                 await self.forward(client, line, body)
                 if headers.get(b"connection", b"").lower() == b"close":
                     return
@@ -122,21 +122,29 @@ class Floor:
         self.in_flight[pick] += 1
         try:
             engine = self.idle[pick].pop() if self.idle[pick] else await self._connect(pick)
-            engine.send(b"%s\r\nhost: engine\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                        % (line, len(body), body))
-            status, headers = await engine.head(wait_first=True)
-            content_type = headers.get(b"content-type", b"application/json")
-            if b"content-length" in headers:
-                answer = await engine.body(int(headers[b"content-length"]))
-                json.loads(answer).get("usage")
-                client.send(b"%s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                            % (status, content_type, len(answer), answer))
-            else:
-                client.send(b"%s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n" % (status, content_type))
-                await _pass_chunks(engine, client)
+            try:
+                await self._exchange(engine, client, line, body)
+            except BaseException:
+                engine.sock.close()  # half-used: not for the pool
+                raise
             self.idle[pick].append(engine)
         finally:
             self.in_flight[pick] -= 1
+
+    async def _exchange(self, engine: _Conn, client: _Conn, line: bytes, body: bytes) -> None:
+        """Send the request on ``engine`` and its answer to ``client``."""
+        engine.send(b"%s\r\nhost: engine\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (line, len(body), body))
+        status, headers = await engine.head(wait_first=True)
+        content_type = headers.get(b"content-type", b"application/json")
+        if b"content-length" in headers:
+            answer = await engine.body(int(headers[b"content-length"]))
+            json.loads(answer).get("usage")  # what a gateway accounts, parsed as it must be
+            client.send(b"%s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                        % (status, content_type, len(answer), answer))
+        else:
+            client.send(b"%s\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n" % (status, content_type))
+            await _pass_chunks(engine, client)
 
     async def _connect(self, pick: int) -> _Conn:
         sock = trio.socket.socket()
