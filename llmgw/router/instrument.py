@@ -25,7 +25,7 @@ The middleware never swallows exceptions or cancellation: it records, then re-ra
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import Any, Awaitable, Callable, Mapping, MutableMapping
 
 import trio
 
@@ -146,6 +146,10 @@ class _ResponseWatch:
             gaps.add(now - self._last)
         self._last = now
 
+    def started(self, status: int) -> None:
+        """Note a whole response of ``status`` going out (not an event stream)."""
+        self._status = status
+
     def fail(self, status: int) -> None:
         """Record ``status`` unless a response already started (its status stands)."""
         if not self._status:
@@ -175,3 +179,7 @@ class _WatchedSink:
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
         self._watch.chunk()
         return self._sink.send_piece(body)
+
+    def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
+        self._watch.started(status)
+        return self._sink.respond(status, headers, body)

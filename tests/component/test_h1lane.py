@@ -18,7 +18,8 @@ import trio
 import trio.testing
 from hypercorn.config import Config
 
-from llmgw.router.http.extensions import FAST_LANE_KEY, ON_CLOSE_KEY
+from llmgw.router.http import eagerio
+from llmgw.router.http.extensions import BODY_SINK_KEY, FAST_LANE_KEY, ON_CLOSE_KEY
 from llmgw.router.http.h1lane import FastLaneProtocol
 from llmgw.router.http.serve import serve_gateway
 from tests.component.test_hypercorn_patch import _eof, _read_response, serve_lifespan
@@ -35,7 +36,9 @@ class App:
     said), ``/stream`` (two chunks, no content-length), ``/empty`` (204), ``/fail`` (raises
     before responding), ``/short`` (declares 10 bytes, sends 2), ``/wait`` (waits for
     ``http.disconnect`` and records it), ``/cut`` (cancelled during its last send),
-    ``/hang`` (waits forever, records its cancellation), ``/tail`` (responds, then waits
+    ``/hang`` (waits forever, records its cancellation), ``/respond`` (the body back as one
+whole response through the lane's sink; ``/respond-204`` a 204 that way, ``/respond-bad`` a
+header value HTTP does not allow), ``/tail`` (responds, then waits
     for ``tail_release`` before it returns, or records its cancellation; ``tail_done`` then)."""
 
     def __init__(self) -> None:
@@ -100,6 +103,12 @@ class App:
             with trio.CancelScope() as cut:
                 cut.cancel()
                 await send({"type": "http.response.body", "body": big})
+            return
+        if path.startswith("/respond"):  # a whole response through the lane's sink
+            sink = scope["extensions"][BODY_SINK_KEY]
+            status = 204 if path == "/respond-204" else 200
+            value = "bad\nvalue" if path == "/respond-bad" else path
+            await sink.respond(status, {"content-type": "text/plain", "x-path": value}, body if status == 200 else b"")
             return
         if path == "/empty":
             await send({"type": "http.response.start", "status": 204, "headers": []})
@@ -310,3 +319,60 @@ async def test_an_app_cancelled_during_its_last_send_closes_the_connection() -> 
         received = len(await _read_to_eof(stream))
         assert 0 < received < CUT_BODY_BYTES
     assert _all_on_the_lane(app, 1)
+
+
+async def test_a_whole_response_through_the_sink_is_framed_and_kept_alive_to_the_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Config, "keep_alive_max_requests", 3)
+    app = App()
+    async with served(app) as stream:
+        buffer = bytearray()
+        await stream.send_all(_post("/respond", b"whole"))
+        head, body = await _read_response(stream, buffer)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"whole"
+        for line in (b"content-type: text/plain", b"x-path: /respond", b"content-length: 5", b"date: "):
+            assert b"\r\n" + line in head
+        assert b"connection: close" not in head and b"transfer-encoding" not in head
+        await stream.send_all(_post("/respond-204"))
+        head = await _read_until(stream, buffer, b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 204 No Content\r\n") and b"content-length" not in head
+        await stream.send_all(_post("/respond", b"last"))
+        head, body = await _read_response(stream, buffer)
+        assert b"\r\nconnection: close" in head and body == b"last"
+        await _eof(stream)
+    assert _all_on_the_lane(app, 3)
+
+
+async def test_a_whole_response_with_a_header_http_does_not_allow_is_a_500() -> None:
+    app = App()
+    async with served(app) as stream:
+        await stream.send_all(_post("/respond-bad"))
+        received = await _read_to_eof(stream)
+        assert received.startswith(b"HTTP/1.1 500 ") and b"bad" not in received
+    assert _all_on_the_lane(app, 1)
+
+
+async def test_the_reader_waits_for_the_next_request_instead_of_reading_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the lane took a whole request, the client sends nothing until its answer: the
+    connection's reader waits for the socket rather than making a read that finds nothing."""
+    empty_reads = 0
+    real_try_receive = eagerio.try_receive
+
+    def counting_try_receive(stream: trio.SocketStream, max_bytes: int) -> bytes | None:
+        nonlocal empty_reads
+        data = real_try_receive(stream, max_bytes)
+        empty_reads += data is None
+        return data
+
+    app = App()
+    async with served(app) as stream:
+        buffer = bytearray()
+        await stream.send_all(_post("/echo", b"first"))  # a new connection's first read may find nothing yet
+        await _read_response(stream, buffer)
+        monkeypatch.setattr(eagerio, "try_receive", counting_try_receive)
+        for body in (b"2", b"3", b"4", b"5"):
+            await stream.send_all(_post("/echo", body))
+            assert (await _read_response(stream, buffer))[1] == body
+    assert empty_reads == 0
+    assert _all_on_the_lane(app, 5)

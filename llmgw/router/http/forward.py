@@ -45,6 +45,15 @@ class BodySink(Protocol):
         Errors and cancellation are those of the ASGI ``send``.
         """
 
+    def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
+        """Send a whole response instead of streaming one: ``status``, ``headers``
+        (lower-case names; no ``content-length``, ``transfer-encoding`` or ``connection``:
+        the sink frames the body) and ``body``. Only before anything else was sent.
+
+        Errors and cancellation are those of the ASGI ``send`` (``ValueError`` for headers
+        HTTP does not allow, ``RuntimeError`` for a response already started).
+        """
+
 
 class StreamedBody(Protocol):
     """A body relayed as it comes (an engine's event stream)."""
@@ -71,6 +80,12 @@ class _AsgiSink:
 
     def send_piece(self, body: bytes) -> Awaitable[None]:
         return self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        framed = dict(headers)
+        framed["content-length"] = str(len(body))
+        await self._send({"type": "http.response.start", "status": status, "headers": _encode(framed)})
+        await self._send({"type": "http.response.body", "body": body})
 
 
 class ForwardCall:
@@ -132,8 +147,8 @@ class FastForward:
             await self._inner(scope, receive, send)
             return
         headers: dict[str, str] = {}
-        for name, value in scope["headers"]:
-            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        for name, value in scope["headers"]:  # names are lower-case in ASGI
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         request_id = request_id_from(headers.get("x-request-id"))
         try:
             content_length: int | None = int(headers["content-length"]) if "content-length" in headers else None
@@ -201,28 +216,26 @@ class FastForward:
             await call.releases.aclose()
 
     async def _forward_and_send(self, call: ForwardCall, send: Any) -> None:
+        # The server's own sink (the fast lane's: framing and a direct write), as wrapped by
+        # the middlewares between (instrumentation), else one over the ASGI send.
+        sink: BodySink = call.scope["extensions"].get(BODY_SINK_KEY) or _AsgiSink(send)
         try:
             status, headers, content = await self._forward(call)
         except GatewayError as error:
-            await _send_error(send, error, call.request_id)
+            await _send_error(sink, error, call.request_id)
             return
         except _ClientGone:
             raise
         except Exception as error:  # a bug: answer 500 in OpenAI's shape, log the trace
             log.error("gateway request %s failed", call.request_id, exc_info=error)
-            await _send_error(send, errors.internal_error(call.request_id), call.request_id)
+            await _send_error(sink, errors.internal_error(call.request_id), call.request_id)
             return
         headers.setdefault("x-request-id", call.request_id)
         if isinstance(content, (bytes, bytearray)):
-            headers["content-length"] = str(len(content))
-            await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-            await send({"type": "http.response.body", "body": bytes(content)})
+            await sink.respond(status, headers, bytes(content))
             return
         try:
             await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-            # The server's own sink (the fast lane's: framing and a direct write per piece),
-            # as wrapped by the middlewares between (instrumentation), else the ASGI send.
-            sink = call.scope["extensions"].get(BODY_SINK_KEY) or _AsgiSink(send)
             await content.pump(sink)
             await send({"type": "http.response.body", "body": b""})
         finally:
@@ -242,12 +255,12 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
 
 
-async def _send_error(send: Any, error: GatewayError, request_id: str) -> None:
+async def _send_error(sink: BodySink, error: GatewayError, request_id: str) -> None:
     """Send ``error`` as an OpenAI-shaped JSON response with its headers and ``x-request-id``."""
     body = json.dumps(error.body()).encode()
     headers = {name.lower(): str(value) for name, value in dict(error.headers).items()}
     headers["content-type"] = "application/json"
     headers["x-request-id"] = request_id
-    headers["content-length"] = str(len(body))
-    await send({"type": "http.response.start", "status": error.status, "headers": _encode(headers)})
-    await send({"type": "http.response.body", "body": body})
+    for framing in ("content-length", "transfer-encoding", "connection"):
+        headers.pop(framing, None)
+    await sink.respond(error.status, headers, body)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import re
 from http import HTTPStatus
-from typing import Any, Awaitable, Final
+from typing import Any, Awaitable, Final, Mapping
 from urllib.parse import unquote
 
 import h11
@@ -87,6 +87,13 @@ _REASONS: Final = {status.value: status.phrase.encode("ascii") for status in HTT
 
 # Exchange states.
 _REQUEST, _RESPONSE, _DONE = 0, 1, 2
+
+#: Set (True) by the lane on Hypercorn's ``TCPServer`` when it has handed a request whole to
+#: the app: the connection's reader (``hypercorn_patch``) then waits for the socket before
+#: its next read instead of reading first. An HTTP/1.1 client sends its next request only
+#: after this one's response, so that read would find nothing (a syscall and an exception
+#: per request); a pipelining client's bytes are there at the next scheduler pass.
+ANSWERING_ATTR: Final = "_llmgw_answering"
 
 
 class SimpleRequest:
@@ -170,6 +177,7 @@ class FastLaneProtocol(H11Protocol):
         # The connection's stream, written directly (see the module docstring); None if
         # Hypercorn's send callback is not TCPServer.protocol_send: writes then go through it.
         server = getattr(self.send, "__self__", None)
+        self._server: Any = server
         self._stream: Any = getattr(server, "stream", None)
         # The connection's idle timer when it is llmgw's (hypercorn_patch.IdleTimer): told
         # directly, not through an ``Updated`` event and Hypercorn's send (its type checks
@@ -251,6 +259,8 @@ class FastLaneProtocol(H11Protocol):
             await self.send(Updated(idle=False))
         exchange = self._exchange = _Exchange(self, scope)
         scope["extensions"][BODY_SINK_KEY] = exchange
+        if self._stream is not None:
+            setattr(self._server, ANSWERING_ATTR, True)
         runner = self._runner
         if runner is None:
             self._runner = _ExchangeRunner(exchange)
@@ -491,6 +501,39 @@ class _Exchange:
         if sent == len(data):
             return None
         return protocol.write(data[sent:] if sent else data)  # no room: wait for it (or for the close)
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        """Send a whole response in one write: ``status``, ``headers`` (lower-case names, no
+        framing headers: the content-length is added here) and ``body`` (the lane's
+        :class:`~llmgw.router.http.forward.BodySink`).
+
+        Does what ``http.response.start`` and one final ``http.response.body`` do, without
+        the two messages and their list of encoded header pairs. Raises ``ValueError`` for
+        headers HTTP does not allow (or framing headers), ``RuntimeError`` if a response was
+        already started; the exchange then ends as for :meth:`send`'s errors.
+        """
+        if self.state != _REQUEST:
+            raise RuntimeError("a response was already started on this exchange")
+        if status in (204, 304) or not 200 <= status <= 999:  # no body, or not the lane's: the general path
+            await self.send({"type": "http.response.start", "status": status, "headers": [
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]})
+            await self.send({"type": "http.response.body", "body": body})
+            return
+        if "content-length" in headers or "transfer-encoding" in headers or "connection" in headers:
+            raise ValueError("respond() sets the framing headers itself")
+        protocol = self.protocol
+        block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()]).encode("latin-1")
+        if _HEADER_LINES.fullmatch(block) is None:
+            raise ValueError("response headers with characters HTTP does not allow")
+        close = protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests
+        self.state = _RESPONSE  # a write cut short now closes the connection (run())
+        await protocol.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s%s\r\n%s" % (
+            status, _REASONS.get(status, b""), block, len(body),
+            _header_lines(protocol.config.response_headers("h11")), b"connection: close\r\n" if close else b"",
+            body))
+        self.state = _DONE
+        self._mark_gone()
+        await protocol._end_exchange(close)
 
     def _head(self, status: int, headers: Any) -> bytes:
         """Return the response head, and set the framing (content-length, chunked or none)."""

@@ -242,11 +242,18 @@ async def _read_until_closed(server: Any) -> None:
     """
     stream = server.stream
     protocol = server.protocol
+    answering = h1lane.ANSWERING_ATTR
+    setattr(server, answering, False)
     with trio.CancelScope() as reading:
         setattr(server, _READING, reading)
         while True:
+            # Right after the lane took a whole request the client is waiting for its
+            # answer: wait for the socket first (h1lane.ANSWERING_ATTR).
+            wait_first = getattr(server, answering)
+            if wait_first:
+                setattr(server, answering, False)
             try:
-                data = await eagerio.receive_some(stream, tcp_server.MAX_RECV)
+                data = await eagerio.receive_some(stream, tcp_server.MAX_RECV, wait_first=wait_first)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
             await protocol.handle(RawData(bytes(data)))

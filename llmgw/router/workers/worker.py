@@ -21,7 +21,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import attrs
 import trio
@@ -30,6 +30,7 @@ from ...gctune import tune_for_serving
 from ..admin_api import ApiRequest, ApiResponse, api_error
 from ..app import Gateway, leader_state
 from ..build import assemble_gateway
+from ..http.extensions import BODY_SINK_KEY
 from ..http.serve import serve_gateway
 from ..metrics_access import MetricsAccess, MetricsGate
 from .channel import Channel, ChannelClosed, Message
@@ -62,6 +63,7 @@ class WorkerFront:
     def __init__(self, app: Any, index: int, scrape: Callable[[], Awaitable[bytes | None]]) -> None:
         self._app = app
         self._tag = (WORKER_HEADER, str(index).encode())
+        self._tag_value = str(index)
         self._scrape = scrape
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -85,7 +87,27 @@ class WorkerFront:
                 message = {**message, "headers": [*message.get("headers", ()), tag]}
             await send(message)
 
+        extensions = scope.get("extensions")
+        sink = extensions.get(BODY_SINK_KEY) if extensions is not None else None
+        if sink is not None:  # a whole response can go through the server's sink instead of send
+            extensions[BODY_SINK_KEY] = _TaggedSink(sink, self._tag_value)
         await self._app(scope, receive, tagged)
+
+
+class _TaggedSink:
+    """The server's body sink, adding :data:`WORKER_HEADER` to a whole response it sends."""
+
+    __slots__ = ("_sink", "_tag")
+
+    def __init__(self, sink: Any, tag: str) -> None:
+        self._sink = sink
+        self._tag = tag
+
+    def send_piece(self, body: bytes) -> Awaitable[None] | None:
+        return self._sink.send_piece(body)
+
+    def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
+        return self._sink.respond(status, {**headers, WORKER_HEADER.decode(): self._tag}, body)
 
 
 class Worker:
