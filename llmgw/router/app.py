@@ -42,7 +42,7 @@ from .admin_api import ADMIN_API_METHODS, ADMIN_API_PREFIX, NO_ADMIN_API, AdminA
 from .admission import Admission, Ticket, estimate_tokens, request_too_large, system_stopped
 from .auth import AuthTable, Tenant, model_not_allowed
 from .errors import GatewayError
-from .http.cleanup import LastSendShield, Releases
+from .http.cleanup import Releases
 from .http.drain import StreamCut, StreamCuts
 from .http.extensions import REQUEST_ID_KEY
 from .http.forward import BodySink, FastForward, ForwardCall, ForwardResult
@@ -195,7 +195,6 @@ class Gateway:
         gate = MetricsGate(app.asgi_app, MetricsAccess.on_gateway(self.metrics_config, self.auth.enabled))
         forward = FastForward(gate, self.forward, app.config, FORWARDED_PATHS, BODY_TIMEOUT_S)
         app.asgi_app = forward  # type: ignore[method-assign]
-        app.asgi_app = LastSendShield(app.asgi_app)  # type: ignore[method-assign]
         app.asgi_app = Instrumentation(app.asgi_app, self.metrics, self.tracer)  # type: ignore[method-assign]
 
         app.before_serving(self._start)

@@ -4,8 +4,9 @@
   upstream response), released in reverse order when the request ends.
   :class:`~llmgw.router.http.forward.FastForward` makes one per forwarded request and
   releases it once the response is sent, or the request failed or was cancelled.
-* :class:`LastSendShield`: the ASGI middleware shielding a response's last send from
-  cancellation (see there).
+* :func:`shield_last_send`: a response's last send shielded from cancellation (see there;
+  :class:`~llmgw.router.http.forward.FastForward` applies it to every request not on the
+  fast lane).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from .extensions import FAST_LANE_KEY
-
 # Seconds the last body message of a response may take to send while shielded from
-# cancellation (see LastSendShield): it only writes a final chunk and closes or recycles
+# cancellation (see shield_last_send): it only writes a final chunk and closes or recycles
 # the connection, so this bounds a client that stopped reading.
 FINAL_SEND_TIMEOUT_S = 10.0
 
@@ -66,34 +65,24 @@ class Releases:
             raise error
 
 
-class LastSendShield:
-    """ASGI middleware shielding the last ``http.response.body`` message from cancellation
-    (except on the fast lane, which needs no shield:
-    :data:`~llmgw.router.http.extensions.FAST_LANE_KEY`).
+def shield_last_send(send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """Return ``send`` with the last ``http.response.body`` message of a response shielded
+    from cancellation (for at most :data:`FINAL_SEND_TIMEOUT_S`).
 
     Hypercorn finishes the exchange inside that ``send`` (closes a ``Connection: close`` /
     HTTP/1.0 connection, or re-arms the keep-alive idle timer), and that same ``send``
     delivers ``http.disconnect`` to the app's receiver, which (in Quart-Trio and in
     :class:`~llmgw.router.http.forward.FastForward`) cancels the request at once; unshielded,
     the cancellation lands in Hypercorn's close and the connection stays open forever.
+    The fast lane needs no shield (:data:`~llmgw.router.http.extensions.FAST_LANE_KEY`).
     """
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        extensions = scope.get("extensions")
-        if scope["type"] != "http" or (extensions is not None and FAST_LANE_KEY in extensions):
-            # The fast lane finishes its exchange by itself, cancelled or not (h1lane.py).
-            await self._inner(scope, receive, send)
-            return
-
-        async def send_last_shielded(message: Any) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                # One scope: shielded from outer cancellation, bounded by its own deadline.
-                with trio.CancelScope(shield=True, relative_deadline=FINAL_SEND_TIMEOUT_S):
-                    await send(message)
-            else:
+    async def send_last_shielded(message: Any) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            # One scope: shielded from outer cancellation, bounded by its own deadline.
+            with trio.CancelScope(shield=True, relative_deadline=FINAL_SEND_TIMEOUT_S):
                 await send(message)
+        else:
+            await send(message)
 
-        await self._inner(scope, receive, send_last_shielded)
+    return send_last_shielded

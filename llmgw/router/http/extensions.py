@@ -22,7 +22,7 @@ WHOLE_BODY_KEY = "llmgw.whole_body"
 #: Set (value True) by the lane on a request it serves: the lane finishes its exchange
 #: (recycles or closes the connection) even if the app is cancelled during its last
 #: send, so the app need not shield that send, as it must for Hypercorn's own HTTP/1.1
-#: protocol (see :class:`~llmgw.router.http.cleanup.LastSendShield`); and it cancels the
+#: protocol (see :func:`~llmgw.router.http.cleanup.shield_last_send`); and it cancels the
 #: app when the client goes away mid-exchange, so the app needs no scope of its own for
 #: :data:`ON_CLOSE_KEY` to cancel (it is still called).
 FAST_LANE_KEY = "llmgw.fast_lane"

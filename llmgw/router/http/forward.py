@@ -27,7 +27,7 @@ import trio
 from .. import errors
 from ..admission import request_too_large
 from ..errors import GatewayError
-from .cleanup import Releases
+from .cleanup import Releases, shield_last_send
 from .extensions import BODY_SINK_KEY, FAST_LANE_KEY, ON_CLOSE_KEY, REQUEST_ID_KEY, WHOLE_BODY_KEY
 from .request_id import request_id_from
 
@@ -92,18 +92,18 @@ class ForwardCall:
     """One forwarded request as :meth:`Gateway.forward` sees it, independent of Quart.
 
     ``headers`` maps lower-case names to values (first value of a repeated header);
-    ``read_body()`` returns the whole body (raising a 413 GatewayError past the limit);
     ``max_bytes`` is the body limit (None: none);
     ``scope`` is the ASGI scope (labels and the trace live in its ``extensions``);
     ``releases`` what the request holds, released once its response is sent (or it failed).
+    :meth:`read_body` returns the body.
     """
 
-    __slots__ = ("path", "query", "headers", "request_id", "content_length", "max_bytes", "scope", "read_body",
-                 "releases")
+    __slots__ = ("path", "query", "headers", "request_id", "content_length", "max_bytes", "scope", "releases",
+                 "_receive", "_body_timeout")
 
     def __init__(self, path: str, query: bytes, headers: Mapping[str, str], request_id: str,
                  content_length: int | None, max_bytes: int | None, scope: dict[str, Any],
-                 read_body: Callable[[], Awaitable[bytes]]) -> None:
+                 receive: Callable[[], Awaitable[dict[str, Any]]], body_timeout: float) -> None:
         self.path = path
         self.query = query
         self.headers = headers
@@ -111,8 +111,40 @@ class ForwardCall:
         self.content_length = content_length
         self.max_bytes = max_bytes
         self.scope = scope
-        self.read_body = read_body
         self.releases = Releases()
+        self._receive = receive
+        self._body_timeout = body_timeout
+
+    async def read_body(self) -> bytes:
+        """Return the whole body (once).
+
+        Raises a 413 GatewayError past :attr:`max_bytes`, a 408 when it did not arrive within
+        the body timeout, and :class:`_ClientGone` when the client left before sending it all.
+        """
+        limit = self.max_bytes
+        whole: bytes | None = self.scope["extensions"].get(WHOLE_BODY_KEY)
+        if whole is not None:  # the fast lane read it all already: no receive, no timer
+            if limit is not None and len(whole) > limit:
+                raise request_too_large(limit)
+            return whole
+        parts: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self._body_timeout) as timer:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    raise _ClientGone()
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if limit is not None and size > limit:
+                        raise request_too_large(limit)  # the same 413 as the Quart path
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if timer.cancelled_caught:
+            raise errors.http_error(408, f"The request body did not arrive within {self._body_timeout:g}s.")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class _ClientGone(Exception):
@@ -127,7 +159,8 @@ class FastForward:
     changed live). Every HTTP request gets its id here, once: a forwarded POST carries
     it in its :class:`ForwardCall`, any other request in ``scope["extensions"]`` under
     :data:`~llmgw.router.http.extensions.REQUEST_ID_KEY`, where the app's Quart hooks
-    read it.
+    read it. Every request not on the fast lane has its last send shielded
+    (:func:`~llmgw.router.http.cleanup.shield_last_send`), the forwarded ones and the rest.
     """
 
     def __init__(self, inner: Any, forward: Callable[[ForwardCall], Awaitable[ForwardResult]],
@@ -142,105 +175,74 @@ class FastForward:
         if scope["type"] != "http":
             await self._inner(scope, receive, send)
             return
+        extensions = scope.setdefault("extensions", {})
+        on_lane = FAST_LANE_KEY in extensions
+        if not on_lane:  # the lane finishes its exchange by itself, cancelled or not (h1lane.py)
+            send = shield_last_send(send)
         if scope["method"] != "POST" or scope["path"] not in self._paths:
-            scope.setdefault("extensions", {})[REQUEST_ID_KEY] = request_id_from(_header(scope, b"x-request-id"))
+            extensions[REQUEST_ID_KEY] = request_id_from(_header(scope, b"x-request-id"))
             await self._inner(scope, receive, send)
             return
         headers: dict[str, str] = {}
         for name, value in scope["headers"]:  # names are lower-case in ASGI
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
-        request_id = request_id_from(headers.get("x-request-id"))
         try:
             content_length: int | None = int(headers["content-length"]) if "content-length" in headers else None
         except ValueError:
             content_length = None
         # The app's MAX_CONTENT_LENGTH, read per request as Quart does (it may be changed live).
-        limit: int | None = self._config["MAX_CONTENT_LENGTH"]
-        body_timeout = self._body_timeout
-        extensions = scope.setdefault("extensions", {})
-        if FAST_LANE_KEY in extensions:
+        call = ForwardCall(scope["path"], scope.get("query_string", b""), headers,
+                           request_id_from(headers.get("x-request-id")), content_length,
+                           self._config["MAX_CONTENT_LENGTH"], scope, receive, self._body_timeout)
+        if on_lane:
             # The lane cancels the request itself when the client goes away (h1lane.py).
-            await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send)
+            try:
+                await self._respond(call, send)
+            except _ClientGone:
+                pass
             return
         # Hypercorn (as patched by hypercorn_patch, which serve_gateway applies) calls
         # on_close when the request's stream closes: cancelling this scope then does what
         # a task waiting for http.disconnect would, without a task and a nursery per request.
         with trio.CancelScope() as request_scope:
             extensions[ON_CLOSE_KEY] = request_scope.cancel
-            await self._serve(scope, headers, request_id, content_length, limit, body_timeout, receive, send)
-
-    async def _serve(self, scope: dict[str, Any], headers: dict[str, str], request_id: str,
-                     content_length: int | None, limit: int | None, body_timeout: float, receive: Any,
-                     send: Any) -> None:
-        """Read the body on demand, forward, respond (the caller's scope is cancelled by
-        on_close when the client goes away)."""
-
-        async def read_body() -> bytes:
-            whole: bytes | None = scope["extensions"].get(WHOLE_BODY_KEY)
-            if whole is not None:  # the fast lane read it all already: no receive, no timer
-                if limit is not None and len(whole) > limit:
-                    raise request_too_large(limit)
-                return whole
-            parts: list[bytes] = []
-            size = 0
-            with trio.move_on_after(body_timeout) as timer:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise _ClientGone()
-                    chunk = message.get("body", b"")
-                    if chunk:
-                        size += len(chunk)
-                        if limit is not None and size > limit:
-                            raise request_too_large(limit)  # the same 413 as the Quart path
-                        parts.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-            if timer.cancelled_caught:
-                raise errors.http_error(408, f"The request body did not arrive within {body_timeout:g}s.")
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-
-        call = ForwardCall(scope["path"], scope.get("query_string", b""), headers, request_id,
-                           content_length, limit, scope, read_body)
-        try:
-            await self._respond(call, send)
-        except _ClientGone:
-            pass
+            try:
+                await self._respond(call, send)
+            except _ClientGone:
+                pass
 
     async def _respond(self, call: ForwardCall, send: Any) -> None:
-        """Run the forward and send its result (or its error) as ASGI messages; then release
-        what the request holds (:attr:`ForwardCall.releases`), however it ended."""
-        try:
-            await self._forward_and_send(call, send)
-        finally:
-            await call.releases.aclose()
-
-    async def _forward_and_send(self, call: ForwardCall, send: Any) -> None:
+        """Run the forward and send its result (or its error); then release what the request
+        holds (:attr:`ForwardCall.releases`), however it ended. Raises :class:`_ClientGone`
+        when the client left before its body was complete."""
         # The server's own sink (the fast lane's: framing and a direct write), as wrapped by
         # the middlewares between (instrumentation), else one over the ASGI send.
         sink: BodySink = call.scope["extensions"].get(BODY_SINK_KEY) or _AsgiSink(send)
         try:
-            status, headers, content = await self._forward(call)
-        except GatewayError as error:
-            await _send_error(sink, error, call.request_id)
-            return
-        except _ClientGone:
-            raise
-        except Exception as error:  # a bug: answer 500 in OpenAI's shape, log the trace
-            log.error("gateway request %s failed", call.request_id, exc_info=error)
-            await _send_error(sink, errors.internal_error(call.request_id), call.request_id)
-            return
-        headers.setdefault("x-request-id", call.request_id)
-        if isinstance(content, (bytes, bytearray)):
-            await sink.respond(status, headers, bytes(content))
-            return
-        try:
-            await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-            await content.pump(sink)
-            await send({"type": "http.response.body", "body": b""})
+            try:
+                status, headers, content = await self._forward(call)
+            except GatewayError as error:
+                await _send_error(sink, error, call.request_id)
+                return
+            except _ClientGone:
+                raise
+            except Exception as error:  # a bug: answer 500 in OpenAI's shape, log the trace
+                log.error("gateway request %s failed", call.request_id, exc_info=error)
+                await _send_error(sink, errors.internal_error(call.request_id), call.request_id)
+                return
+            headers.setdefault("x-request-id", call.request_id)
+            if isinstance(content, (bytes, bytearray)):
+                await sink.respond(status, headers, bytes(content))
+                return
+            try:
+                await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
+                await content.pump(sink)
+                await send({"type": "http.response.body", "body": b""})
+            finally:
+                with trio.CancelScope(shield=True):
+                    await content.aclose()
         finally:
-            with trio.CancelScope(shield=True):
-                await content.aclose()
+            await call.releases.aclose()
 
 
 def _header(scope: Mapping[str, Any], name: bytes) -> str | None:
