@@ -252,7 +252,8 @@ class FastLaneProtocol(H11Protocol):
         }
         self.keep_alive_requests += 1
         FastLaneProtocol.served += 1
-        await self.context.mark_request()
+        if self.context.max_requests is not None:  # else Hypercorn's mark_request does nothing
+            await self.context.mark_request()
         if self._timer is not None:
             self._timer.disarm()
         else:
@@ -421,7 +422,7 @@ class _Exchange:
         protocol = self.protocol
         if not started and not protocol._closed:
             head = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n%s\r\n" % (
-                _header_lines(protocol.config.response_headers("h11")))
+                _server_header_lines(protocol.config))
             await protocol.write(head)
         await protocol._end_exchange(close=True)
 
@@ -529,7 +530,7 @@ class _Exchange:
         self.state = _RESPONSE  # a write cut short now closes the connection (run())
         await protocol.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s%s\r\n%s" % (
             status, _REASONS.get(status, b""), block, len(body),
-            _header_lines(protocol.config.response_headers("h11")), b"connection: close\r\n" if close else b"",
+            _server_header_lines(protocol.config), b"connection: close\r\n" if close else b"",
             body))
         self.state = _DONE
         self._mark_gone()
@@ -554,7 +555,7 @@ class _Exchange:
             elif lower == b"connection" and b"close" in value.lower():
                 self.close_after = True
             lines.append(b"%s: %s\r\n" % (name, value))
-        lines.append(_header_lines(protocol.config.response_headers("h11")))
+        lines.append(_server_header_lines(protocol.config))
         if status in (204, 304):
             self.no_body = True
         elif self.remaining < 0:
@@ -591,6 +592,25 @@ class _Exchange:
 
 def _header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(b"%s: %s\r\n" % (name, value) for name, value in headers)
+
+
+# The last list of server headers seen, and its lines (see _server_header_lines).
+_server_lines: tuple[object, bytes] = (None, b"")
+
+
+def _server_header_lines(config: Any) -> bytes:
+    """Return the header lines of the server's own response headers (``date``, ...).
+
+    The gateway's config (``serve._GatewayConfig``) returns the same list for a whole second:
+    its lines are formatted once for it instead of for every response.
+    """
+    global _server_lines
+    headers = config.response_headers("h11")
+    seen, lines = _server_lines
+    if headers is not seen:
+        lines = _header_lines(headers)
+        _server_lines = (headers, lines)
+    return lines
 
 
 def install() -> None:

@@ -54,17 +54,19 @@ class _GatewayConfig(Config):
     instead of once per response (the header has one-second resolution anyway)."""
 
     _date_second = -1
-    _date_value = b""
+    _date_headers: list[tuple[bytes, bytes]] = []
 
     def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
+        """Returns the server's response headers: the same list for a whole second (the
+        HTTP/1.1 lane formats its lines once for it), which callers must not change."""
         if not self.include_date_header or self.include_server_header or self.alt_svc_headers \
                 or self._quic_addresses:
             return super().response_headers(protocol)
         now = int(time.time())
         if now != self._date_second:
-            self._date_value = format_date_time(now).encode("ascii")
+            self._date_headers = [(b"date", format_date_time(now).encode("ascii"))]
             self._date_second = now
-        return [(b"date", self._date_value)]
+        return self._date_headers
 
 
 def _config(graceful_timeout: float) -> Config:
