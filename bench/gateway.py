@@ -28,9 +28,9 @@ state: non-streaming chat completions at concurrency 1, 16 and 64 with ``wrk``, 
 timestamps every SSE event. Figures per target and scenario: requests/s, p50/p99
 latency, time to first token and inter-chunk p50/p99 (streams), and
 ``cpu_ms_per_request``: the proxy's CPU (psutil on the proxy and its children over the
-measured run) per request, a stream counting as one. ``ratios`` holds, beside the
-throughput and added-latency ratios, ``cpu_ms_per_request`` per target for c16, c64 and
-stream, ``added_ttft_p50_ms`` (stream TTFT p50 over direct's) per target, and
+measured run) per request, a stream counting as one, and ``sys_ms_per_request``, its kernel
+part. ``ratios`` holds, beside the throughput and added-latency ratios, ``cpu_ms_per_request``
+and ``sys_ms_per_request`` per target for c16, c64 and stream, ``added_ttft_p50_ms`` (stream TTFT p50 over direct's) per target, and
 ``targets_met`` for the issue's goals: CPU per request at c16 and c64 at most
 sglang-router's, added TTFT p50 at most 0.5 ms, req/s at c16 at least half the Rust
 routers', added p50 at c1 at most twice theirs, over 20x LiteLLM's req/s. The medians
@@ -145,19 +145,20 @@ class Proxy:
         self.procs = list(procs)
         self.version = version
 
-    def cpu_seconds(self) -> float:
-        """Return user+system CPU seconds of the proxy processes and all their children so far."""
-        total = 0.0
+    def cpu_split(self) -> tuple[float, float]:
+        """Return (user, system) CPU seconds of the proxy processes and all their children so far."""
+        user = system = 0.0
         for proc in self.procs:
             try:
                 root = psutil.Process(proc.pid)
                 for p in [root, *root.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
                         t = p.cpu_times()
-                        total += t.user + t.system
+                        user += t.user
+                        system += t.system
             except psutil.Error:
                 pass
-        return total
+        return user, system
 
     def alive(self) -> bool:
         """Return whether every proxy process is still running."""
@@ -699,22 +700,26 @@ def measure(fleet: Fleet, proxy: Proxy, scenario: str, duration: float) -> dict[
     ``cpu_ms_per_request`` (the former ``cpu_s_per_1k``, same number) is the user+system CPU
     of the proxy's processes over the measured run divided by the requests completed in it,
     a stream counting as one request; for ``direct`` it is the engines' own CPU.
+    ``sys_ms_per_request`` is the system (kernel) part of it: the socket calls and the
+    waits, which no proxy avoids; the rest is the proxy's own code.
     """
     if scenario == "stream":
-        marks: list[float] = []
+        marks: list[tuple[float, float]] = []
         # CPU from the end of the warm-up; streams in flight then balance those still open at the end.
         result = run_streams(proxy.targets, STREAM_CONCURRENCY, duration,
-                             lambda: marks.append(proxy.cpu_seconds() if proxy.procs else 0.0))
-        before = marks[0] if marks else 0.0
+                             lambda: marks.append(proxy.cpu_split() if proxy.procs else (0.0, 0.0)))
+        before = marks[0] if marks else (0.0, 0.0)
     else:
         concurrency = int(scenario[1:])
         # Short warm-up so connection setup is not billed to the measured run.
         run_wrk(fleet, proxy.targets, concurrency, 1) if duration >= 3 else None
-        before = proxy.cpu_seconds() if proxy.procs else 0.0
+        before = proxy.cpu_split() if proxy.procs else (0.0, 0.0)
         result = run_wrk(fleet, proxy.targets, concurrency, duration)
     if proxy.procs:
-        spent = proxy.cpu_seconds() - before
-        result["cpu_ms_per_request"] = spent / max(1, result["requests"]) * 1000.0
+        user, system = proxy.cpu_split()
+        requests = max(1, result["requests"])
+        result["cpu_ms_per_request"] = (user - before[0] + system - before[1]) / requests * 1000.0
+        result["sys_ms_per_request"] = (system - before[1]) / requests * 1000.0
     return result
 
 
@@ -762,6 +767,10 @@ def ratios(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
     # CPU per request (per stream for "stream") of each proxy's processes; "direct" is the engines'.
     out["cpu_ms_per_request"] = {
         t: {s: round(v, 4) for s in ("c16", "c64", "stream") if (v := fig(t, s, "cpu_ms_per_request")) is not None}
+        for t in results}
+    # Its kernel part (system CPU): what is left of each figure above is the proxy's own code.
+    out["sys_ms_per_request"] = {
+        t: {s: round(v, 4) for s in ("c16", "c64", "stream") if (v := fig(t, s, "sys_ms_per_request")) is not None}
         for t in results}
     for peer in ("sglang-router", "vllm-router", "nginx", "trio-floor"):
         for scenario in ("c16", "c64", "stream"):
