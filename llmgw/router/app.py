@@ -428,10 +428,10 @@ class Gateway:
         candidates = self.adapters.serving(target, self.table.replicas(target.model) or ())
         if not candidates:
             raise errors.no_ready_replica(info.model)
-        strip_usage = False
+        forwarded.ticket = ticket
         if info.stream:
             forwarded.body, strip_usage = _ask_for_usage(info.body, forwarded.body)
-        forwarded.admitted(ticket, strip_usage)
+            forwarded.stream = StreamUsage(strip=strip_usage)
         return candidates
 
     async def _route(self, forwarded: _Request, candidates: Sequence[Replica]) -> H1Response:
@@ -451,7 +451,7 @@ class Gateway:
         trace = forwarded.trace
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            remaining = [r for r in candidates if r.id not in tried]
+            remaining = [r for r in candidates if r.id not in tried] if tried else candidates
             if not remaining:
                 break
             if tried:
@@ -528,6 +528,8 @@ class Gateway:
         content_type = upstream.headers.get("content-type", "application/json")
         headers = {"content-type": content_type, "x-request-id": request_id}
         if content_type.split(";")[0].strip().lower() == _EVENT_STREAM:
+            if forwarded.stream is None:  # an event stream the client did not ask for: relayed as it is
+                forwarded.stream = StreamUsage(strip=False)
             headers["cache-control"] = "no-cache"
             headers["x-accel-buffering"] = "no"  # tell a reverse proxy in front not to buffer
             # Under the deadlines, cut by a stopping gateway's grace running out.
@@ -551,7 +553,8 @@ class _Request:
 
     :meth:`Gateway._resolve` makes it (tenant, parsed body, LoRA target: resolved once
     and read by every later stage), :meth:`Gateway._admit` adds the admission ticket
-    and the stream's usage watch (:meth:`admitted`), :meth:`Gateway._route` the chosen
+    and a streamed request's usage watch (:class:`StreamUsage`; :meth:`Gateway._relay` adds
+    one for an event stream the client did not ask for), :meth:`Gateway._route` the chosen
     replica's lease. ``releases`` is what the request holds, released when it ends
     (:class:`~llmgw.router.http.cleanup.Releases`, the call's).
     :meth:`account` ends the request's accounting into ``meter`` and ``admission``.
@@ -580,12 +583,6 @@ class _Request:
         self.lease: Lease | None = None
         self.ticket: Ticket | None = None
         self.stream: StreamUsage | None = None
-
-    def admitted(self, ticket: Ticket, strip_usage: bool) -> None:
-        """Record the admission ``ticket`` (settled by :meth:`account`) and start the usage
-        watch of a streamed answer (``strip_usage``: the client did not ask for the usage chunk)."""
-        self.ticket = ticket
-        self.stream = StreamUsage(strip=strip_usage)
 
     def account(self, usage: Usage | None) -> None:
         """End the request's accounting: usage to the meter (and metrics), the token budget
@@ -666,7 +663,7 @@ class _StreamRelay:
     async def pump(self, sink: BodySink) -> None:
         forwarded = self._forwarded
         watch = forwarded.stream
-        assert watch is not None  # set when admitted, before any answer
+        assert watch is not None  # set when admitted, or by _relay for an unasked-for stream
         reader = self._reader
         send = self._send = sink.send_piece
         forward = self._forward

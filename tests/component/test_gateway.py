@@ -184,6 +184,20 @@ async def test_stream_is_relayed_chunk_by_chunk_without_buffering() -> None:
         await env.wait_idle()
 
 
+async def test_an_event_stream_the_client_did_not_ask_for_is_relayed_as_it_came() -> None:
+    async with gateway(replicas=1) as env:
+        env.upstreams[0].always_stream = True
+        with trio.fail_after(DEADLINE_S):
+            response = await env.client.post("/v1/chat/completions", json=chat_body())
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]) == expected_stream_text()
+        assert "stream_options" not in env.upstreams[0].requests[-1].json()  # not a stream it asked for
+        await env.wait_idle()
+
+
 # -- spreading -------------------------------------------------------------------------------
 
 

@@ -55,6 +55,7 @@ class FakeUpstream:
         self.gated = False
         self.hold: trio.Event | None = None
         self.break_stream_after: int | None = None
+        self.always_stream = False  # answer every chat or completion with a stream, asked for or not
         self.chunks_sent = 0  # stream chunks handed to the socket
         self.disconnected = trio.Event()
         self._permits_in, self._permits_out = trio.open_memory_channel[None](math.inf)
@@ -161,7 +162,7 @@ class FakeUpstream:
             await self._send_json(stream, conn, 404, _error(f"no route {got.path}"))
             return True
         chat = got.path == "/v1/chat/completions"
-        if body.get("stream") is True:
+        if body.get("stream") is True or self.always_stream:
             await self._stream(stream, conn, model, chat)
             return False
         if self.hold is not None:
