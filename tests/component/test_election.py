@@ -35,7 +35,11 @@ async def test_one_control_plane_leads_and_the_epoch_grows_with_each_new_leader(
         assert record is not None and (record.name, record.epoch, record.rpc_address) == ("cp-1", 1, "10.0.0.1:7100")
         assert first.renew(1)
         first.close()  # gives up the lead: the lock goes with the connection (or the flock)
-        assert second.try_lead("cp-2", "10.0.0.2:7100", "http://10.0.0.2:8080") == 2
+        # PostgreSQL frees a closed session's advisory lock once its backend has noticed the
+        # close, a moment later: cp-2 campaigns until then, as a standby does.
+        epoch = await eventually(lambda: second.try_lead("cp-2", "10.0.0.2:7100", "http://10.0.0.2:8080"),
+                                 "cp-2 leads once cp-1's session is gone")
+        assert epoch == 2
         assert not second.renew(1)
         assert second.renew(2)
     finally:
