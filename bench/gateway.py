@@ -29,8 +29,9 @@ timestamps every SSE event. Figures per target and scenario: requests/s, p50/p99
 latency, time to first token and inter-chunk p50/p99 (streams), and
 ``cpu_ms_per_request``: the proxy's CPU (psutil on the proxy and its children over the
 measured run) per request, a stream counting as one, and ``sys_ms_per_request``, its kernel
-part. ``ratios`` holds, beside the throughput and added-latency ratios, ``cpu_ms_per_request``
-and ``sys_ms_per_request`` per target for c16, c64 and stream, ``added_ttft_p50_ms`` (stream TTFT p50 over direct's) per target, and
+part. ``ratios`` holds, beside the throughput and added-latency ratios,
+``cpu_ms_per_request`` and ``sys_ms_per_request`` per target for c16, c64 and stream,
+``added_ttft_p50_ms`` (stream TTFT p50 over direct's) per target, and
 ``targets_met`` for the issue's goals: CPU per request at c16 and c64 at most
 sglang-router's, added TTFT p50 at most 0.5 ms, req/s at c16 at least half the Rust
 routers', added p50 at c1 at most twice theirs, over 20x LiteLLM's req/s. The medians
@@ -716,10 +717,11 @@ def measure(fleet: Fleet, proxy: Proxy, scenario: str, duration: float) -> dict[
         before = proxy.cpu_split() if proxy.procs else (0.0, 0.0)
         result = run_wrk(fleet, proxy.targets, concurrency, duration)
     if proxy.procs:
+        user_before, system_before = before
         user, system = proxy.cpu_split()
-        requests = max(1, result["requests"])
-        result["cpu_ms_per_request"] = (user - before[0] + system - before[1]) / requests * 1000.0
-        result["sys_ms_per_request"] = (system - before[1]) / requests * 1000.0
+        ms_per_request = 1000.0 / max(1, result["requests"])
+        result["cpu_ms_per_request"] = (user - user_before + system - system_before) * ms_per_request
+        result["sys_ms_per_request"] = (system - system_before) * ms_per_request
     return result
 
 

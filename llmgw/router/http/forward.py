@@ -196,25 +196,19 @@ class FastForward:
                            self._config["MAX_CONTENT_LENGTH"], scope, receive, self._body_timeout)
         if on_lane:
             # The lane cancels the request itself when the client goes away (h1lane.py).
-            try:
-                await self._respond(call, send)
-            except _ClientGone:
-                pass
+            await self._respond(call, send)
             return
         # Hypercorn (as patched by hypercorn_patch, which serve_gateway applies) calls
         # on_close when the request's stream closes: cancelling this scope then does what
         # a task waiting for http.disconnect would, without a task and a nursery per request.
         with trio.CancelScope() as request_scope:
             extensions[ON_CLOSE_KEY] = request_scope.cancel
-            try:
-                await self._respond(call, send)
-            except _ClientGone:
-                pass
+            await self._respond(call, send)
 
     async def _respond(self, call: ForwardCall, send: Any) -> None:
         """Run the forward and send its result (or its error); then release what the request
-        holds (:attr:`ForwardCall.releases`), however it ended. Raises :class:`_ClientGone`
-        when the client left before its body was complete."""
+        holds (:attr:`ForwardCall.releases`), however it ended. A client that left before its
+        body was complete gets nothing."""
         # The server's own sink (the fast lane's: framing and a direct write), as wrapped by
         # the middlewares between (instrumentation), else one over the ASGI send.
         sink: BodySink = call.scope["extensions"].get(BODY_SINK_KEY) or _AsgiSink(send)
@@ -225,7 +219,7 @@ class FastForward:
                 await _send_error(sink, error, call.request_id)
                 return
             except _ClientGone:
-                raise
+                return
             except Exception as error:  # a bug: answer 500 in OpenAI's shape, log the trace
                 log.error("gateway request %s failed", call.request_id, exc_info=error)
                 await _send_error(sink, errors.internal_error(call.request_id), call.request_id)

@@ -283,6 +283,10 @@ class FastLaneProtocol(H11Protocol):
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             await self.handle(Closed())
 
+    def _at_keep_alive_limit(self) -> bool:
+        """Return whether the response in progress is the last one the connection may serve."""
+        return self.keep_alive_requests >= self.config.keep_alive_max_requests
+
     async def _end_exchange(self, close: bool) -> None:
         """The response is complete (or abandoned): recycle or close, then let held bytes in.
 
@@ -469,9 +473,7 @@ class _Exchange:
             if data:
                 await protocol.write(data)  # if cancelled here, run() closes the connection
             if not more:
-                self.state = _DONE
-                self._mark_gone()
-                await protocol._end_exchange(self.close_after)
+                await self._complete(self.close_after)
         elif kind == "http.response.start" and self.state == _REQUEST:
             head = self._head(int(message["status"]), message.get("headers", ()))
             self.state = _RESPONSE
@@ -526,15 +528,19 @@ class _Exchange:
         block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()]).encode("latin-1")
         if _HEADER_LINES.fullmatch(block) is None:
             raise ValueError("response headers with characters HTTP does not allow")
-        close = protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests
+        close = protocol._at_keep_alive_limit()
         self.state = _RESPONSE  # a write cut short now closes the connection (run())
         await protocol.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s%s\r\n%s" % (
             status, _REASONS.get(status, b""), block, len(body),
             _server_header_lines(protocol.config), b"connection: close\r\n" if close else b"",
             body))
+        await self._complete(close)
+
+    async def _complete(self, close: bool) -> None:
+        """The response has gone out whole: tell the app, recycle or (``close``) close."""
         self.state = _DONE
         self._mark_gone()
-        await protocol._end_exchange(close)
+        await self.protocol._end_exchange(close)
 
     def _head(self, status: int, headers: Any) -> bytes:
         """Return the response head, and set the framing (content-length, chunked or none)."""
@@ -561,7 +567,7 @@ class _Exchange:
         elif self.remaining < 0:
             self.chunked = True
             lines.append(b"transfer-encoding: chunked\r\n")
-        if protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests and not self.close_after:
+        if protocol._at_keep_alive_limit() and not self.close_after:
             self.close_after = True
             lines.append(b"connection: close\r\n")
         block = b"".join(lines)

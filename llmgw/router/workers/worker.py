@@ -63,7 +63,6 @@ class WorkerFront:
     def __init__(self, app: Any, index: int, scrape: Callable[[], Awaitable[bytes | None]]) -> None:
         self._app = app
         self._tag = (WORKER_HEADER, str(index).encode())
-        self._tag_value = str(index)
         self._scrape = scrape
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -90,24 +89,25 @@ class WorkerFront:
         extensions = scope.get("extensions")
         sink = extensions.get(BODY_SINK_KEY) if extensions is not None else None
         if sink is not None:  # a whole response can go through the server's sink instead of send
-            extensions[BODY_SINK_KEY] = _TaggedSink(sink, self._tag_value)
+            extensions[BODY_SINK_KEY] = _TaggedSink(sink, tag)
         await self._app(scope, receive, tagged)
 
 
 class _TaggedSink:
     """The server's body sink, adding :data:`WORKER_HEADER` to a whole response it sends."""
 
-    __slots__ = ("_sink", "_tag")
+    __slots__ = ("_sink", "_name", "_value")
 
-    def __init__(self, sink: Any, tag: str) -> None:
+    def __init__(self, sink: Any, tag: tuple[bytes, bytes]) -> None:
         self._sink = sink
-        self._tag = tag
+        self._name = tag[0].decode("latin-1")
+        self._value = tag[1].decode("latin-1")
 
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
         return self._sink.send_piece(body)
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
-        return self._sink.respond(status, {**headers, WORKER_HEADER.decode(): self._tag}, body)
+        return self._sink.respond(status, {**headers, self._name: self._value}, body)
 
 
 class Worker:
