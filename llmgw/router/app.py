@@ -631,11 +631,13 @@ class _StreamRelay:
     :class:`~llmgw.router.http.forward.StreamedBody`).
 
     :meth:`pump` relays the upstream body piece by piece as it arrives: read (under the
-    deadlines), note the first token, watch for usage, hand to the sink. Past the first
-    piece the pieces that need no waiting are relayed by ``hub``
+    deadlines), note the first token, watch for usage, hand to the sink (the response's
+    head with the first piece when it came with the engine's head). Past the first piece
+    the pieces that need no waiting are relayed by ``hub``
     (:mod:`~llmgw.router.http.relayhub`), the rest here. At the end, however it ends, the
     request's lease is released, ``upstream`` closed and the request accounted
-    (:meth:`aclose` does the same if the pump never ran).
+    (:meth:`aclose` does the same if the pump never ran); then the last piece is returned,
+    to go out with the response's end.
 
     If the replica breaks the stream (closes it early, goes silent past the read
     deadline), or the stopping gateway cuts it (the reader raises StreamCut: its shutdown
@@ -660,26 +662,36 @@ class _StreamRelay:
         out = self._forwarded.stream.feed(piece)  # type: ignore[union-attr]
         return self._send(out) if out else None  # type: ignore[misc]
 
-    async def pump(self, sink: BodySink) -> None:
+    async def pump(self, sink: BodySink) -> bytes:
         forwarded = self._forwarded
         watch = forwarded.stream
         assert watch is not None  # set when admitted, or by _relay for an unasked-for stream
         reader = self._reader
-        send = self._send = sink.send_piece
+        self._send = sink.send_piece
         forward = self._forward
+        hub = self._hub
         try:
             try:
+                if not reader.has_buffered():  # the first piece is not here yet: the head goes alone
+                    pending = sink.flush()
+                    if pending is not None:
+                        await pending
                 piece = await reader.next()
                 lease = forwarded.lease
                 if piece and lease is not None:
                     lease.first_token()  # an engine's first piece follows its prefill
-                while piece:
-                    pending = forward(piece)
-                    if pending is None:  # the sink sends at once: the hub may relay what follows
-                        await reader.via_hub(self._hub, forward)
-                    else:  # the client has no room now, or the sink is the ASGI send's
-                        await pending
-                    piece = await reader.next()
+                if piece and not reader.ended:
+                    # The head goes with the first piece, or now if the watch held it back.
+                    pending = forward(piece) or sink.flush()
+                    while True:
+                        if pending is None:  # the sink sends at once: the hub may relay what follows
+                            await reader.via_hub(hub, forward)
+                        else:  # the client has no room now, or the sink is the ASGI send's
+                            await pending
+                        piece = await reader.next()
+                        if not piece or reader.ended:
+                            break
+                        pending = forward(piece)
             except httpx.TimeoutException as error:
                 failure = errors.upstream_timeout(forwarded.info.model, describe_error(error))
             except httpx.HTTPError as error:
@@ -688,14 +700,16 @@ class _StreamRelay:
                 failure = errors.shutting_down(forwarded.info.model)
             else:
                 failure = None
-            rest = watch.flush()
+            # The last piece (often the usage and [DONE]) waits for the accounting below, and
+            # goes out with the response's end.
+            last = watch.feed(piece) if failure is None and piece else b""
+            last += watch.flush()
             if failure is not None:
                 log.warning("request %s: stream ended early: %s", forwarded.call.request_id, failure.message)
-                rest += b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
-            if rest and (pending := send(rest)) is not None:
-                await pending
+                last += b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
         finally:
             await self.aclose()
+        return last
 
     async def aclose(self) -> None:
         if self._closed:

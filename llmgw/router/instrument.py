@@ -52,6 +52,7 @@ CLIENT_CLOSED_STATUS = 499
 MEASURED_PREFIX = "/v1/"
 
 _EVENT_STREAM = b"text/event-stream"
+_EVENT_STREAM_TEXT = _EVENT_STREAM.decode()
 
 
 def request_labels(scope: Scope) -> MutableMapping[str, str]:
@@ -146,9 +147,12 @@ class _ResponseWatch:
             gaps.add(now - self._last)
         self._last = now
 
-    def started(self, status: int) -> None:
-        """Note a whole response of ``status`` going out (not an event stream)."""
+    def started(self, status: int, content_type: str = "") -> None:
+        """Note a response of ``status`` going out: whole, or streamed with ``content_type``
+        (its pieces are measured if that is an event stream)."""
         self._status = status
+        if content_type:
+            self._stream = content_type.lower().startswith(_EVENT_STREAM_TEXT)
 
     def fail(self, status: int) -> None:
         """Record ``status`` unless a response already started (its status stands)."""
@@ -179,6 +183,13 @@ class _WatchedSink:
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
         self._watch.chunk()
         return self._sink.send_piece(body)
+
+    def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
+        self._watch.started(status, headers.get("content-type", ""))
+        return self._sink.start(status, headers)
+
+    def flush(self) -> Awaitable[None] | None:
+        return self._sink.flush()
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
         self._watch.started(status)

@@ -24,7 +24,9 @@ from llmgw.router import (
     gateway_of,
     serve_gateway,
 )
-from tests.component.upstream_fixture import FakeUpstream, expected_stream_text, refused_endpoint  # noqa: F401 (fixture)
+from tests.component.upstream_fixture import (  # noqa: F401 (fixture)
+    CHUNK_TOKENS, FakeUpstream, expected_stream_text, refused_endpoint,
+)
 
 MODEL = "tiny-chat"
 DEADLINE_S = 10  # every wait in these tests; a hang is a failure, not a stuck suite
@@ -181,6 +183,34 @@ async def test_stream_is_relayed_chunk_by_chunk_without_buffering() -> None:
         assert events[-1] == "[DONE]"
         text = "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1])
         assert text == expected_stream_text()
+        await env.wait_idle()
+
+
+async def test_a_stream_head_goes_to_the_client_while_the_engine_prefills() -> None:
+    """The gateway holds a stream's head back to send it with the first event only when that
+    event came with the engine's head: one that is not there yet (a long prefill) does not
+    keep the client waiting for the head. A raw keep-alive request sent in one write, which
+    the server's fast lane serves (httpx writes head and body apart)."""
+    async with gateway(replicas=1) as env:
+        upstream = env.upstreams[0]
+        upstream.first_chunk_gate = first_chunk = trio.Event()
+        body = json.dumps(chat_body(stream=True)).encode()
+        port = int(env.url.rsplit(":", 1)[1])
+        with trio.fail_after(DEADLINE_S):
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            async with client:
+                await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                                      b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                received = b""
+                while b"\r\n\r\n" not in received:  # the head, while the engine holds its first chunk
+                    received += await client.receive_some(65536)
+                head, _, received = received.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in head
+                assert upstream.chunks_sent == 0
+                first_chunk.set()
+                while not received.endswith(b"0\r\n\r\n"):
+                    received += await client.receive_some(65536)
+        assert b"data: [DONE]" in received and upstream.chunks_sent == len(CHUNK_TOKENS)
         await env.wait_idle()
 
 

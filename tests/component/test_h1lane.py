@@ -38,7 +38,10 @@ class App:
     ``http.disconnect`` and records it), ``/cut`` (cancelled during its last send),
     ``/hang`` (waits forever, records its cancellation), ``/respond`` (the body back as one
 whole response through the lane's sink; ``/respond-204`` a 204 that way, ``/respond-bad`` a
-header value HTTP does not allow), ``/tail`` (responds, then waits
+header value HTTP does not allow), ``/sink-stream`` (a stream started through the sink:
+two pieces, then the last with the end), ``/sink-flush`` (a stream started through the sink,
+its head flushed, then one piece once ``piece_release`` is set), ``/sink-fail`` (starts a
+stream through the sink, then raises), ``/tail`` (responds, then waits
     for ``tail_release`` before it returns, or records its cancellation; ``tail_done`` then)."""
 
     def __init__(self) -> None:
@@ -49,6 +52,7 @@ header value HTTP does not allow), ``/tail`` (responds, then waits
         self.cancelled = trio.Event()
         self.tail_release = trio.Event()
         self.tail_done = trio.Event()
+        self.piece_release = trio.Event()
         self.log: list[str] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -109,6 +113,22 @@ header value HTTP does not allow), ``/tail`` (responds, then waits
             status = 204 if path == "/respond-204" else 200
             value = "bad\nvalue" if path == "/respond-bad" else path
             await sink.respond(status, {"content-type": "text/plain", "x-path": value}, body if status == 200 else b"")
+            return
+        if path.startswith("/sink-"):  # a stream started through the lane's sink
+            sink = scope["extensions"][BODY_SINK_KEY]
+            await sink.start(200, {"content-type": "text/event-stream"})
+            if path == "/sink-fail":
+                raise RuntimeError("the app failed after starting its stream (expected by the test)")
+            if path == "/sink-flush":
+                pending = sink.flush()
+                assert pending is not None  # the head was held
+                await pending
+                await self.piece_release.wait()
+                await send({"type": "http.response.body", "body": b"late"})
+                return
+            for piece in (b"one", b"two"):
+                assert sink.send_piece(piece) is None  # the kernel takes a few bytes at once
+            await send({"type": "http.response.body", "body": b"three"})
             return
         if path == "/empty":
             await send({"type": "http.response.start", "status": 204, "headers": []})
@@ -376,3 +396,59 @@ async def test_the_reader_waits_for_the_next_request_instead_of_reading_for_it(
             assert (await _read_response(stream, buffer))[1] == body
     assert empty_reads == 0
     assert _all_on_the_lane(app, 5)
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Return the list every write the server makes from now on is appended to."""
+    writes: list[bytes] = []
+    real_try_send = eagerio.try_send
+
+    def recording_try_send(stream: trio.abc.SendStream, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real_try_send(stream, data)
+
+    monkeypatch.setattr(eagerio, "try_send", recording_try_send)
+    return writes
+
+
+async def test_a_stream_started_through_the_sink_sends_its_head_with_the_first_piece(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    app = App()
+    async with served(app) as stream:
+        writes = _count_writes(monkeypatch)
+        await stream.send_all(_post("/sink-stream"))
+        buffer = bytearray()
+        head = await _read_until(stream, buffer, b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        for line in (b"content-type: text/event-stream", b"transfer-encoding: chunked", b"date: "):
+            assert b"\r\n" + line in head
+        body = await _read_until(stream, buffer, b"0\r\n\r\n")
+        assert body == b"3\r\none\r\n3\r\ntwo\r\n5\r\nthree\r\n0\r\n\r\n"
+        # Three writes: the head with the first piece, the second, the last with the end.
+        assert len(writes) == 3 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert writes[0].endswith(b"3\r\none\r\n") and writes[2] == b"5\r\nthree\r\n0\r\n\r\n"
+        await stream.send_all(_post("/echo", b"next"))  # the connection is kept alive
+        assert (await _read_response(stream, buffer))[1] == b"next"
+    assert _all_on_the_lane(app, 2)
+
+
+async def test_a_stream_head_flushed_through_the_sink_goes_before_its_first_piece() -> None:
+    app = App()
+    async with served(app) as stream:
+        await stream.send_all(_post("/sink-flush"))
+        buffer = bytearray()
+        head = await _read_until(stream, buffer, b"\r\n\r\n")  # while the app waits for its piece
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\ntransfer-encoding: chunked" in head
+        assert not buffer
+        app.piece_release.set()
+        assert await _read_until(stream, buffer, b"0\r\n\r\n") == b"4\r\nlate\r\n0\r\n\r\n"
+    assert _all_on_the_lane(app, 1)
+
+
+async def test_an_app_failing_with_its_stream_head_still_held_gets_500() -> None:
+    app = App()
+    async with served(app) as stream:
+        await stream.send_all(_post("/sink-fail"))
+        received = await _read_to_eof(stream)
+        assert received.startswith(b"HTTP/1.1 500 ") and b"text/event-stream" not in received
+    assert _all_on_the_lane(app, 1)

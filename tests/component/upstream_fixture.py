@@ -53,6 +53,7 @@ class FakeUpstream:
         self.port = 0
         self.requests: list[ReceivedRequest] = []
         self.gated = False
+        self.first_chunk_gate: trio.Event | None = None  # set: a stream's first chunk waits for it
         self.hold: trio.Event | None = None
         self.break_stream_after: int | None = None
         self.always_stream = False  # answer every chat or completion with a stream, asked for or not
@@ -190,6 +191,9 @@ class FakeUpstream:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_hangup, nursery.cancel_scope)
             for index, token in enumerate(CHUNK_TOKENS):
+                if index == 0 and self.first_chunk_gate is not None:
+                    with trio.fail_after(MAX_WAIT_S):
+                        await self.first_chunk_gate.wait()
                 if index > 0 and self.gated:
                     with trio.fail_after(MAX_WAIT_S):
                         await self._permits_out.receive()

@@ -36,8 +36,9 @@ REQUEST_ID_KEY = "llmgw.request_id"
 #: response once ``http.response.start`` has gone (before that, and for a response with a
 #: content-length, it hands each piece to the lane's ASGI ``send``). Middlewares that
 #: watch the body wrap it (:class:`~llmgw.router.instrument.Instrumentation`). It saves a
-#: relayed stream the message dict and the layers of ``send`` per event, and a whole
-#: response its two messages (``respond``). A middleware that watches or changes responses
+#: relayed stream the message dict and the layers of ``send`` per event (and a write: its
+#: head goes with its first piece, ``start``), and a whole response its two messages
+#: (``respond``). A middleware that watches or changes responses
 #: through ``send`` must wrap the sink too (the gateway workers' ``WorkerFront`` does), or
 #: whole responses pass it by.
 BODY_SINK_KEY = "llmgw.body_sink"

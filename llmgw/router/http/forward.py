@@ -45,6 +45,21 @@ class BodySink(Protocol):
         Errors and cancellation are those of the ASGI ``send``.
         """
 
+    def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
+        """Start a streamed (chunked) response: ``status`` and ``headers`` (lower-case names;
+        no framing headers, as for :meth:`respond`). Only before anything else was sent.
+
+        A sink may hold the head back to go out with the first piece (one write instead of
+        two); :meth:`flush` sends a held head now. The body's last piece and its end go
+        with the ASGI ``send``'s final ``http.response.body`` message, as ever.
+        Errors and cancellation are those of :meth:`respond`.
+        """
+
+    def flush(self) -> Awaitable[None] | None:
+        """Send a head :meth:`start` held back now (None: there is none, nothing to await;
+        else an awaitable the caller must await). For a body whose first piece is not there
+        yet. Errors and cancellation are those of the ASGI ``send``."""
+
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
         """Send a whole response instead of streaming one: ``status``, ``headers``
         (lower-case names; no ``content-length``, ``transfer-encoding`` or ``connection``:
@@ -58,8 +73,10 @@ class BodySink(Protocol):
 class StreamedBody(Protocol):
     """A body relayed as it comes (an engine's event stream)."""
 
-    async def pump(self, sink: BodySink) -> None:
-        """Send the body's pieces to ``sink`` until it ends; release what it holds (once)."""
+    async def pump(self, sink: BodySink) -> bytes:
+        """Send the body's pieces to ``sink`` until it ends, all but the last; release what
+        it holds (once); return the last piece (maybe b""), for the caller to send with the
+        end of the response. Its head was started on ``sink`` (:meth:`BodySink.start`)."""
 
     async def aclose(self) -> None:
         """Release what the body holds if :meth:`pump` never ran (idempotent)."""
@@ -80,6 +97,12 @@ class _AsgiSink:
 
     def send_piece(self, body: bytes) -> Awaitable[None]:
         return self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+    def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
+        return self._send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
+
+    def flush(self) -> None:
+        return None  # start() sent the head
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         framed = dict(headers)
@@ -229,9 +252,11 @@ class FastForward:
                 await sink.respond(status, headers, bytes(content))
                 return
             try:
-                await send({"type": "http.response.start", "status": status, "headers": _encode(headers)})
-                await content.pump(sink)
-                await send({"type": "http.response.body", "body": b""})
+                await sink.start(status, headers)
+                last = await content.pump(sink)
+                # The last piece and the end in one write, after the body released what it
+                # held (the replica's lease is free before the client can send again).
+                await send({"type": "http.response.body", "body": last})
             finally:
                 with trio.CancelScope(shield=True):
                     await content.aclose()

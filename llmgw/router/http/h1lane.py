@@ -420,7 +420,7 @@ class _Exchange:
 
     async def _abort(self) -> None:
         """The app ended without completing its response: 500 if none was started, then close."""
-        started = self.state != _REQUEST
+        started = self.state != _REQUEST and self.head is None  # a held head was never sent
         self.state = _DONE
         self._mark_gone()
         protocol = self.protocol
@@ -495,15 +495,62 @@ class _Exchange:
         """
         protocol = self.protocol
         stream = protocol._stream
-        if self.state != _RESPONSE or not self.chunked or self.head is not None or stream is None:
+        if self.state != _RESPONSE or not self.chunked or stream is None:
             return self.send({"type": "http.response.body", "body": body, "more_body": True})
         if not body:
             return None
         data = b"%x\r\n%s\r\n" % (len(body), body)
+        head = self.head
+        if head is not None:  # held by start(): it goes with the first piece
+            self.head = None
+            data = head + data
         sent = eagerio.try_send(stream, data)
         if sent == len(data):
             return None
         return protocol.write(data[sent:] if sent else data)  # no room: wait for it (or for the close)
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        """Start a chunked response: ``status`` and ``headers`` (lower-case names, no framing
+        headers), its head held back to go out with the first piece (:meth:`send_piece`, or
+        the final ``http.response.body``) or with :meth:`flush` (the lane's
+        :class:`~llmgw.router.http.forward.BodySink`). Raises as :meth:`respond` does.
+        """
+        if self.state != _REQUEST:
+            raise RuntimeError("a response was already started on this exchange")
+        if status in (204, 304) or not 200 <= status <= 999:  # no body, or not the lane's: the general path
+            await self.send({"type": "http.response.start", "status": status, "headers": [
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]})
+            return
+        self.close_after = close = self.protocol._at_keep_alive_limit()
+        self.head = self._whole_head(status, headers, b"transfer-encoding: chunked\r\n", close)
+        self.chunked = True
+        self.state = _RESPONSE
+
+    def flush(self) -> Awaitable[None] | None:
+        """Send the head :meth:`start` held, if it still is (the lane's
+        :class:`~llmgw.router.http.forward.BodySink`): None when there is none, else the
+        coroutine that writes it."""
+        head = self.head
+        if head is None or self.state != _RESPONSE:
+            return None
+        self.head = None
+        return self.protocol.write(head)
+
+    def _whole_head(self, status: int, headers: Mapping[str, str], framing: bytes, close: bool) -> bytes:
+        """Return the head of a response whose headers the app gave as a dict: its own,
+        ``framing``, the server's and with ``close`` a ``connection: close``.
+
+        Raises ``ValueError`` for framing headers among ``headers`` or characters HTTP does
+        not allow.
+        """
+        if "content-length" in headers or "transfer-encoding" in headers or "connection" in headers:
+            raise ValueError("the server sets the framing headers itself")
+        block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()]).encode("latin-1")
+        if _HEADER_LINES.fullmatch(block) is None:
+            raise ValueError("response headers with characters HTTP does not allow")
+        return b"HTTP/1.1 %d %s\r\n%s%s%s%s\r\n" % (
+            status, _REASONS.get(status, b""), block, framing, _server_header_lines(self.protocol.config),
+            b"connection: close\r\n" if close else b"")
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         """Send a whole response in one write: ``status``, ``headers`` (lower-case names, no
@@ -522,18 +569,11 @@ class _Exchange:
                 (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]})
             await self.send({"type": "http.response.body", "body": body})
             return
-        if "content-length" in headers or "transfer-encoding" in headers or "connection" in headers:
-            raise ValueError("respond() sets the framing headers itself")
         protocol = self.protocol
-        block = "".join([f"{name}: {value}\r\n" for name, value in headers.items()]).encode("latin-1")
-        if _HEADER_LINES.fullmatch(block) is None:
-            raise ValueError("response headers with characters HTTP does not allow")
         close = protocol._at_keep_alive_limit()
+        head = self._whole_head(status, headers, b"content-length: %d\r\n" % len(body), close)
         self.state = _RESPONSE  # a write cut short now closes the connection (run())
-        await protocol.write(b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s%s\r\n%s" % (
-            status, _REASONS.get(status, b""), block, len(body),
-            _server_header_lines(protocol.config), b"connection: close\r\n" if close else b"",
-            body))
+        await protocol.write(head + body)
         await self._complete(close)
 
     async def _complete(self, close: bool) -> None:

@@ -290,7 +290,7 @@ class BodyReader:
     """
 
     __slots__ = ("_response", "_replica_id", "_timeouts", "_cuts", "_count", "_watched", "_phase", "_limit",
-                 "_hub", "_hub_fd", "_forward", "_pending", "_error")
+                 "_hub", "_hub_fd", "_forward", "_pending", "_error", "_last")
 
     def __init__(self, response: H1Response, replica_id: str, timeouts: UpstreamTimeouts, cuts: StreamCuts | None,
                  count: Callable[[str, str], None]) -> None:
@@ -308,6 +308,19 @@ class BodyReader:
         self._forward: Callable[[bytes], Awaitable[None] | None] | None = None
         self._pending: Awaitable[None] | None = None
         self._error: httpx.HTTPError | None = None
+        # The body's last piece as the hub read it, not forwarded: :meth:`next` returns it.
+        self._last = b""
+
+    @property
+    def ended(self) -> bool:
+        """Whether the body has been read to its end: the piece :meth:`next` returned last
+        was its last (b"" or not)."""
+        return self._response.ended
+
+    def has_buffered(self) -> bool:
+        """Return whether bytes of the body were read with what came before them (the head):
+        :meth:`next` then does not wait for the socket unless they are only part of a chunk."""
+        return self._response.has_buffered()
 
     async def next(self) -> bytes:
         """Return the body's next piece; b"" once the body has ended.
@@ -317,6 +330,10 @@ class BodyReader:
         ``httpx.HTTPError`` when the exchange broke (each counted in the gateway's
         metrics). Cancellation propagates.
         """
+        last = self._last
+        if last:
+            self._last = b""
+            return last
         cuts = self._cuts
         if cuts is not None and cuts.cut:
             raise StreamCut
@@ -375,11 +392,14 @@ class BodyReader:
         raise UpstreamDeadline(self._replica_id, self._phase, self._limit)
 
     async def via_hub(self, hub: RelayHub, forward: Callable[[bytes], Awaitable[None] | None]) -> None:
-        """Relay the body's next pieces to ``forward`` in ``hub`` while they need no waiting.
+        """Relay the body's next pieces to ``forward`` in ``hub`` while they need no waiting,
+        all but its last.
 
         For a body past its first piece whose deadlines the watch keeps, on a plain socket
         with nothing buffered; otherwise (and when the hub is not running) returns at once.
-        Returns when the hub hands the body back: it ended (:meth:`next` then returns b""),
+        Returns when the hub hands the body back: it ended (:meth:`next` then returns its
+        last piece, not forwarded, so that its owner can send it with the response's end
+        in one write; then b""),
         the watch ended it, or a read failed (raised here as :meth:`next` raises it).
         ``forward(piece)`` runs in the hub's task and returns None once the piece is sent,
         else an awaitable for the rest of it, which is awaited here before returning.
@@ -415,6 +435,9 @@ class BodyReader:
             return True
         self._watched.deadline = now + self._limit  # type: ignore[union-attr]
         if piece:
+            if self._response.ended:  # the last piece: handed back with the body
+                self._last = piece
+                return False
             pending = self._forward(piece)  # type: ignore[misc]
             if pending is not None:  # the client has no room: the owner awaits the rest
                 self._pending = pending

@@ -127,6 +127,10 @@ class H1Response:
         """Whether the body has been read to its end."""
         return self._done
 
+    def has_buffered(self) -> bool:
+        """Return whether body bytes already read (with the head) wait in the connection's buffer."""
+        return bool(self._conn.buffer) and not self._closed
+
     def socket_fd(self) -> int | None:
         """Return the descriptor of a chunked body's plain TCP socket with nothing buffered
         (the case :meth:`piece_nowait` serves), else None."""

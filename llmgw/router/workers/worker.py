@@ -88,13 +88,13 @@ class WorkerFront:
 
         extensions = scope.get("extensions")
         sink = extensions.get(BODY_SINK_KEY) if extensions is not None else None
-        if sink is not None:  # a whole response can go through the server's sink instead of send
+        if sink is not None:  # a response can start through the server's sink instead of send
             extensions[BODY_SINK_KEY] = _TaggedSink(sink, tag)
         await self._app(scope, receive, tagged)
 
 
 class _TaggedSink:
-    """The server's body sink, adding :data:`WORKER_HEADER` to a whole response it sends."""
+    """The server's body sink, adding :data:`WORKER_HEADER` to a response it starts."""
 
     __slots__ = ("_sink", "_name", "_value")
 
@@ -105,6 +105,12 @@ class _TaggedSink:
 
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
         return self._sink.send_piece(body)
+
+    def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
+        return self._sink.start(status, {**headers, self._name: self._value})
+
+    def flush(self) -> Awaitable[None] | None:
+        return self._sink.flush()
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
         return self._sink.respond(status, {**headers, self._name: self._value}, body)
