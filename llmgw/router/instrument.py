@@ -181,7 +181,14 @@ class _WatchedSink:
         self._sink = sink
 
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
-        self._watch.chunk()
+        watch = self._watch
+        gaps = watch._gaps
+        if gaps is None:  # the first piece (or not an event stream)
+            watch.chunk()
+        else:  # watch.chunk() inline: this runs once per relayed event
+            now = time.perf_counter()
+            gaps.add(now - watch._last)
+            watch._last = now
         return self._sink.send_piece(body)
 
     def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:

@@ -434,15 +434,16 @@ class BodyReader:
         if piece is None:
             return True
         self._watched.deadline = now + self._limit  # type: ignore[union-attr]
+        ended = self._response.ended
         if piece:
-            if self._response.ended:  # the last piece: handed back with the body
+            if ended:  # the last piece: handed back with the body
                 self._last = piece
                 return False
             pending = self._forward(piece)  # type: ignore[misc]
             if pending is not None:  # the client has no room: the owner awaits the rest
                 self._pending = pending
                 return False
-        return not self._response.ended
+        return not ended
 
     def _abort(self) -> None:
         """Close the connection (the watch's abort): taken from the hub first if it is there."""

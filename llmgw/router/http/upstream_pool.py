@@ -26,6 +26,7 @@ wrap calls in ``trio.move_on_after``; cancellation closes the connection and pro
 
 from __future__ import annotations
 
+import os
 import time
 from typing import AsyncIterator, Iterable
 from urllib.parse import urlsplit
@@ -148,8 +149,16 @@ class H1Response:
         Only for a response :meth:`socket_fd` gives a descriptor for. Raises as
         :meth:`next_piece` does.
         """
-        data = self._conn.recv_nowait()
-        return None if data is None else self._decode(data)
+        # The socket read itself, without eagerio's layers: this runs once per relayed event.
+        try:
+            data = os.read(self._conn.stream.socket.fileno(), RECV_BYTES)
+        except BlockingIOError:
+            return None
+        except OSError as error:
+            raise _broken(error) from error
+        if not data:
+            raise _ended_early()
+        return self._decode(data)
 
     def _decode(self, data: bytes) -> bytes:
         """Return the payload ``data`` (from the wire) completes; at the body's end, leave what
@@ -233,17 +242,6 @@ class _Conn:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise _broken(error) from error
         if not data and not eof_ok:
-            raise _ended_early()
-        return data
-
-    def recv_nowait(self) -> bytes | None:
-        """Return the bytes the socket (a plain TCP one) holds now, None if none; raise as
-        :meth:`recv` does (the end of the stream is an error)."""
-        try:
-            data = eagerio.try_receive(self.stream, RECV_BYTES)
-        except OSError as error:
-            raise _broken(error) from error
-        if data == b"":
             raise _ended_early()
         return data
 
