@@ -398,9 +398,9 @@ class BodyReader:
         For a body past its first piece whose deadlines the watch keeps, on a plain socket
         with nothing buffered; otherwise (and when the hub is not running) returns at once.
         Returns when the hub hands the body back: it ended (:meth:`next` then returns its
-        last piece, not forwarded, so that its owner can send it with the response's end
-        in one write; then b""),
-        the watch ended it, or a read failed (raised here as :meth:`next` raises it).
+        last piece, not forwarded, for its owner to send with the response's end in one
+        write; then b""), the watch ended it, or a read failed (raised here as :meth:`next`
+        raises it).
         ``forward(piece)`` runs in the hub's task and returns None once the piece is sent,
         else an awaitable for the rest of it, which is awaited here before returning.
         Cancellation takes the body back from the hub and propagates.
