@@ -670,6 +670,7 @@ class _StreamRelay:
         self._send = sink.send_piece
         forward = self._forward
         hub = self._hub
+        started = False
         try:
             try:
                 if not reader.has_buffered():  # the first piece is not here yet: the head goes alone
@@ -677,12 +678,13 @@ class _StreamRelay:
                     if pending is not None:
                         await pending
                 piece = await reader.next()
-                lease = forwarded.lease
-                if piece and lease is not None:
-                    lease.first_token()  # an engine's first piece follows its prefill
+                started = bool(piece)  # an engine's first piece follows its prefill
                 if piece and not reader.ended:
                     # The head goes with the first piece, or now if the watch held it back.
                     pending = forward(piece) or sink.flush()
+                    # The prefill accounted once the client has its first event (the ledger's
+                    # TTFT is then a few microseconds longer, not the client's).
+                    self._first_token()
                     while True:
                         if pending is None:  # the sink sends at once: the hub may relay what follows
                             await reader.via_hub(hub, forward)
@@ -700,6 +702,8 @@ class _StreamRelay:
                 failure = errors.shutting_down(forwarded.info.model)
             else:
                 failure = None
+            if started:
+                self._first_token()  # (if not yet: the first piece was the last, or it failed)
             # The last piece (often the usage and [DONE]) waits for the accounting below, and
             # goes out with the response's end.
             last = watch.feed(piece) if failure is None and piece else b""
@@ -710,6 +714,12 @@ class _StreamRelay:
         finally:
             await self.aclose()
         return last
+
+    def _first_token(self) -> None:
+        """The replica's first token has come: its prefill leaves the lease's ledger (once)."""
+        lease = self._forwarded.lease
+        if lease is not None:
+            lease.first_token()
 
     async def aclose(self) -> None:
         if self._closed:

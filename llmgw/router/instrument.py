@@ -183,12 +183,13 @@ class _WatchedSink:
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
         watch = self._watch
         gaps = watch._gaps
-        if gaps is None:  # the first piece (or not an event stream)
+        if gaps is None:  # the first piece (or not an event stream): measured once it went
+            sent = self._sink.send_piece(body)
             watch.chunk()
-        else:  # watch.chunk() inline: this runs once per relayed event
-            now = time.perf_counter()
-            gaps.add(now - watch._last)
-            watch._last = now
+            return sent
+        now = time.perf_counter()  # watch.chunk() inline: this runs once per relayed event
+        gaps.add(now - watch._last)
+        watch._last = now
         return self._sink.send_piece(body)
 
     def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
