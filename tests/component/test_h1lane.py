@@ -363,12 +363,16 @@ async def test_a_whole_response_through_the_sink_is_framed_and_kept_alive_to_the
     assert _all_on_the_lane(app, 3)
 
 
-async def test_a_whole_response_with_a_header_http_does_not_allow_is_a_500() -> None:
+@pytest.mark.parametrize("path, unsent", [
+    ("/respond-bad", b"bad"),  # a whole response with a header HTTP does not allow
+    ("/sink-fail", b"text/event-stream"),  # an app failing with its stream's head still held
+])
+async def test_a_response_that_never_went_out_is_a_500(path: str, unsent: bytes) -> None:
     app = App()
     async with served(app) as stream:
-        await stream.send_all(_post("/respond-bad"))
+        await stream.send_all(_post(path))
         received = await _read_to_eof(stream)
-        assert received.startswith(b"HTTP/1.1 500 ") and b"bad" not in received
+        assert received.startswith(b"HTTP/1.1 500 ") and unsent not in received
     assert _all_on_the_lane(app, 1)
 
 
@@ -442,13 +446,4 @@ async def test_a_stream_head_flushed_through_the_sink_goes_before_its_first_piec
         assert not buffer
         app.piece_release.set()
         assert await _read_until(stream, buffer, b"0\r\n\r\n") == b"4\r\nlate\r\n0\r\n\r\n"
-    assert _all_on_the_lane(app, 1)
-
-
-async def test_an_app_failing_with_its_stream_head_still_held_gets_500() -> None:
-    app = App()
-    async with served(app) as stream:
-        await stream.send_all(_post("/sink-fail"))
-        received = await _read_to_eof(stream)
-        assert received.startswith(b"HTTP/1.1 500 ") and b"text/event-stream" not in received
     assert _all_on_the_lane(app, 1)
