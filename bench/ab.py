@@ -1,8 +1,9 @@
 """A/B of the gateway's hot path: ``bench.relaycost`` alternated between a git revision and this tree.
 
 ``python -m bench.ab REV [--pairs 6] [-- RELAYCOST_ARGS...]`` checks ``REV`` out into a
-temporary git worktree, then runs ``python -m bench.relaycost RELAYCOST_ARGS`` ``--pairs``
-times in each tree, alternating (and swapping which goes first every pair, so neither
+temporary git worktree, then runs this tree's ``python -m bench.relaycost RELAYCOST_ARGS``
+``--pairs`` times with the gateway of each tree (``--gateway-tree``: the same harness for
+both, so that a change to the harness is not measured as one to the gateway), alternating (and swapping which goes first every pair, so neither
 always runs on a machine warmed by the other), and prints one JSON object: per figure of
 relaycost's report, the base and current values in run order, their medians, the ratio
 current / base of each pair and the median of those ratios. The worktree is removed at
@@ -11,9 +12,11 @@ the end, however the run ends.
 Why pairs: on a shared machine the same code's CPU per request moves by a third between
 runs minutes apart (bench/README.md), far more than most changes to the hot path; a
 ratio within a pair, run back to back, cancels most of that drift, and the spread of the
-ratios says whether what is left is a change or noise. Each tree runs its own ``bench``
-and ``llmgw`` (relaycost runs from the tree's root, and starts the gateway with that
-tree on its path).
+ratios says whether what is left is a change or noise. Each side's gateway runs that
+tree's ``llmgw`` and ``bench.gateway`` (relaycost starts it with the tree on its path); the
+engines, the clients and the figures are this tree's relaycost's for both. For streams, read
+``added_ttft_p50_ms`` (TTFT over the engines' own in the same run) rather than the absolute
+``ttft_p50_ms``.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def relaycost(tree: Path, args: Sequence[str]) -> dict[str, float]:
-    """Run ``python -m bench.relaycost args`` in ``tree``; return the numbers of its report.
+    """Run this tree's ``python -m bench.relaycost args`` with the gateway of ``tree``; return the
+    numbers of its report.
 
     Raises RuntimeError with relaycost's last output lines when it fails.
     """
-    done = subprocess.run([sys.executable, "-m", "bench.relaycost", *args], cwd=tree, capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S)
+    done = subprocess.run([sys.executable, "-m", "bench.relaycost", *args, "--gateway-tree", str(tree)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if done.returncode != 0:
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-5:])
         raise RuntimeError(f"bench.relaycost failed in {tree} (status {done.returncode}): {tail}")

@@ -1,17 +1,21 @@
 """What one relayed stream costs llmgw's gateway, counted rather than timed.
 
-``python -m bench.relaycost [--seconds 5] [--streams 16] [--requests C] [--profile]``
+``python -m bench.relaycost [--seconds 5] [--streams 16] [--requests C] [--profile] [--gateway-tree DIR]``
 
 Starts four fast engines (``bench/fastengine.c``: chunked SSE, one token per millisecond) and
 llmgw's router alone in its own process (as ``bench.gateway`` does), runs ``--streams`` paced
 streaming clients for ``--seconds`` (``bench.gateway.run_streams``) and prints one JSON object:
-the streams served, the gateway's CPU per stream (psutil, user + system), TTFT and event gaps;
-with ``--profile`` the gateway runs under cProfile and the report adds what wall-clock noise on
+the streams served, the gateway's CPU per stream (psutil, user + system), TTFT and event gaps,
+and ``added_ttft_p50_ms``: the TTFT p50 over that of the same clients sent to the engines
+directly for as long right before (``direct_ttft_p50_ms``), which takes out the machine's
+drift between runs (the engines' and the client's own wake-ups move the absolute TTFT by a
+fifth from one run to the next here); with ``--profile`` the gateway runs under cProfile and the report adds what wall-clock noise on
 a shared machine hides: Python function calls, socket reads and socket writes per stream and
 per event (exact counts, comparable between two versions of the gateway), and the functions
 with the most time of their own (``--profile-out FILE`` keeps the raw profile). ``--requests C``
 counts non-streaming requests instead: ``wrk`` at concurrency ``C`` (as ``bench.gateway`` runs
-it), the figures per request.
+it), the figures per request. ``--gateway-tree DIR`` runs the gateway from another checkout
+(its ``llmgw`` and ``bench.gateway``) under this harness: ``bench.ab`` compares two trees so.
 """
 
 from __future__ import annotations
@@ -38,20 +42,24 @@ TOP_FUNCTIONS = 40
 
 
 def run(seconds: float, streams: int, profile: bool, requests: int = 0,
-        profile_out: Path | None = None) -> dict[str, Any]:
+        profile_out: Path | None = None, gateway_tree: Path | None = None) -> dict[str, Any]:
     """Runs the streams (or, with ``requests``, wrk at that concurrency) through a fresh gateway;
     returns the report (see the module docstring). With ``profile_out`` the raw cProfile file is
-    copied there (for ``python -m pstats``)."""
+    copied there (for ``python -m pstats``); ``gateway_tree``: the checkout the gateway runs
+    from (default: this one)."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-relaycost-"))
     fleet = gw.Fleet(work)
     stats_path = work / "gateway.prof"
     try:
         replicas, _ = gw.start_fast_replicas(fleet, REPLICAS, gw.build_fastengine(), 1000)
+        # The engines alone under the same streams first: the baseline of added_ttft_p50_ms.
+        direct = None if requests else gw.run_streams(replicas, streams, seconds)
         port = free_tcp_port()
         serve = ["-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", "1",
                  *[f"http://{host}:{p}" for host, p in replicas]]
         cmd = [sys.executable, *(["-m", "cProfile", "-o", str(stats_path)] if profile else []), *serve]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        tree = gateway_tree if gateway_tree is not None else Path(__file__).resolve().parent.parent
+        env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
         proc = fleet.spawn("llmgw", cmd, env)
         gw._wait_port(port, proc, gw.START_TIMEOUT_S, lambda: gw._http_ok(port, gw.CHAT_BODY))
         gateway = psutil.Process(proc.pid)
@@ -67,6 +75,9 @@ def run(seconds: float, streams: int, profile: bool, requests: int = 0,
         unit = "request" if requests else "stream"
         report: dict[str, Any] = {("concurrency" if requests else "streams"): requests or streams,
                                   "seconds": seconds, **figures, f"gateway_cpu_ms_per_{unit}": 1000 * cpu_s / served}
+        if direct is not None:
+            report["direct_ttft_p50_ms"] = direct["ttft_p50_ms"]
+            report["added_ttft_p50_ms"] = figures["ttft_p50_ms"] - direct["ttft_p50_ms"]
         if profile:
             report["profile"] = _profile(stats_path, served, figures["events_per_stream"])
             if profile_out is not None:
@@ -105,8 +116,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="run the gateway under cProfile and count")
     parser.add_argument("--profile-out", type=Path, metavar="FILE",
                         help="with --profile: keep the raw cProfile file there")
+    parser.add_argument("--gateway-tree", type=Path, metavar="DIR",
+                        help="run the gateway from this checkout (its llmgw and bench.gateway; default: this one)")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.seconds, args.streams, args.profile, args.requests, args.profile_out), indent=1))
+    if args.gateway_tree is not None and not (args.gateway_tree / "llmgw" / "__init__.py").is_file():
+        parser.error(f"--gateway-tree {args.gateway_tree}: no llmgw package there")
+    print(json.dumps(run(args.seconds, args.streams, args.profile, args.requests, args.profile_out,
+                         args.gateway_tree), indent=1))
 
 
 if __name__ == "__main__":
