@@ -3,8 +3,9 @@
 ``python -m bench.ab REV [--pairs 6] [-- RELAYCOST_ARGS...]`` checks ``REV`` out into a
 temporary git worktree, then runs this tree's ``python -m bench.relaycost RELAYCOST_ARGS``
 ``--pairs`` times with the gateway of each tree (``--gateway-tree``: the same harness for
-both, so that a change to the harness is not measured as one to the gateway), alternating (and swapping which goes first every pair, so neither
-always runs on a machine warmed by the other), and prints one JSON object: per figure of
+both, so that a change to the harness is not measured as one to the gateway), alternating
+(and swapping which goes first every pair, so neither always runs on a machine warmed by
+the other), and prints one JSON object: per figure of
 relaycost's report, the base and current values in run order, their medians, the ratio
 current / base of each pair and the median of those ratios. The worktree is removed at
 the end, however the run ends.

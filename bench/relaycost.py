@@ -7,14 +7,14 @@ llmgw's router alone in its own process (as ``bench.gateway`` does), runs ``--st
 streaming clients for ``--seconds`` (``bench.gateway.run_streams``) and prints one JSON object:
 the streams served, the gateway's CPU per stream (psutil, user + system), TTFT and event gaps,
 and ``added_ttft_p50_ms``: the TTFT p50 over that of the same clients sent to the engines
-directly for as long right before (``direct_ttft_p50_ms``), which takes out the machine's
-drift between runs (the engines' and the client's own wake-ups move the absolute TTFT by a
-fifth from one run to the next here); with ``--profile`` the gateway runs under cProfile and the report adds what wall-clock noise on
-a shared machine hides: Python function calls, socket reads and socket writes per stream and
-per event (exact counts, comparable between two versions of the gateway), and the functions
-with the most time of their own (``--profile-out FILE`` keeps the raw profile). ``--requests C``
-counts non-streaming requests instead: ``wrk`` at concurrency ``C`` (as ``bench.gateway`` runs
-it), the figures per request. ``--gateway-tree DIR`` runs the gateway from another checkout
+directly for as long right before (``direct_ttft_p50_ms``), so that the engines' and the
+client's own part of the TTFT, which moves between runs too, is not counted as the
+gateway's; with ``--profile`` the gateway runs under cProfile and the report adds what
+wall-clock noise on a shared machine hides: Python function calls, socket reads and socket
+writes per stream and per event (exact counts, comparable between two versions of the
+gateway), and the functions with the most time of their own (``--profile-out FILE`` keeps
+the raw profile). ``--requests C`` counts non-streaming requests instead: ``wrk`` at
+concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request. ``--gateway-tree DIR`` runs the gateway from another checkout
 (its ``llmgw`` and ``bench.gateway``) under this harness: ``bench.ab`` compares two trees so.
 """
 
