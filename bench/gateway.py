@@ -767,13 +767,11 @@ def ratios(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
     out["added_ttft_p50_ms"] = {t: round(v, 4) for t in results if t != "direct"
                                 and (v := added(t, "stream", "ttft_p50_ms")) is not None}
     # CPU per request (per stream for "stream") of each proxy's processes; "direct" is the engines'.
-    out["cpu_ms_per_request"] = {
-        t: {s: round(v, 4) for s in ("c16", "c64", "stream") if (v := fig(t, s, "cpu_ms_per_request")) is not None}
-        for t in results}
-    # Its kernel part (system CPU): what is left of each figure above is the proxy's own code.
-    out["sys_ms_per_request"] = {
-        t: {s: round(v, 4) for s in ("c16", "c64", "stream") if (v := fig(t, s, "sys_ms_per_request")) is not None}
-        for t in results}
+    # All CPU, and its kernel part (system CPU): what is left of the first is the proxy's own code.
+    for figure in ("cpu_ms_per_request", "sys_ms_per_request"):
+        out[figure] = {
+            t: {s: round(v, 4) for s in ("c16", "c64", "stream") if (v := fig(t, s, figure)) is not None}
+            for t in results}
     for peer in ("sglang-router", "vllm-router", "nginx", "trio-floor"):
         for scenario in ("c16", "c64", "stream"):
             out[f"llmgw_vs_{peer}_cpu_per_request_{scenario}"] = _ratio(

@@ -670,15 +670,13 @@ class _StreamRelay:
         self._send = sink.send_piece
         forward = self._forward
         hub = self._hub
-        started = False
         try:
             try:
                 if not reader.has_buffered():  # the first piece is not here yet: the head goes alone
                     pending = sink.flush()
                     if pending is not None:
                         await pending
-                piece = await reader.next()
-                started = bool(piece)  # an engine's first piece follows its prefill
+                piece = await reader.next()  # an engine's first piece follows its prefill
                 if piece and not reader.ended:
                     # The head goes with the first piece, or now if the watch held it back.
                     pending = forward(piece) or sink.flush()
@@ -694,6 +692,8 @@ class _StreamRelay:
                         if not piece or reader.ended:
                             break
                         pending = forward(piece)
+                elif piece:  # the first piece is also the last
+                    self._first_token()
             except httpx.TimeoutException as error:
                 failure = errors.upstream_timeout(forwarded.info.model, describe_error(error))
             except httpx.HTTPError as error:
@@ -702,8 +702,6 @@ class _StreamRelay:
                 failure = errors.shutting_down(forwarded.info.model)
             else:
                 failure = None
-            if started:
-                self._first_token()  # (if not yet: the first piece was the last, or it failed)
             # The last piece (often the usage and [DONE]) waits for the accounting below, and
             # goes out with the response's end.
             last = watch.feed(piece) if failure is None and piece else b""

@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Callable, Mapping, MutableMapping
 import trio
 
 from .http.extensions import BODY_SINK_KEY
+from .http.forward import SinkWrapper
 from .metrics import ChunkGaps, GatewayMetrics
 
 Scope = MutableMapping[str, Any]
@@ -171,14 +172,14 @@ class _ResponseWatch:
         return status
 
 
-class _WatchedSink:
-    """The server's body sink, noting each piece in the response's watch before it goes."""
+class _WatchedSink(SinkWrapper):
+    """The server's body sink, noting the response's status and each piece in its watch."""
 
-    __slots__ = ("_watch", "_sink")
+    __slots__ = ("_watch",)
 
     def __init__(self, watch: _ResponseWatch, sink: Any) -> None:
+        super().__init__(sink)
         self._watch = watch
-        self._sink = sink
 
     def send_piece(self, body: bytes) -> Awaitable[None] | None:
         watch = self._watch
@@ -195,9 +196,6 @@ class _WatchedSink:
     def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
         self._watch.started(status, headers.get("content-type", ""))
         return self._sink.start(status, headers)
-
-    def flush(self) -> Awaitable[None] | None:
-        return self._sink.flush()
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
         self._watch.started(status)

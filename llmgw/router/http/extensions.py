@@ -39,6 +39,6 @@ REQUEST_ID_KEY = "llmgw.request_id"
 #: relayed stream the message dict and the layers of ``send`` per event (and a write: its
 #: head goes with its first piece, ``start``), and a whole response its two messages
 #: (``respond``). A middleware that watches or changes responses
-#: through ``send`` must wrap the sink too (the gateway workers' ``WorkerFront`` does), or
-#: whole responses pass it by.
+#: through ``send`` must wrap the sink too (a :class:`~llmgw.router.http.forward.SinkWrapper`,
+#: as the gateway workers' ``WorkerFront`` does), or whole responses pass it by.
 BODY_SINK_KEY = "llmgw.body_sink"

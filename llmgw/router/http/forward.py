@@ -70,6 +70,29 @@ class BodySink(Protocol):
         """
 
 
+class SinkWrapper:
+    """A :class:`BodySink` that hands every call to the sink it wraps: a middleware's wrapper
+    of the server's sink overrides only the calls it watches or changes (and keeps up with
+    the protocol as it grows)."""
+
+    __slots__ = ("_sink",)
+
+    def __init__(self, sink: BodySink) -> None:
+        self._sink = sink
+
+    def send_piece(self, body: bytes) -> Awaitable[None] | None:
+        return self._sink.send_piece(body)
+
+    def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
+        return self._sink.start(status, headers)
+
+    def flush(self) -> Awaitable[None] | None:
+        return self._sink.flush()
+
+    def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
+        return self._sink.respond(status, headers, body)
+
+
 class StreamedBody(Protocol):
     """A body relayed as it comes (an engine's event stream)."""
 

@@ -515,11 +515,7 @@ class _Exchange:
         the final ``http.response.body``) or with :meth:`flush` (the lane's
         :class:`~llmgw.router.http.forward.BodySink`). Raises as :meth:`respond` does.
         """
-        if self.state != _REQUEST:
-            raise RuntimeError("a response was already started on this exchange")
-        if status in (204, 304) or not 200 <= status <= 999:  # no body, or not the lane's: the general path
-            await self.send({"type": "http.response.start", "status": status, "headers": [
-                (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]})
+        if not await self._framed_here(status, headers):
             return
         self.close_after = close = self.protocol._at_keep_alive_limit()
         self.head = self._whole_head(status, headers, b"transfer-encoding: chunked\r\n", close)
@@ -535,6 +531,18 @@ class _Exchange:
             return None
         self.head = None
         return self.protocol.write(head)
+
+    async def _framed_here(self, status: int, headers: Mapping[str, str]) -> bool:
+        """Return whether :meth:`start` or :meth:`respond` frame a response of ``status``
+        themselves; if not (no body, or a status the lane does not frame), start it through
+        :meth:`send` and return False. Raises ``RuntimeError`` if a response was already started."""
+        if self.state != _REQUEST:
+            raise RuntimeError("a response was already started on this exchange")
+        if status not in (204, 304) and 200 <= status <= 999:
+            return True
+        await self.send({"type": "http.response.start", "status": status, "headers": [
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]})
+        return False
 
     def _whole_head(self, status: int, headers: Mapping[str, str], framing: bytes, close: bool) -> bytes:
         """Return the head of a response whose headers the app gave as a dict: its own,
@@ -562,11 +570,7 @@ class _Exchange:
         headers HTTP does not allow (or framing headers), ``RuntimeError`` if a response was
         already started; the exchange then ends as for :meth:`send`'s errors.
         """
-        if self.state != _REQUEST:
-            raise RuntimeError("a response was already started on this exchange")
-        if status in (204, 304) or not 200 <= status <= 999:  # no body, or not the lane's: the general path
-            await self.send({"type": "http.response.start", "status": status, "headers": [
-                (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]})
+        if not await self._framed_here(status, headers):
             await self.send({"type": "http.response.body", "body": body})
             return
         protocol = self.protocol

@@ -31,6 +31,7 @@ from ..admin_api import ApiRequest, ApiResponse, api_error
 from ..app import Gateway, leader_state
 from ..build import assemble_gateway
 from ..http.extensions import BODY_SINK_KEY
+from ..http.forward import SinkWrapper
 from ..http.serve import serve_gateway
 from ..metrics_access import MetricsAccess, MetricsGate
 from .channel import Channel, ChannelClosed, Message
@@ -93,24 +94,18 @@ class WorkerFront:
         await self._app(scope, receive, tagged)
 
 
-class _TaggedSink:
+class _TaggedSink(SinkWrapper):
     """The server's body sink, adding :data:`WORKER_HEADER` to a response it starts."""
 
-    __slots__ = ("_sink", "_name", "_value")
+    __slots__ = ("_name", "_value")
 
     def __init__(self, sink: Any, tag: tuple[bytes, bytes]) -> None:
-        self._sink = sink
+        super().__init__(sink)
         self._name = tag[0].decode("latin-1")
         self._value = tag[1].decode("latin-1")
 
-    def send_piece(self, body: bytes) -> Awaitable[None] | None:
-        return self._sink.send_piece(body)
-
     def start(self, status: int, headers: Mapping[str, str]) -> Awaitable[None]:
         return self._sink.start(status, {**headers, self._name: self._value})
-
-    def flush(self) -> Awaitable[None] | None:
-        return self._sink.flush()
 
     def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> Awaitable[None]:
         return self._sink.respond(status, {**headers, self._name: self._value}, body)
