@@ -53,6 +53,14 @@ MAX_LINE_CHARS = 4096
 # How often an adopted process is polled for exit where pidfds are unavailable.
 ADOPTED_POLL_INTERVAL = 0.5
 
+# The spawn returns once exec has closed the child's close-on-exec descriptors, but the
+# kernel sets up the new image's argument area a moment later: /proc/PID/cmdline reads
+# empty in between. The identity is read again until it shows the command line, every
+# EXEC_SETTLE_POLL seconds for at most EXEC_SETTLE_WAIT (exec takes microseconds; a
+# second covers a loaded machine, and after it the identity is kept as read).
+EXEC_SETTLE_POLL = 0.001
+EXEC_SETTLE_WAIT = 1.0
+
 # After SIGKILL a process is gone within milliseconds unless it is stuck in the kernel
 # (uninterruptible I/O); give up waiting after this and say so rather than hang a stop.
 KILL_WAIT = 10.0
@@ -281,10 +289,24 @@ async def spawn(
         )
     finally:
         os.close(fd)
-    identity = identity_of(proc.pid)
+    identity = await _identity_after_exec(proc.pid)
     if identity is None:  # exited already; keep what we know so the watcher sees the exit
         identity = ProcessIdentity(pid=proc.pid, create_time=0.0, cmdline=tuple(argv))
     return SpawnedProcess(proc, identity)
+
+
+async def _identity_after_exec(pid: int) -> ProcessIdentity | None:
+    """Returns the identity of the just-spawned ``pid`` once its command line is readable.
+
+    None if the process is gone already. A process whose command line stays empty for
+    :data:`EXEC_SETTLE_WAIT` seconds (it cleared its own arguments) is returned as read.
+    """
+    identity = identity_of(pid)
+    with trio.move_on_after(EXEC_SETTLE_WAIT):
+        while identity is not None and not identity.cmdline:
+            await trio.sleep(EXEC_SETTLE_POLL)
+            identity = identity_of(pid)
+    return identity
 
 
 async def terminate(process: EngineProcess, grace: float) -> int | None:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 import trio
 
+from llmgw.node import process as process_module
 from llmgw.node import shard_state
 from llmgw.node.engines import ENGINES, EngineRefused, UnknownEngine, check_refused, get_engine
 from llmgw.node.process import (
@@ -152,6 +153,34 @@ async def test_spawned_process_is_detached_and_terminated_with_its_group(tmp_pat
         except ProcessLookupError:
             pass
         await proc.wait()
+
+
+async def test_spawn_reads_the_identity_after_exec_has_set_up_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between exec closing the child's close-on-exec descriptors (when the spawn returns)
+    # and the kernel filling in the new image's arguments, /proc/PID/cmdline reads empty.
+    # The first two reads here see that window; the identity must still name the command.
+    real_identity_of = process_module.identity_of
+    reads = 0
+
+    def mid_exec_identity_of(pid: int) -> ProcessIdentity | None:
+        nonlocal reads
+        reads += 1
+        identity = real_identity_of(pid)
+        if identity is not None and reads <= 2:
+            return ProcessIdentity(identity.pid, identity.create_time, ())
+        return identity
+
+    monkeypatch.setattr(process_module, "identity_of", mid_exec_identity_of)
+    argv = [sys.executable, "-c", "import time; time.sleep(600)"]
+    proc = await spawn(argv, env=dict(os.environ), log_path=tmp_path / "engine.log", cwd=tmp_path)
+    try:
+        assert reads >= 3  # two empty reads, then (at least) the real one
+        assert proc.identity.cmdline == tuple(argv)
+        assert adopt(proc.identity) is not None
+    finally:
+        await terminate(proc, grace=0.2)
 
 
 def test_output_tail_lines_partial_lines_and_truncation(tmp_path: Path) -> None:
