@@ -27,7 +27,7 @@ from typing import Sequence
 import attrs
 import psutil
 
-from llmgw.node.process import ProcessIdentity, same_process
+from llmgw.node.process import ProcessIdentity, identity_of, same_process
 from llmgw.node.shard_state import ShardRecord
 
 __all__ = ["MarkedEngine", "SHARD_VAR", "STATE_VAR", "find_marked", "marker_env", "match_marked"]
@@ -65,13 +65,11 @@ def find_marked(state_dir: Path) -> list[MarkedEngine]:
             environ = proc.environ()
             if environ.get(STATE_VAR) != wanted or not environ.get(SHARD_VAR):
                 continue
-            with proc.oneshot():
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                identity = ProcessIdentity(pid=proc.pid, create_time=proc.create_time(), cmdline=tuple(proc.cmdline()))
         except (psutil.Error, ProcessLookupError, PermissionError):
             continue
-        found.append(MarkedEngine(shard_id=environ[SHARD_VAR], identity=identity))
+        identity = identity_of(proc.pid)  # None: a zombie, or gone since
+        if identity is not None:
+            found.append(MarkedEngine(shard_id=environ[SHARD_VAR], identity=identity))
     found.sort(key=lambda m: m.identity.create_time)
     return found
 

@@ -57,6 +57,7 @@ from llmgw.node.process import (
     adopt,
     describe_exit,
     identity_of,
+    same_process,
     signal_group,
     spawn,
     terminate,
@@ -752,7 +753,7 @@ class Shard:
         if process is None:
             return
         current = identity_of(process.identity.pid)
-        if current is not None and abs(current.create_time - process.identity.create_time) <= 0.01:
+        if current is not None and same_process(current, process.identity):
             if self.record.identity != current:
                 self.record.identity = current
                 await self._save()
