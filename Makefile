@@ -1,5 +1,9 @@
 # llmgw: `make up` runs a one-machine cluster; `make test` runs every test. Both install what they need.
-PYTHON ?= python3
+# The interpreter .venv is built with: the distribution's (optimised) python3 when it is >= 3.11,
+# else python3 on PATH (scripts/pick-python.sh says why). `make PYTHON=/path/to/python3.12` to choose.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell scripts/pick-python.sh)
+endif
 # pytest workers for `make test` (0: one process). A module's tests stay on one worker, and
 # the engine tests run one after another on one (tests/conftest.py).
 TEST_WORKERS ?= 2
@@ -11,6 +15,7 @@ STAMP  := $(VENV)/.llmgw-installed
 
 $(STAMP): pyproject.toml setup.py
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "llmgw needs Python >= 3.11 (found %s): set PYTHON=python3.11" % sys.version.split()[0])'
+	@echo "make: building $(VENV) with $(PYTHON) (Python $$($(PYTHON) -c 'import sys; print(sys.version.split()[0])'))"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
