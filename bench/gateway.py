@@ -829,7 +829,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scenarios = [f"c{c}" for c in CONCURRENCIES] + ["stream"]
     wanted = [p for p in ("trio-floor", "nginx", "sglang-router", "vllm-router", "litellm") if p not in args.skip]
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
+                    # llmgw and the trio floor run on this interpreter; its build matters
+                    # (bench/README.md, "The interpreter").
+                    "python": {"executable": sys.executable, "version": sys.version.split()[0],
+                               "base": sys.base_prefix}},
         "settings": {"replicas": args.replicas, "rounds": args.rounds, "duration_s": args.duration,
                      "nonstream_max_tokens": NONSTREAM_MAX_TOKENS, "stream_chunks": STREAM_CHUNKS,
                      "stream_concurrency": STREAM_CONCURRENCY, "nginx_workers": NGINX_WORKERS,

@@ -948,7 +948,9 @@ def _explain_ssl(err: ssl.SSLError, side: Side, where: str) -> str:
                   "PACKET_LENGTH_TOO_LONG"):
         return (f"the {'server' if side == 'client' else 'client'} is not speaking TLS{where} "
                 f"({detail}): check that the address is an llmgw RPC port (not the HTTP port)")
-    if isinstance(err, ssl.SSLEOFError) or reason == "UNEXPECTED_EOF_WHILE_READING":
+    # Python 3.11.2 (Debian 12's) reports a peer that closed mid-handshake as a TLS close
+    # (SSLZeroReturnError), later versions as an unexpected EOF: the same event.
+    if isinstance(err, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or reason == "UNEXPECTED_EOF_WHILE_READING":
         return _closed(side, where, detail)
     if reason in ("UNSUPPORTED_PROTOCOL", "TLSV1_ALERT_PROTOCOL_VERSION", "NO_PROTOCOLS_AVAILABLE"):
         return (f"the two ends share no TLS version{where} ({detail}): llmgw needs TLS 1.2 "
