@@ -5,8 +5,8 @@
 # The distribution's /usr/bin/python3 comes first when it is Python >= 3.11 and can make a
 # venv: distributions (Debian, Ubuntu, Fedora) build CPython with profile-guided
 # optimisation and LTO, which version managers such as pyenv leave out unless asked. The
-# gateway is Python on its hot path: on pyenv's default 3.11 it spent about 15% more CPU
-# per request than on Debian's 3.11 (bench/README.md, "The interpreter"). Otherwise the
+# gateway is Python on its hot path: on Debian's 3.11 it spent 15-20% less CPU per request
+# than on pyenv's default 3.11 (bench/README.md, "The interpreter"). Otherwise the
 # python3 on PATH; its version is checked by the Makefile, which says what to do.
 set -eu
 usable() {
