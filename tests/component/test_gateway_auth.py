@@ -165,6 +165,56 @@ async def test_a_key_is_required_and_checked() -> None:
         await env.wait_idle()
 
 
+async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> tuple[bytes, bytes]:
+    """Read one response with a content-length from ``stream``: (head, body); the bytes after
+    it stay in ``buffer``."""
+    while b"\r\n\r\n" not in buffer:
+        data = await stream.receive_some()
+        assert data, f"the gateway closed the connection without an answer (got {bytes(buffer)!r})"
+        buffer += data
+    head, _, _ = bytes(buffer).partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
+                  if line.startswith(b"content-length:"))
+    start = len(head) + 4
+    while len(buffer) < start + length:
+        data = await stream.receive_some()
+        assert data, "the gateway closed the connection mid-answer"
+        buffer += data
+    body = bytes(buffer[start:start + length])
+    del buffer[:start + length]
+    return head, body
+
+
+async def test_a_request_refused_before_its_body_arrived_says_the_connection_closes() -> None:
+    # A client's head and body can arrive in two reads (httpx writes them separately). Refused
+    # at the head (no key), the body is never read, so the connection cannot carry the next
+    # request: the answer must say so, or the client sends into a connection about to close
+    # and gets no answer at all (seen in CI: "Server disconnected without sending a response").
+    body = json.dumps(chat_body()).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body))
+    async with gateway() as env:
+        port = int(env.url.rsplit(":", 1)[1])
+        with trio.fail_after(DEADLINE_S):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(head)  # the head alone: the gateway answers it at once
+                buffer = bytearray()
+                answer, error = await _read_response(stream, buffer)
+                assert answer.startswith(b"HTTP/1.1 401 ") and json.loads(error)["error"]["code"] == "invalid_api_key"
+                assert b"\r\nconnection: close" in answer.lower(), answer
+                await stream.send_all(body)
+                assert buffer == b"" and await stream.receive_some() == b""  # closed, as it said
+            # Whole in one write (the fast lane has the body): the same refusal keeps the connection.
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                buffer = bytearray()
+                for _ in range(2):
+                    await stream.send_all(head + body)
+                    answer, _ = await _read_response(stream, buffer)
+                    assert answer.startswith(b"HTTP/1.1 401 ") and b"connection: close" not in answer.lower()
+
+
 async def test_tenant_models_are_enforced_and_listed() -> None:
     async with gateway() as env:
         narrow = env.headers("narrow")
