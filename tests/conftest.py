@@ -35,7 +35,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown (and never called) without xdist
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """Under ``--dist loadgroup``, stop the run when a worker's tests came back without their
