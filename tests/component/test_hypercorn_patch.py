@@ -3,7 +3,8 @@
 Checks what the patch must not change: keep-alive connections serve many requests and
 close once idle past the keep-alive timeout (never while a request is in progress),
 shutdown closes idle connections, a response with content-length arrives whole and
-well-formed, and a streamed response's head is not held back until its first chunk.
+well-formed, and a streamed response's head is not held back until its first chunk. And
+what it adds: a response that leaves its request's body unread says the connection closes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ async def serve_lifespan(receive: Any, send: Any) -> None:
 
 class App:
     """ASGI app: ``/len`` answers with content-length, ``/slow`` the same after a pause,
-    ``/stream`` sends its head and then one chunk once ``release`` is set."""
+    ``/stream`` sends its head and then one chunk once ``release`` is set, ``/early``
+    answers (chunked) without reading the request's body."""
 
     def __init__(self) -> None:
         self.release = trio.Event()
@@ -43,6 +45,10 @@ class App:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await serve_lifespan(receive, send)
+            return
+        if scope["path"] == "/early":  # answers at the head, its body unread
+            await send({"type": "http.response.start", "status": 403, "headers": []})
+            await send({"type": "http.response.body", "body": b"refused"})
             return
         while (await receive()).get("more_body"):
             pass
@@ -296,3 +302,37 @@ async def test_a_client_leaving_a_non_streamed_request_cancels_it() -> None:
             await stream.aclose()  # the client goes away while the engine is still working
             await env.wait_idle()  # the request was cancelled and its lease released
         assert not upstream.hold.is_set()
+
+
+#: A request without a body that h11 parses (``te`` keeps it off the fast lane).
+H11_GET = b"GET /len HTTP/1.1\r\nhost: x\r\nte: trailers\r\n\r\n"
+
+
+async def test_a_response_that_leaves_the_body_unread_says_the_connection_closes() -> None:
+    """Hypercorn closes a connection whose request body is unread when the response ends;
+    the response must say so, or a keep-alive client sends its next request into it."""
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_gateway, App(), "127.0.0.1", 0))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST /early HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n")  # head alone
+            received = b""
+            while not received.endswith(b"0\r\n\r\n"):  # the whole chunked answer, body still unsent
+                data = await stream.receive_some(65536)
+                assert data, f"closed before the answer ended: {received!r}"
+                received += data
+            assert received.startswith(b"HTTP/1.1 403 ") and b"refused" in received
+            assert b"\r\nconnection: close\r\n" in received.lower(), received
+            await stream.send_all(b"{}")
+            await _eof(stream)  # closed, as it said
+            await stream.aclose()
+            # Bodiless requests on h11's path are read whole before the app answers: kept alive.
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            buffer = bytearray()
+            for _ in range(2):
+                await stream.send_all(H11_GET)
+                head, body = await _read_response(stream, buffer)
+                assert head.startswith(b"HTTP/1.1 200 ") and body == b'{"ok": true}'
+                assert b"connection: close" not in head.lower()
+            await stream.aclose()
+            nursery.cancel_scope.cancel()

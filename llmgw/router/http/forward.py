@@ -140,14 +140,12 @@ class ForwardCall:
     ``headers`` maps lower-case names to values (first value of a repeated header);
     ``max_bytes`` is the body limit (None: none);
     ``scope`` is the ASGI scope (labels and the trace live in its ``extensions``);
-    ``releases`` what the request holds, released once its response is sent (or it failed);
-    ``body_complete`` whether the server has the whole body (the fast lane reads it with the
-    head; otherwise :meth:`read_body` does).
+    ``releases`` what the request holds, released once its response is sent (or it failed).
     :meth:`read_body` returns the body.
     """
 
     __slots__ = ("path", "query", "headers", "request_id", "content_length", "max_bytes", "scope", "releases",
-                 "body_complete", "_receive", "_body_timeout")
+                 "_receive", "_body_timeout")
 
     def __init__(self, path: str, query: bytes, headers: Mapping[str, str], request_id: str,
                  content_length: int | None, max_bytes: int | None, scope: dict[str, Any],
@@ -160,8 +158,6 @@ class ForwardCall:
         self.max_bytes = max_bytes
         self.scope = scope
         self.releases = Releases()
-        self.body_complete = WHOLE_BODY_KEY in scope["extensions"] or (
-            content_length == 0 or (content_length is None and "transfer-encoding" not in headers))
         self._receive = receive
         self._body_timeout = body_timeout
 
@@ -191,7 +187,6 @@ class ForwardCall:
                         raise request_too_large(limit)  # the same 413 as the Quart path
                     parts.append(chunk)
                 if not message.get("more_body", False):
-                    self.body_complete = True
                     break
         if timer.cancelled_caught:
             raise errors.http_error(408, f"The request body did not arrive within {self._body_timeout:g}s.")
@@ -267,11 +262,7 @@ class FastForward:
             try:
                 status, headers, content = await self._forward(call)
             except GatewayError as error:
-                # Refused before its body was read (a missing key, a stopped gateway, too
-                # large): the connection cannot carry another request, and Hypercorn closes
-                # it after this answer. Said in the answer, so the client does not send its
-                # next request into a closing connection (and get no answer at all).
-                await _send_error(sink, error, call.request_id, close=not call.body_complete)
+                await _send_error(sink, error, call.request_id)
                 return
             except _ClientGone:
                 return
@@ -308,15 +299,12 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
 
 
-async def _send_error(sink: BodySink, error: GatewayError, request_id: str, *, close: bool = False) -> None:
-    """Send ``error`` as an OpenAI-shaped JSON response with its headers and ``x-request-id``
-    (and with ``close``, ``connection: close``)."""
+async def _send_error(sink: BodySink, error: GatewayError, request_id: str) -> None:
+    """Send ``error`` as an OpenAI-shaped JSON response with its headers and ``x-request-id``."""
     body = json.dumps(error.body()).encode()
     headers = {name.lower(): str(value) for name, value in dict(error.headers).items()}
     headers["content-type"] = "application/json"
     headers["x-request-id"] = request_id
     for framing in ("content-length", "transfer-encoding", "connection"):
         headers.pop(framing, None)
-    if close:
-        headers["connection"] = "close"
     await sink.respond(error.status, headers, body)

@@ -1,4 +1,4 @@
-"""Hypercorn 0.18's trio server as the gateway runs it: one fix and three per-request costs removed.
+"""Hypercorn 0.18's trio server as the gateway runs it: two fixes and three per-request costs removed.
 
 :func:`apply` is the one call that changes Hypercorn, made by
 :func:`~llmgw.router.http.serve.serve_gateway` before it serves (in the single process
@@ -40,6 +40,12 @@ private parts of it. What it does, without changing a byte on the wire:
   body, and skips the empty write. Responses without ``content-length`` (event streams,
   chunked) are written exactly as before, head first, so a stream's head is never held
   back waiting for the first token.
+* **A close it did not announce.** Hypercorn closes a connection after a response that
+  ended while its request's body was still unread (an app that refused the request at
+  its head), but the response does not say so, and a keep-alive client sent its next
+  request into the closing connection and got no answer. Such a response now carries
+  ``connection: close`` (:func:`_final_headers`), as Hypercorn's own at the keep-alive
+  request limit does.
 * **h11 for simple requests.** Hypercorn's HTTP/1.1 connections use the lane of
   :mod:`llmgw.router.http.h1lane` (see there).
 
@@ -284,6 +290,26 @@ def _has_content_length(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
+def _final_headers(protocol: Any, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Return a final response's headers as Hypercorn sends them, plus ``connection: close``
+    where the connection will close after the response.
+
+    Hypercorn adds it at the keep-alive request limit. It also closes, without saying so,
+    a connection whose request body is still unread when the response ends (h11 cannot
+    start the next request; ``_maybe_recycle``): an app that answers before reading the
+    body (a refused key, a body too large by its content-length) leaves the body unread
+    when it arrives after the head. Said in the response, a keep-alive client opens a new
+    connection for its next request instead of sending it into the closing one and
+    getting no answer. A request without a body is never in ``SEND_BODY`` here: h11
+    gives its end with its head, and Hypercorn reads both before the app runs.
+    """
+    headers = list(chain(headers, protocol.config.response_headers("h11")))
+    if (protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests
+            or getattr(protocol.connection, "their_state", None) is h11.SEND_BODY):
+        headers.append((b"connection", b"close"))
+    return headers
+
+
 def _h11_bytes(protocol: Any, event: Any) -> bytes | None:
     """Return the bytes for ``event`` from h11 (None where Hypercorn would drop the write)."""
     try:
@@ -360,13 +386,15 @@ def _patch_timer_and_writes() -> None:
     async def stream_send(self: Any, event: Any) -> None:
         held: bytes | None = self.__dict__.get(_HELD)
         if held is None:
-            if type(event) is Response and event.status_code >= 200 and _has_content_length(event.headers):
-                headers = list(chain(event.headers, self.config.response_headers("h11")))
-                if self.keep_alive_requests >= self.config.keep_alive_max_requests:
-                    headers.append((b"connection", b"close"))
-                data = _h11_bytes(self, h11.Response(headers=headers, status_code=event.status_code))
-                if data:
+            if type(event) is Response and event.status_code >= 200:
+                data = _h11_bytes(self, h11.Response(headers=_final_headers(self, event.headers),
+                                                     status_code=event.status_code))
+                if not data:
+                    return
+                if _has_content_length(event.headers):
                     self.__dict__[_HELD] = data
+                else:
+                    await self.send(RawData(data=data))  # a stream's head goes out at once
                 return
             if type(event) is EndBody:
                 data = _h11_bytes(self, h11.EndOfMessage())
