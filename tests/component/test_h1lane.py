@@ -18,7 +18,7 @@ import trio
 import trio.testing
 from hypercorn.config import Config
 
-from llmgw.router.http import clientwatch, eagerio
+from llmgw.router.http import eagerio
 from llmgw.router.http.extensions import BODY_SINK_KEY, FAST_LANE_KEY, ON_CLOSE_KEY
 from llmgw.router.http.h1lane import FastLaneProtocol
 from llmgw.router.http.serve import serve_gateway
@@ -447,16 +447,3 @@ async def test_a_stream_head_flushed_through_the_sink_goes_before_its_first_piec
         app.piece_release.set()
         assert await _read_until(stream, buffer, b"0\r\n\r\n") == b"4\r\nlate\r\n0\r\n\r\n"
     assert _all_on_the_lane(app, 1)
-
-
-async def test_without_a_client_watch_the_lane_stays_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lane runs its exchanges where nobody reads the socket; without the watch a client
-    leaving mid-exchange would go unnoticed, so requests go to h11 (and are still served)."""
-    monkeypatch.setattr(clientwatch, "current", lambda: None)
-    app = App()
-    before = FastLaneProtocol.served
-    async with served(app) as stream:
-        await stream.send_all(_post("/echo", b"by h11"))
-        head, body = await _read_response(stream, bytearray())
-        assert head.startswith(b"HTTP/1.1 200 ") and body == b"by h11"
-    assert FastLaneProtocol.served == before

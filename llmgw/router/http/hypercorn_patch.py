@@ -63,7 +63,7 @@ import importlib.metadata
 import logging
 import math
 from itertools import chain
-from typing import Any, Awaitable
+from typing import Any
 
 import h11
 import trio
@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 _MARK = "_llmgw_fast_installed"
 _CLOSE_RACE_MARK = "_llmgw_close_race_fixed"
 
+# Attribute on a TCPServer holding the cancel scope of its read loop (see _stop_reading).
+_READING = "_llmgw_reading"
 # Attribute on an H11Protocol holding a response head not yet written (None: none held).
 _HELD = "_llmgw_held_head"
 
@@ -235,75 +237,35 @@ class IdleTimer:
             await server._initiate_server_close()
 
 
-class ReadLoop:
-    """A connection's read loop (:func:`_read_until_closed`), as the fast lane and the close
-    path end it: stored on the ``TCPServer`` under :data:`~.h1lane.READING_ATTR`."""
-
-    __slots__ = ("scope", "task", "stopped")
-
-    def __init__(self, scope: trio.CancelScope, task: trio.lowlevel.Task) -> None:
-        self.scope = scope
-        self.task = task
-        self.stopped = False
-
-    def cancel(self) -> None:
-        """End the loop now, and whatever runs in it (an exchange of the lane: its client left)."""
-        self.scope.cancel()
-
-    def stop(self) -> None:
-        """End the loop once the connection is closed (see :func:`_stop_reading`): at once
-        from another task; from the loop's own task (an exchange of the lane closed the
-        connection after its response) once the call it is in returns, so that the app's
-        work after its response is not cancelled with the connection."""
-        if trio.lowlevel.current_task() is self.task:
-            self.stopped = True
-        else:
-            self.scope.cancel()
-
-
 async def _read_until_closed(server: Any) -> None:
     """``TCPServer._read_data`` for a server without ``read_timeout`` (the gateway's case):
     the same loop, minus a ``fail_after(inf)`` context manager around every receive, and
     reading with :func:`llmgw.router.http.eagerio.receive_some` (no schedule point when the
-    bytes are there). The fast lane's exchanges run in it (:mod:`.h1lane`).
+    bytes are there).
 
-    Hands every received chunk to the protocol; on EOF, when the stream is closed or
-    broken, or when the loop is stopped or cancelled (:class:`ReadLoop`), tells the
-    protocol the connection closed and returns.
+    Hands every received chunk to the protocol; on EOF, or when the stream is closed or
+    broken, tells the protocol the connection closed and returns.
     """
     stream = server.stream
     protocol = server.protocol
     answering = h1lane.ANSWERING_ATTR
     setattr(server, answering, False)
-    try:
-        with trio.CancelScope() as scope:
-            loop = ReadLoop(scope, trio.lowlevel.current_task())
-            setattr(server, h1lane.READING_ATTR, loop)
-            while True:
-                # Right after the lane took a whole request the client is waiting for its
-                # answer: wait for the socket first (h1lane.ANSWERING_ATTR).
-                wait_first = getattr(server, answering)
-                if wait_first:
-                    setattr(server, answering, False)
-                try:
-                    data = await eagerio.receive_some(stream, tcp_server.MAX_RECV, wait_first=wait_first)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    break
-                await protocol.handle(RawData(bytes(data)))
-                if not data or loop.stopped:
-                    break
-        await protocol.handle(Closed())
-    finally:
-        _detach_timer(server)
-
-
-def _detach_timer(server: Any) -> None:
-    """The client's side is done (EOF, error, read timeout): the connection is going down,
-    so its idle timer has nothing left to close and must not hold the connection's task
-    group open."""
-    idle = getattr(server, "idle_task", None)
-    if isinstance(idle, IdleTimer):
-        idle.detach()
+    with trio.CancelScope() as reading:
+        setattr(server, _READING, reading)
+        while True:
+            # Right after the lane took a whole request the client is waiting for its
+            # answer: wait for the socket first (h1lane.ANSWERING_ATTR).
+            wait_first = getattr(server, answering)
+            if wait_first:
+                setattr(server, answering, False)
+            try:
+                data = await eagerio.receive_some(stream, tcp_server.MAX_RECV, wait_first=wait_first)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
+    await protocol.handle(Closed())
 
 
 def _stop_reading(server: Any) -> None:
@@ -315,9 +277,9 @@ def _stop_reading(server: Any) -> None:
     connection after the response instead of recycling it, and nothing wakes that reader:
     the connection (and a stopping gateway with it) waited for the whole graceful timeout.
     """
-    loop = getattr(server, h1lane.READING_ATTR, None)
-    if loop is not None:
-        loop.stop()
+    reading = getattr(server, _READING, None)
+    if reading is not None:
+        reading.cancel()
 
 
 def _has_content_length(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -404,16 +366,19 @@ def _patch_timer_and_writes() -> None:
         tcp_server.TCPServer._close = _close  # type: ignore[method-assign]
         original_read_data = tcp_server.TCPServer._read_data
 
-        async def _read_with_timeout(self: Any) -> None:
+        async def _read_data(self: Any) -> None:
+            # The client's side is done (EOF, error, read timeout): the connection is going
+            # down, so the timer has nothing left to close and must not hold the
+            # connection's task group open.
             try:
-                await original_read_data(self)
+                if self.config.read_timeout:
+                    await original_read_data(self)
+                else:
+                    await _read_until_closed(self)
             finally:
-                _detach_timer(self)
-
-        def _read_data(self: Any) -> Awaitable[None]:
-            # Returns the read loop itself (not a coroutine awaiting it): the fast lane's
-            # exchanges run in it, one frame fewer on each of their suspensions.
-            return _read_with_timeout(self) if self.config.read_timeout else _read_until_closed(self)
+                idle = getattr(self, "idle_task", None)
+                if isinstance(idle, IdleTimer):
+                    idle.detach()
 
         tcp_server.TCPServer._read_data = _read_data  # type: ignore[method-assign]
     original = H11Protocol.stream_send

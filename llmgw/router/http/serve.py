@@ -11,7 +11,6 @@ exactly one owner, which closes it on the way out. Hypercorn is patched for the 
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import time
 from typing import Any, Callable
@@ -24,7 +23,6 @@ from hypercorn.utils import wrap_app
 from quart import Quart
 
 from . import hypercorn_patch
-from .clientwatch import ClientWatch
 
 log = logging.getLogger(__name__)
 
@@ -163,22 +161,16 @@ async def serve_gateway(
         # Shielded: the caller's cancellation reaches the server as `shutdown` instead,
         # so Hypercorn runs its graceful shutdown and the app's lifespan shutdown.
         with server_scope:
-            async with trio.open_nursery() as watching:
-                # The fast lane's clients are watched while any connection may be open
-                # (h1lane.py; without epoll, not Linux, the lane stays closed).
-                if hasattr(select, "epoll"):
-                    await watching.start(ClientWatch().run)
-                try:
-                    await worker_serve(
-                        wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
-                        config,
-                        sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
-                        shutdown_trigger=shutdown.wait,
-                        task_status=task_status,
-                    )
-                finally:
-                    grace_scope.cancel()  # every request done: no grace left to watch
-                    watching.cancel_scope.cancel()
+            try:
+                await worker_serve(
+                    wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
+                    config,
+                    sockets=Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[]),
+                    shutdown_trigger=shutdown.wait,
+                    task_status=task_status,
+                )
+            finally:
+                grace_scope.cancel()  # every request done: no grace left to watch
 
     async def end_of_grace() -> None:
         # Shielded like the server: runs from shutdown until the server has stopped.
