@@ -21,6 +21,7 @@ from llmgw.router.app import Gateway
 from llmgw.router.auth import AuthTable, KeyEntry, Tenant
 from llmgw.router.errors import MAX_ECHO_CHARS
 from llmgw.router.usage import Usage, UsageMeter
+from tests.component.test_hypercorn_patch import _read_response
 from tests.component.upstream_fixture import FakeUpstream, ReceivedRequest, expected_stream_text
 
 MODEL = "tiny-chat"
@@ -163,26 +164,6 @@ async def test_a_key_is_required_and_checked() -> None:
         revoked = await env.client.post("/v1/chat/completions", json=chat_body(), headers=env.headers("acme"))
         assert_error(revoked, 401, "invalid_api_key")
         await env.wait_idle()
-
-
-async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> tuple[bytes, bytes]:
-    """Read one response with a content-length from ``stream``: (head, body); the bytes after
-    it stay in ``buffer``."""
-    while b"\r\n\r\n" not in buffer:
-        data = await stream.receive_some()
-        assert data, f"the gateway closed the connection without an answer (got {bytes(buffer)!r})"
-        buffer += data
-    head, _, _ = bytes(buffer).partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
-                  if line.startswith(b"content-length:"))
-    start = len(head) + 4
-    while len(buffer) < start + length:
-        data = await stream.receive_some()
-        assert data, "the gateway closed the connection mid-answer"
-        buffer += data
-    body = bytes(buffer[start:start + length])
-    del buffer[:start + length]
-    return head, body
 
 
 async def test_a_request_refused_before_its_body_arrived_says_the_connection_closes() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmgw.node.install.artifact import safe_extract
 from tests.system.harness import engines_under, Proc
 
 pytestmark = pytest.mark.system
@@ -90,9 +91,7 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = root / "dist"
     wheel = _build("build_wheel", source, out)
     sdist = _build("build_sdist", source, out)
-    with tarfile.open(sdist) as tar:
-        # Our own sdist, built just now; Python before 3.11.4 (Debian 12's 3.11.2) has no filters.
-        tar.extractall(root / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    safe_extract(sdist, root / "unpacked")
     [unpacked] = (root / "unpacked").iterdir()
     return {"wheel": wheel, "sdist": sdist, "sdist_wheel": _build("build_wheel", unpacked, root / "from-sdist")}
 

@@ -305,7 +305,7 @@ def _final_headers(protocol: Any, headers: list[tuple[bytes, bytes]]) -> list[tu
     """
     headers = list(chain(headers, protocol.config.response_headers("h11")))
     if (protocol.keep_alive_requests >= protocol.config.keep_alive_max_requests
-            or getattr(protocol.connection, "their_state", None) is h11.SEND_BODY):
+            or protocol.connection.their_state is h11.SEND_BODY):
         headers.append((b"connection", b"close"))
     return headers
 
