@@ -16,10 +16,13 @@ starts, on this machine and on 127.0.0.1 only:
   cost, ``--decode-us`` per token), about as slow per request as the proxies, which
   compresses every ratio; kept for comparison with earlier figures.
 * the proxies under test, each pointed at all N: llmgw's gateway (the router alone,
-  ``serve_gateway(create_app(table))`` in its own process), nginx as a plain reverse
-  proxy, ``sglang-router`` and ``vllm-router`` (round robin), LiteLLM's proxy, and
+  ``serve_gateway`` of a ``Gateway`` in its own process, routing ``least-load``), nginx as a
+  plain reverse proxy, ``sglang-router`` and ``vllm-router`` (round robin), LiteLLM's proxy,
   ``trio-floor`` (``bench/trio_floor.py``: the least a trio proxy in Python does per
-  request, the same socket calls as llmgw's hot path and none of its layers),
+  request, the same socket calls as llmgw's hot path and none of its layers), and the
+  cache-aware pair issue 13 compares: ``llmgw-kv`` (llmgw with the routing it ships with,
+  ``kv``: with engines that publish no KV events it matches the prompt text) and
+  ``sglang-router-ca`` (sglang-router's ``cache_aware`` policy),
 
 and measures every target, plus the engines directly ("direct": one load generator per
 engine, the load split evenly), round by round so that all targets see the same machine
@@ -33,7 +36,8 @@ part. ``ratios`` holds, beside the throughput and added-latency ratios,
 ``cpu_ms_per_request`` and ``sys_ms_per_request`` per target for c16, c64 and stream,
 ``added_ttft_p50_ms`` (stream TTFT p50 over direct's) per target, and
 ``targets_met`` for the issue's goals: CPU per request at c16 and c64 at most
-sglang-router's, added TTFT p50 at most 0.5 ms, req/s at c16 at least half the Rust
+sglang-router's (the cheapest paths, least-load against round robin, and the cache-aware
+pair), added TTFT p50 at most 0.5 ms (both llmgw configurations), req/s at c16 at least half the Rust
 routers', added p50 at c1 at most twice theirs, over 20x LiteLLM's req/s. The medians
 over rounds, the settings (engine kind, stream concurrency and pacing) and the ratios are
 printed as one JSON object on the last stdout line; progress goes to stderr.
@@ -100,6 +104,12 @@ WARMUP_S = 0.5
 SLOW_PEERS = frozenset({"litellm"})
 #: Routing policy given to the Rust routers: round robin is their cheapest path.
 RUST_ROUTER_POLICY = "round_robin"
+#: The cache-aware pair, run beside the cheapest paths: llmgw with the routing it ships with
+#: (``routing.policy: kv``; the fast engines publish no KV events, so it matches the prompt
+#: text, approximately) against sglang-router's cache-aware policy (a radix tree of the prompt
+#: text), the pair issue 13's CPU goal compares (its sglang-router was "cache-aware").
+LLMGW_KV_POLICY = "kv"
+SGLANG_CACHE_AWARE_POLICY = "cache_aware"
 
 CHAT_BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": NONSTREAM_MAX_TOKENS}
@@ -304,20 +314,23 @@ def start_replicas(fleet: Fleet, count: int, decode_us: float) -> tuple[list[tup
     return [(sim.host, sim.port) for sim in pending], [sim.proc for sim in pending]
 
 
-def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int, default_gc: bool = False) -> Proxy:
-    """Start llmgw's gateway (router only) in its own process over ``replicas`` (``default_gc``:
-    with CPython's garbage-collector settings instead of the server's)."""
+def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int, default_gc: bool = False,
+                routing: str = "least-load", name: str = "llmgw") -> Proxy:
+    """Start llmgw's gateway (router only) in its own process over ``replicas``, routing by the
+    policy ``routing`` names (``default_gc``: with CPython's garbage-collector settings instead
+    of the server's); the proxy is called ``name``."""
     port = free_tcp_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     # One process; with --workers N > 1 it runs llmgw's GatewayPool (the server's
     # gateway.workers): N worker processes on the port, fed over their channels.
     cmd = [sys.executable, "-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", str(workers),
-           *(["--default-gc"] if default_gc else []), *[f"http://{h}:{p}" for h, p in replicas]]
-    procs = [fleet.spawn("llmgw", cmd, env)]
+           "--routing", routing, *(["--default-gc"] if default_gc else []),
+           *[f"http://{h}:{p}" for h, p in replicas]]
+    procs = [fleet.spawn(name, cmd, env)]
     for proc in procs:
         _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
     from importlib.metadata import version
-    return Proxy("llmgw", [(HOST, port)], procs, version("llmgw") if _has_dist("llmgw") else "")
+    return Proxy(name, [(HOST, port)], procs, version("llmgw") if _has_dist("llmgw") else "")
 
 
 def _has_dist(name: str) -> bool:
@@ -398,12 +411,15 @@ def _venv_version(venv: Path, dist: str) -> str:
     return out.stdout.strip()
 
 
-def start_rust_router(fleet: Fleet, name: str, replicas: Sequence[tuple[str, int]]) -> Proxy:
-    """Start ``sglang-router`` or ``vllm-router`` from its venv with static worker URLs."""
+def start_rust_router(fleet: Fleet, name: str, replicas: Sequence[tuple[str, int]],
+                      policy: str = RUST_ROUTER_POLICY, label: str = "") -> Proxy:
+    """Start ``sglang-router`` or ``vllm-router`` from its venv with static worker URLs, routing
+    by ``policy``; the proxy is called ``label`` (default ``name``)."""
     venv = gateway_setup.venv_dir(name)
+    label = label or name
     port, metrics_port = free_tcp_port(), free_tcp_port()
     common = ["--host", HOST, "--port", str(port), "--worker-urls", *[f"http://{h}:{p}" for h, p in replicas],
-              "--policy", RUST_ROUTER_POLICY, "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
+              "--policy", policy, "--prometheus-host", HOST, "--prometheus-port", str(metrics_port),
               "--log-level", "warn" if name == "sglang-router" else "warning"]
     if name == "sglang-router":
         cmd = [str(venv / "bin" / "sglang-router"), "launch", *common]
@@ -412,9 +428,9 @@ def start_rust_router(fleet: Fleet, name: str, replicas: Sequence[tuple[str, int
     env = {**os.environ, "NO_PROXY": "*", "no_proxy": "*"}
     for key in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(key, None)
-    proc = fleet.spawn(name, cmd, env)
+    proc = fleet.spawn(label, cmd, env)
     _wait_port(port, proc, START_TIMEOUT_S, lambda: _http_ok(port, CHAT_BODY))
-    return Proxy(name, [(HOST, port)], [proc], _venv_version(venv, name))
+    return Proxy(label, [(HOST, port)], [proc], _venv_version(venv, name))
 
 
 LITELLM_CONFIG = """
@@ -731,10 +747,15 @@ def measure(fleet: Fleet, proxy: Proxy, scenario: str, duration: float) -> dict[
 PEER_STARTERS: dict[str, Callable[[Fleet, Sequence[tuple[str, int]]], Proxy]] = {
     "nginx": start_nginx,
     "sglang-router": lambda fleet, reps: start_rust_router(fleet, "sglang-router", reps),
+    "sglang-router-ca": lambda fleet, reps: start_rust_router(fleet, "sglang-router", reps,
+                                                              SGLANG_CACHE_AWARE_POLICY, "sglang-router-ca"),
     "vllm-router": lambda fleet, reps: start_rust_router(fleet, "vllm-router", reps),
     "litellm": start_litellm,
     "trio-floor": start_trio_floor,
 }
+
+#: Peers that are another configuration of an installed one: its install status is theirs.
+PEER_INSTALLS = {"sglang-router-ca": "sglang-router"}
 
 
 def _median(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -776,10 +797,17 @@ def ratios(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
         for scenario in ("c16", "c64", "stream"):
             out[f"llmgw_vs_{peer}_cpu_per_request_{scenario}"] = _ratio(
                 fig("llmgw", scenario, "cpu_ms_per_request"), fig(peer, scenario, "cpu_ms_per_request"))
+    # The cache-aware pair (LLMGW_KV_POLICY against SGLANG_CACHE_AWARE_POLICY), the issue's own.
+    for scenario in ("c16", "c64", "stream"):
+        out[f"llmgw-kv_vs_sglang-router-ca_cpu_per_request_{scenario}"] = _ratio(
+            fig("llmgw-kv", scenario, "cpu_ms_per_request"), fig("sglang-router-ca", scenario, "cpu_ms_per_request"))
     targets = {
         "cpu_per_request_c64_vs_sglang_router<=1": out["llmgw_vs_sglang-router_cpu_per_request_c64"],
         "cpu_per_request_c16_vs_sglang_router<=1": out["llmgw_vs_sglang-router_cpu_per_request_c16"],
+        "cache_aware_cpu_per_request_c64_vs_sglang_router<=1": out["llmgw-kv_vs_sglang-router-ca_cpu_per_request_c64"],
+        "cache_aware_cpu_per_request_c16_vs_sglang_router<=1": out["llmgw-kv_vs_sglang-router-ca_cpu_per_request_c16"],
         "added_ttft_p50_ms<=0.5": out["added_ttft_p50_ms"].get("llmgw"),
+        "cache_aware_added_ttft_p50_ms<=0.5": out["added_ttft_p50_ms"].get("llmgw-kv"),
         "rps_c16_vs_sglang_router>=0.5": out["llmgw_vs_sglang-router_rps_c16"],
         "rps_c16_vs_vllm_router>=0.5": out["llmgw_vs_vllm-router_rps_c16"],
         "added_p50_c1_vs_sglang_router<=2": out["llmgw_vs_sglang-router_added_p50_c1"],
@@ -827,7 +855,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not peers["wrk"]["ok"]:
         raise SystemExit(f"wrk is required: {peers['wrk']['reason']}")
     scenarios = [f"c{c}" for c in CONCURRENCIES] + ["stream"]
-    wanted = [p for p in ("trio-floor", "nginx", "sglang-router", "vllm-router", "litellm") if p not in args.skip]
+    wanted = [p for p in ("llmgw-kv", "trio-floor", "nginx", "sglang-router", "sglang-router-ca", "vllm-router", "litellm")
+              if p not in args.skip]
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
                     # llmgw and the trio floor run on this interpreter; its build matters
@@ -838,6 +867,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "nonstream_max_tokens": NONSTREAM_MAX_TOKENS, "stream_chunks": STREAM_CHUNKS,
                      "stream_concurrency": STREAM_CONCURRENCY, "nginx_workers": NGINX_WORKERS,
                      "llmgw_workers": args.workers, "llmgw_default_gc": args.default_gc, "rust_router_policy": RUST_ROUTER_POLICY,
+                     "llmgw_routing": "least-load", "cache_aware_pair": {
+                         "llmgw-kv": LLMGW_KV_POLICY, "sglang-router-ca": SGLANG_CACHE_AWARE_POLICY},
                      "engine": args.engine, "engine_requested": args.engine},
         "peers": {}, "results": {}, "rounds": {},
     }
@@ -852,14 +883,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["peers"]["llmgw"] = {"ok": True, "version": proxies[-1].version}
             slow: list[Proxy] = []
             for name in wanted:
-                status = peers.get(name, {"ok": True})
+                status = peers.get(PEER_INSTALLS.get(name, name), {"ok": True})
                 if not status["ok"]:
                     report["peers"][name] = {"ok": False, "reason": status["reason"]}
                     log(f"{name}: unavailable ({status['reason']})")
                     continue
                 log(f"starting {name}")
                 try:
-                    proxy = PEER_STARTERS[name](fleet, replicas)
+                    if name == "llmgw-kv":  # llmgw again, with the routing it ships with
+                        proxy = start_llmgw(fleet, replicas, args.workers, args.default_gc, LLMGW_KV_POLICY, name)
+                    else:
+                        proxy = PEER_STARTERS[name](fleet, replicas)
                 except Exception as error:  # any failure to start a peer is a result, not a crash
                     reason = f"failed to start: {error}; log: {fleet.log_tail(name)}"
                     report["peers"][name] = {"ok": False, "reason": reason}
@@ -898,10 +932,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # -- llmgw's gateway process ----------------------------------------------------------------------
 
 
-def serve_llmgw(port: int, urls: Sequence[str], workers: int, default_gc: bool = False) -> None:
+def serve_llmgw(port: int, urls: Sequence[str], workers: int, default_gc: bool = False,
+                routing: str = "least-load") -> None:
     """Run llmgw's router alone on 127.0.0.1:``port`` over the engines at ``urls`` (until SIGTERM),
-    with the garbage-collector settings ``llmgw server`` uses unless ``default_gc``."""
-    from llmgw.router import Replica, ReplicaTable, create_app, serve_gateway
+    routing by the policy ``routing`` names, with the garbage-collector settings ``llmgw
+    server`` uses unless ``default_gc``."""
+    from llmgw.config import RoutingConfig
+    from llmgw.router import Replica, ReplicaTable, serve_gateway
+    from llmgw.router.app import Gateway
 
     table = ReplicaTable()
     table.set_model_replicas(MODEL, [Replica(id=f"r{i}", model=MODEL, endpoint=url) for i, url in enumerate(urls)])
@@ -919,11 +957,13 @@ def serve_llmgw(port: int, urls: Sequence[str], workers: int, default_gc: bool =
                 from llmgw.router.settings import GatewaySettings
 
                 pool = build_gateway(GatewaySettings(gateway=GatewayConfig(workers=workers),
-                                                     auth=AuthConfig(enabled=False)))
+                                                     auth=AuthConfig(enabled=False),
+                                                     routing=RoutingConfig(policy=routing)))
                 pool.replace_routes({MODEL: table.replicas(MODEL) or ()}, {MODEL: ModelInfo()})
                 await nursery.start(pool.serve, HOST, port)
             else:
-                await nursery.start(partial(serve_gateway, create_app(table), HOST, port))
+                app = Gateway(table, routing=RoutingConfig(policy=routing)).app
+                await nursery.start(partial(serve_gateway, app, HOST, port))
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
@@ -951,10 +991,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--skip", action="append", default=[], help="a peer to leave out (repeatable)")
     p.add_argument("--setup", action="store_true", help="install missing peers first (package registries)")
     p.add_argument("--serve-llmgw", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--routing", default="least-load", help=argparse.SUPPRESS)  # with --serve-llmgw
     p.add_argument("urls", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_llmgw is not None:
-        serve_llmgw(args.serve_llmgw, args.urls, args.workers, args.default_gc)
+        serve_llmgw(args.serve_llmgw, args.urls, args.workers, args.default_gc, args.routing)
         return
     if args.quick:
         args.rounds, args.duration = 1, 2.0
