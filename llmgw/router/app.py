@@ -460,6 +460,7 @@ class Gateway:
             replica = route.replica
             lease = self.load.acquire(replica.id, route.prefill_tokens, route.on_first_token)
             releases.callback(lease.release)
+            forwarded.on_usage = route.on_usage
             # LoRA: llama.cpp's per-request lora field; the adapter loaded on the replica if needed.
             send_body = self.adapters.body_for(replica, target, forwarded.body, forwarded.tenant)
             adapter_hold = await self.adapters.acquire(replica, target, call.request_id)
@@ -561,7 +562,7 @@ class _Request:
     """
 
     __slots__ = ("call", "tenant", "info", "target", "body", "labels", "trace", "releases", "upstream",
-                 "ready", "lease", "meter", "admission", "ticket", "stream")
+                 "ready", "lease", "meter", "admission", "ticket", "stream", "on_usage")
 
     def __init__(
         self, call: ForwardCall, tenant: Tenant, info: RequestInfo, target: Target, body: bytes,
@@ -583,10 +584,12 @@ class _Request:
         self.lease: Lease | None = None
         self.ticket: Ticket | None = None
         self.stream: StreamUsage | None = None
+        self.on_usage: Callable[[Usage], None] | None = None  # the route's (the policy learns from the engine's usage)
 
     def account(self, usage: Usage | None) -> None:
-        """End the request's accounting: usage to the meter (and metrics), the token budget
-        settled, the admission slot freed. Runs once; later calls do nothing."""
+        """End the request's accounting: usage to the meter (and metrics) and to the routing
+        policy (its route's ``on_usage``), the token budget settled, the admission slot freed.
+        Runs once; later calls do nothing."""
         ticket = self.ticket
         self.ticket = None
         if ticket is None:
@@ -594,6 +597,8 @@ class _Request:
         ticket.release()
         self.meter.record(self.tenant.name, self.info.model, usage)
         if usage is not None:
+            if self.on_usage is not None:
+                self.on_usage(usage)
             ticket.settle(usage.total)
             metrics = self.admission.metrics
             if metrics is not None:

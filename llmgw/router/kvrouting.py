@@ -18,7 +18,9 @@ holds is known:
   within the agreement window), and for replicas whose hashes disagree with the router's
   (alarm raised): a :class:`~llmgw.router.prefixtree.PrefixTree` of the prompt text
   routed to each replica, its match converted to tokens at
-  :data:`~llmgw.router.admission.CHARS_PER_TOKEN`.
+  :data:`~llmgw.router.admission.CHARS_PER_TOKEN`. Each such route carries the tree's
+  claim back to it with the engine's usage (``Route.on_usage``): what the engine reports
+  holding sizes the replica's tree to its cache.
 * **miss** (no candidate holds any block): the same price, so the replica with the least
   work queued, then the least recently chosen (never "the smallest tree").
 
@@ -58,6 +60,7 @@ from .prefixtree import PrefixTree, path_hashes, prompt_text
 from .admission import CHARS_PER_TOKEN
 from .replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, Route, RoutingObserver, RoutingPolicy
 from .tokens import TokenHasher, cache_salt
+from .usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,7 @@ class Decision:
     uncached: int = 0
     cost: float = 0.0
     expectation: Any = attrs.field(default=None, repr=False)  # HashAgreement's, told of the first token
+    by_tree: bool = False  # priced from the prefix tree (not the KV index)
 
 
 # -- hash agreement ----------------------------------------------------------------------
@@ -354,6 +358,7 @@ class KvAwarePolicy(RoutingPolicy):
                                        threshold=settings.mismatch_alarm_after, observer=self.observer, clock=clock)
         self._clock = clock
         self._last_chosen: dict[str, float] = {}
+        self._reports_cached: set[str] = set()  # replicas whose engines report cached prompt tokens
         self._picks = itertools.count()
         self._rng = random.Random()
 
@@ -487,7 +492,8 @@ class KvAwarePolicy(RoutingPolicy):
             key = (-round(cost / COST_TIE_S), matched, -self._recency(r.id))
             if best is None or key > best:
                 best = key
-                chosen = Decision(r, kind if matched else MISS, matched, total, uncached, cost)
+                chosen = Decision(r, kind if matched else MISS, matched, total, uncached, cost,
+                                  by_tree=kind == APPROXIMATE)
         assert chosen is not None
         return self._record(chosen, request, path, precise.get(chosen.replica.id))
 
@@ -518,9 +524,30 @@ class KvAwarePolicy(RoutingPolicy):
     async def _route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route:
         decision = await self.decide(candidates, request)
         replica_id, expectation = decision.replica.id, decision.expectation
+        on_usage = self._tree_check(decision) if decision.by_tree else None
         if expectation is None:
-            return Route(decision.replica, decision.uncached)
-        return Route(decision.replica, decision.uncached, lambda _s: self.agreement.started(replica_id, expectation))
+            return Route(decision.replica, decision.uncached, on_usage=on_usage)
+        return Route(decision.replica, decision.uncached, lambda _s: self.agreement.started(replica_id, expectation),
+                     on_usage)
+
+    def _tree_check(self, decision: Decision) -> Callable[[Usage], None]:
+        """Return the callback that holds the prefix tree's claim for ``decision`` (a share of
+        the prompt held) against what the engine reports holding, once the answer is done
+        (:meth:`~llmgw.router.prefixtree.PrefixTree.engine_held`: the tree learns the
+        replica's cache size). A replica whose engine never reported cached tokens teaches nothing."""
+        replica_id = decision.replica.id
+        share = decision.matched / decision.total if decision.total else 0.0
+        window = self.tree.window(replica_id)
+
+        def engine_reported(usage: Usage) -> None:
+            if usage.cached_reported or usage.cached_tokens:
+                self._reports_cached.add(replica_id)
+            elif replica_id not in self._reports_cached:
+                return
+            if usage.prompt_tokens > 0:
+                self.tree.engine_held(replica_id, window, share * usage.prompt_tokens, usage.cached_tokens)
+
+        return engine_reported
 
     def _record(self, decision: Decision, request: RequestInfo, path: list[int],
                 hashes: tuple[int, ...] | None) -> Decision:

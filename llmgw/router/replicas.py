@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import itertools
 import time
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 import attrs
 import trio
@@ -30,6 +30,9 @@ from llmgw.spec import KvDelta
 
 from .kvindex import KvIndex
 from .prefillcost import PrefillLedger
+
+if TYPE_CHECKING:
+    from .usage import Usage
 
 
 @attrs.frozen
@@ -302,11 +305,14 @@ class LoadTracker:
 @attrs.frozen
 class Route:
     """A policy's answer: the replica, and its estimate of the request's uncached prompt
-    tokens there (0: no estimate), with an optional callback for the first token's arrival."""
+    tokens there (0: no estimate), with optional callbacks for the first token's arrival
+    (``on_first_token``, with the seconds to it) and for the engine's usage of the request
+    (``on_usage``, once the answer is done; not called when it reported none)."""
 
     replica: Replica
     prefill_tokens: int = 0
     on_first_token: Callable[[float], None] | None = None
+    on_usage: Callable[[Usage], None] | None = None
 
 
 @attrs.frozen

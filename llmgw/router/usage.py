@@ -35,11 +35,14 @@ _DECODER = json.JSONDecoder()
 @attrs.frozen
 class Usage:
     """Tokens one request used; ``cached_tokens``: of its prompt, those the engine found in
-    its prefix cache (``prompt_tokens_details.cached_tokens``; 0 when it does not say)."""
+    its prefix cache (``prompt_tokens_details.cached_tokens``; 0 when it does not say);
+    ``cached_reported``: whether it said (vLLM leaves the details out, or null, unless told
+    to report them; its simulator, when it found nothing)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_reported: bool = False
 
     @property
     def total(self) -> int:
@@ -70,9 +73,11 @@ def usage_of(value: Any) -> Usage | None:
     if type(value) is not dict and not isinstance(value, Mapping):
         return None
     details = value.get("prompt_tokens_details")  # absent (None) from engines that do not count cached tokens
-    cached = _tokens(details.get("cached_tokens")) if details is not None and (
-        type(details) is dict or isinstance(details, Mapping)) else 0
-    return Usage(_tokens(value.get("prompt_tokens")), _tokens(value.get("completion_tokens")), cached)
+    held = details.get("cached_tokens") if details is not None and (
+        type(details) is dict or isinstance(details, Mapping)) else None
+    reported = type(held) is int and held >= 0  # type: ignore[operator]
+    cached = held if reported else 0
+    return Usage(_tokens(value.get("prompt_tokens")), _tokens(value.get("completion_tokens")), cached, reported)
 
 
 def usage_from_body(body: bytes) -> Usage | None:

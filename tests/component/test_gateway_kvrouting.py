@@ -59,10 +59,13 @@ class ManualClock:
 
 @asynccontextmanager
 async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED, clock: Callable[[], float] = time.monotonic,
-                  tokenizer: Path | None = None, served: Path | None = None) -> AsyncIterator[Cluster]:
+                  tokenizer: Path | None = None, served: Path | None = None, feed_events: bool = True,
+                  num_blocks: int = 512) -> AsyncIterator[Cluster]:
     """Run ``n`` sims with KV events, their subscribers feeding the gateway, and the gateway.
 
-    ``tokenizer``: the sims tokenize with it and serve its files (``served``'s instead, if given)."""
+    ``tokenizer``: the sims tokenize with it and serve its files (``served``'s instead, if given);
+    ``feed_events`` False: their events never reach the gateway (it routes approximately);
+    ``num_blocks``: each sim's KV cache, in blocks of :data:`BS` tokens."""
     async with trio.open_nursery() as nursery:
         load = LoadTracker()
         settings = RoutingConfig(agreement_window=AGREEMENT_WINDOW_S, mismatch_alarm_after=2)
@@ -77,11 +80,13 @@ async def cluster(n: int = 3, *, seed: str = kvhash.KV_HASH_SEED, clock: Callabl
             sub = KvSubscriber(events, replay, block_size=BS)
 
             async def send(delta: KvDelta, rid: str = rid) -> None:
-                gateway.kv_update(rid, delta)
+                if feed_events:
+                    gateway.kv_update(rid, delta)
 
             await nursery.start(sub.run, send)
-            gateway.kv_update(rid, sub.full_copy())  # what the agent sends when its session starts
-            cfg = SimConfig(model=MODEL, port=0, block_size=BS, num_blocks=512, hash_seed=seed,
+            if feed_events:
+                gateway.kv_update(rid, sub.full_copy())  # what the agent sends when its session starts
+            cfg = SimConfig(model=MODEL, port=0, block_size=BS, num_blocks=num_blocks, hash_seed=seed,
                             prefill_us_per_token=0, kv_events_endpoint=events, kv_replay_endpoint=replay,
                             tokenizer=str(tokenizer) if tokenizer else None,
                             served_tokenizer=str(served or tokenizer) if tokenizer else None)
@@ -147,6 +152,19 @@ async def test_repeated_prefixes_go_where_the_prefix_is() -> None:
         assert 0 < engine_cached < engine_prompt
         assert engine_cached == sum(e.cache.hits for e in c.engines)  # what the engines counted
         assert c.policy.alarms() == []  # same seed: router and engines agree
+
+
+async def test_approximate_routing_learns_each_replicas_cache_size_from_the_engines_usage() -> None:
+    async with cluster(2, feed_events=False, num_blocks=24) as c:  # a cache of about one tenant's prompt
+        tree = c.policy.tree
+        for tenant in range(6):  # twice each: the second is held where the first went, and the engine says so
+            await cached_tokens(c, conversation(tenant, 0))
+            assert await cached_tokens(c, conversation(tenant, 0)) > 0
+        assert [tree.bound(r.id) for r in c.replicas] == [tree.max_nodes] * 2  # borne out: nothing to learn
+        for tenant in range(6):  # long evicted: the tree claims what the engines no longer hold
+            assert await cached_tokens(c, conversation(tenant, 0)) == 0
+        assert min(tree.bound(r.id) for r in c.replicas) < tree.max_nodes
+        assert all(tree.size(r.id) <= tree.bound(r.id) for r in c.replicas)
 
 
 async def test_overloaded_warm_replica_is_bypassed() -> None:

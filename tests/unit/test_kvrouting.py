@@ -11,7 +11,9 @@ from llmgw.router.kvrouting import (
     ALARM_TEXT, APPROXIMATE, MISS, PRECISE, HashAgreement, KvAwarePolicy, RoundRobin, make_policy,
 )
 from llmgw.router.kvindex import KvIndex
+from llmgw.router.prefixtree import SHRINK_FACTOR
 from llmgw.router.tokens import TokenHasher
+from llmgw.router.usage import Usage
 from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver
 from llmgw.spec import KvDelta
 
@@ -293,3 +295,23 @@ def test_make_policy_names() -> None:
         make_policy(RoutingConfig(policy="random"), load)
     rr = RoundRobin()
     assert [rr.choose([A, B], chat()).id for _ in range(3)] == ["a", "b", "a"]
+
+
+async def test_approximate_routing_learns_the_replicas_cache_from_the_engines_usage() -> None:
+    p = policy(Clock())
+    la, lb = Replica("a", "m", "http://x:1", engine="llama.cpp"), Replica("b", "m", "http://x:2", engine="llama.cpp")
+    for i in range(40):  # 40 conversations' prompts in the tree, 10 nodes each
+        await p.route([la, lb], chat(f"conversation {i:02d} " * 80))
+    again = chat("conversation 00 " * 80)
+    route = await p.route([la, lb], again)  # the tree claims the whole prompt is held there
+    assert route.on_usage is not None
+    held_at = route.replica.id
+    size = p.tree.size(held_at)
+    route.on_usage(Usage(prompt_tokens=330, completion_tokens=5))  # an engine that never says what it held
+    assert p.tree.bound(held_at) == p.tree.max_nodes  # teaches nothing
+    route.on_usage(Usage(prompt_tokens=330, completion_tokens=5, cached_tokens=0, cached_reported=True))
+    assert p.tree.bound(held_at) == p.tree.size(held_at) == int(size * SHRINK_FACTOR)  # it had evicted it
+    # Precise decisions are the KV index's, held to the engine's events, not to its usage.
+    live(p, A, HASHES)
+    live(p, B)
+    assert (await p.route([A, B], chat())).on_usage is None

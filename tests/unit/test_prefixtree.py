@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from llmgw.router.prefixtree import PrefixTree, path_hashes, prompt_text
+from llmgw.router.prefixtree import (
+    GROW_NODES, MIN_NODES_PER_REPLICA, SHRINK_FACTOR, PrefixTree, path_hashes, prompt_text,
+)
 
 
 def test_prompt_text_chat_grows_with_the_conversation() -> None:
@@ -36,3 +38,34 @@ def test_match_and_lru_eviction_keeps_roots() -> None:
     assert tree.match("r", shared) == 3  # the old path lost its deepest node, not its root
     tree.forget("r")
     assert tree.size() == 0
+
+
+def test_the_bound_learns_the_engines_cache_from_what_it_reports() -> None:
+    tree = PrefixTree(max_nodes_per_replica=1000)
+    paths = [path_hashes(f"{i:03d}" * 200, chunk=128) for i in range(40)]  # 4 nodes each
+    for path in paths:
+        tree.insert("r", path)
+    assert tree.size("r") == 160 and tree.bound("r") == 1000
+    window = tree.window("r")
+    tree.engine_held("r", window, claimed=128.0, held=120)  # borne out, the tree below its bound: no change
+    assert tree.bound("r") == 1000
+    tree.engine_held("r", window, claimed=128.0, held=100)  # short by less than two nodes' worth: noise
+    assert tree.bound("r") == 1000
+    # The engine held nothing of what the tree claimed: its cache is smaller than the tree.
+    tree.engine_held("r", window, claimed=128.0, held=0)
+    assert tree.bound("r") == tree.size("r") == int(160 * SHRINK_FACTOR)
+    assert tree.match("r", paths[-1]) == 4 and tree.match("r", paths[0]) == 0  # the oldest went first
+    # Another claim made before that shrink counts no more: one shrink per window.
+    tree.engine_held("r", window, claimed=128.0, held=0)
+    assert tree.bound("r") == int(160 * SHRINK_FACTOR)
+    for _ in range(10):  # claims made since keep shrinking it, down to the floor
+        tree.engine_held("r", tree.window("r"), claimed=128.0, held=0)
+    assert tree.bound("r") == tree.size("r") == MIN_NODES_PER_REPLICA
+    # A claim borne out while the tree is full lets the bound grow, a little each time.
+    tree.engine_held("r", tree.window("r"), claimed=128.0, held=128)
+    assert tree.bound("r") == MIN_NODES_PER_REPLICA + GROW_NODES
+    tree.insert("r", path_hashes("new" * 400, chunk=128))
+    assert tree.size("r") == MIN_NODES_PER_REPLICA + GROW_NODES
+    assert tree.bound("other") == 1000  # per replica
+    tree.forget("r")
+    assert tree.bound("r") == 1000 and tree.window("r") == 0

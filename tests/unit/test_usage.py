@@ -31,7 +31,9 @@ def test_usage_from_body() -> None:
     assert usage_from_body(b'{"choices": []}') is None
     # the engine's own count of prompt tokens found in its prefix cache (vLLM, the simulator)
     assert usage_from_body(b'{"usage": {"prompt_tokens": 40, "completion_tokens": 1, '
-                           b'"prompt_tokens_details": {"cached_tokens": 32}}}') == Usage(40, 1, 32)
+                           b'"prompt_tokens_details": {"cached_tokens": 32}}}') == Usage(40, 1, 32, True)
+    assert usage_from_body(b'{"usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 0}}}') == Usage(
+        40, 0, 0, cached_reported=True)  # said it found nothing
     assert usage_from_body(b'{"usage": {"prompt_tokens": 40, "prompt_tokens_details": null}}') == Usage(40, 0, 0)
     assert usage_from_body(b'{"usage": {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": -1}}}') == Usage(4)
     assert usage_from_body(b'{"usage": null}') is None
