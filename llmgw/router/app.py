@@ -162,6 +162,8 @@ class Gateway:
         # LoRA adapters: names resolved to models, loads on demand (llmgw/router/adapters.py).
         self.adapters = Adapters(table, self.load, UpstreamAdmin(self.upstream_client), metrics=self.metrics)
         self.metrics.bind_kv(self.kv_index)
+        # The approximate router's prefix tree (a KV-aware policy's, whichever policy routes now).
+        self.metrics.bind_prefix_tree(lambda: getattr(self.policy, "tree", None))
         self.policy.attach_observer(self.metrics)  # routing decisions, hash alarms -> metrics
         self.metrics.routing_policy(self.routing.policy)
         if self.admission.metrics is None:

@@ -228,6 +228,8 @@ class GatewayMetrics:
         )
         self._kv_index: Any = None
         r.register(_KvIndexCollector(lambda: self._kv_index))
+        self._prefix_tree: Callable[[], Any] = lambda: None
+        r.register(_PrefixTreeCollector(lambda: self._prefix_tree()))
         # LoRA adapters, labelled by adapter name (catalog-bounded, like models).
         self.adapter_loads = Counter(
             f"{PREFIX}_adapter_loads", "LoRA adapters loaded on replicas by the gateway, by adapter.",
@@ -263,6 +265,12 @@ class GatewayMetrics:
         """Report the KV index's size and each replica's event counters (a
         :class:`~llmgw.router.kvindex.KvIndex`) at scrape time."""
         self._kv_index = index
+
+    def bind_prefix_tree(self, tree: Callable[[], Any]) -> None:
+        """Report, at scrape time, the prefix tree ``tree()`` returns (a
+        :class:`~llmgw.router.prefixtree.PrefixTree`, or None when the policy has none): the
+        nodes it holds per replica and the bound it learnt for each."""
+        self._prefix_tree = tree
 
     def routing_policy(self, name: str) -> None:
         """Report that this process routes by the policy ``name`` now (one of ROUTING_POLICIES)."""
@@ -421,6 +429,35 @@ class GatewayMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+class _PrefixTreeCollector(Collector):
+    """Reports the approximate router's prefix tree per replica: nodes held, and the bound
+    learnt from what the engine reports holding (llmgw/router/prefixtree.py)."""
+
+    def __init__(self, tree: Callable[[], Any]) -> None:
+        self._tree = tree
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        nodes, bound = self._families()
+        tree = self._tree()
+        if tree is not None:
+            for rid in sorted(tree.replica_ids()):
+                nodes.add_metric([rid], tree.size(rid))
+                bound.add_metric([rid], tree.bound(rid))
+        yield from (nodes, bound)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(f"{PREFIX}_prefix_tree_nodes", "Nodes (128 characters of prompt text) the "
+                              "approximate router believes each replica holds.", labels=["replica"]),
+            GaugeMetricFamily(f"{PREFIX}_prefix_tree_bound_nodes", "The most nodes the approximate router keeps "
+                              "for each replica, learnt from the cached tokens its engine reports.", labels=["replica"]),
+        )
+
+
 class _KvIndexCollector(Collector):
     """Reports the KV index's size and per-replica event counters from the bound index."""
 
@@ -459,9 +496,11 @@ class _KvIndexCollector(Collector):
 
 
 #: Families about state every gateway worker holds a copy of (the KV index the control
-#: plane feeds them all) or that any worker may raise (the hash alarm): merged across
-#: workers by the largest value, not the sum (llmgw/router/workers/protocol.py).
-SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()} | {KV_HASH_ALARM})
+#: plane feeds them all), that any worker may raise (the hash alarm) or that each learns
+#: for the same replica (the prefix tree's bound): merged across workers by the largest
+#: value, not the sum (llmgw/router/workers/protocol.py).
+SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()} | {KV_HASH_ALARM}
+                            | {_PrefixTreeCollector._families()[1].name})
 
 
 class ChunkGaps:

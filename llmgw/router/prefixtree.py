@@ -178,6 +178,10 @@ class PrefixTree:
         self._bounds.pop(replica_id, None)
         self._windows.pop(replica_id, None)
 
+    def replica_ids(self) -> list[str]:
+        """Return the replicas the tree holds nodes for."""
+        return list(self._nodes)
+
     def size(self, replica_id: str | None = None) -> int:
         """Return the nodes held for ``replica_id``, or for all replicas together."""
         if replica_id is not None:

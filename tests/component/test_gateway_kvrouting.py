@@ -165,6 +165,10 @@ async def test_approximate_routing_learns_each_replicas_cache_size_from_the_engi
             assert await cached_tokens(c, conversation(tenant, 0)) == 0
         assert min(tree.bound(r.id) for r in c.replicas) < tree.max_nodes
         assert all(tree.size(r.id) <= tree.bound(r.id) for r in c.replicas)
+        metrics = (await c.http.get("/metrics")).text  # what the operator sees
+        for r in c.replicas:
+            assert metric_value(metrics, f'llmgw_gateway_prefix_tree_bound_nodes{{replica="{r.id}"}}') == tree.bound(r.id)
+            assert metric_value(metrics, f'llmgw_gateway_prefix_tree_nodes{{replica="{r.id}"}}') == tree.size(r.id)
 
 
 async def test_overloaded_warm_replica_is_bypassed() -> None:
