@@ -138,6 +138,10 @@ class KvIndex:
         """Return what is known about ``replica_id``, or None if no delta came from it."""
         return self._replicas.get(replica_id)
 
+    def has_replicas(self) -> bool:
+        """Return whether any replica's delta came in (else every replica is routed approximately)."""
+        return bool(self._replicas)
+
     def replica_ids(self) -> list[str]:
         """Return the replicas the index has deltas from."""
         return list(self._replicas)

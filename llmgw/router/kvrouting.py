@@ -441,8 +441,10 @@ class KvAwarePolicy(RoutingPolicy):
         Candidates sharing a block size and adapter path share one computation; the
         least-loaded capable candidate tokenizes.
         """
-        capable = [r for r in candidates if self.precise_capable(r, adapter)]
         out: dict[str, tuple[int, ...]] = {}
+        if not self.index.has_replicas():  # no replica reports KV events: all approximate
+            return out
+        capable = [r for r in candidates if self.precise_capable(r, adapter)]
         if not capable:
             return out
         capable.sort(key=lambda r: self.load.outstanding(r.id))
@@ -478,24 +480,24 @@ class KvAwarePolicy(RoutingPolicy):
         self.agreement.sweep()
         precise = await self.precise_hashes(candidates, request, adapter)
         prompt_tokens = _prompt_tokens(precise, self.index, text)
-        ledger = self.load.prefill
+        price = self.load.prefill.price
         best: tuple[Any, ...] | None = None
-        chosen: Decision | None = None
+        chosen: tuple[Any, ...] = ()
         for r in candidates:
-            hashes = precise.get(r.id)
+            hashes = precise.get(r.id) if precise else None
             if hashes is not None and not self.agreement.alarmed(r.id):
                 matched, total, kind = self.precise_match(r, hashes), len(hashes), PRECISE
             else:
                 matched, total, kind = self.tree.match(r.id, path), len(path), APPROXIMATE
             uncached = prompt_tokens - (prompt_tokens * matched // total if total else 0)
-            cost = ledger.predict(r.id, uncached) + AFFINITY * ledger.rate(r.id) * uncached
+            cost = price(r.id, uncached, AFFINITY)
             key = (-round(cost / COST_TIE_S), matched, -self._recency(r.id))
             if best is None or key > best:
                 best = key
-                chosen = Decision(r, kind if matched else MISS, matched, total, uncached, cost,
-                                  by_tree=kind == APPROXIMATE)
-        assert chosen is not None
-        return self._record(chosen, request, path, precise.get(chosen.replica.id))
+                chosen = (r, kind, matched, total, uncached, cost)
+        r, kind, matched, total, uncached, cost = chosen
+        decision = Decision(r, kind if matched else MISS, matched, total, uncached, cost, by_tree=kind == APPROXIMATE)
+        return self._record(decision, request, path, precise.get(r.id))
 
     def _recency(self, replica_id: str) -> float:
         """Return when ``replica_id`` was last chosen (a pick number: lower is longer ago).

@@ -62,6 +62,8 @@ def test_ledger_counts_queued_prefill_until_the_first_token() -> None:
     first.first_token()
     first.first_token()  # once only
     assert ledger.work_ahead("r") == 500 + RUNNING_TOKEN_EQUIV  # one decoding, one queued
+    for replica in ("r", "idle"):  # the router's price: the prediction plus the affinity term, in one lookup
+        assert ledger.price(replica, 100, 1.0) == pytest.approx(ledger.predict(replica, 100) + ledger.rate(replica) * 100)
     second.release()  # failed before its first token: its prefill leaves the queue
     first.release()
     first.release()
