@@ -109,6 +109,8 @@ RUST_ROUTER_POLICY = "round_robin"
 #: text, approximately) against sglang-router's cache-aware policy (a radix tree of the prompt
 #: text), the pair issue 13's CPU goal compares (its sglang-router was "cache-aware").
 LLMGW_KV_POLICY = "kv"
+#: llmgw's routing in the cheapest-path comparison (``llmgw``): fewest requests in flight.
+LLMGW_POLICY = "least-load"
 SGLANG_CACHE_AWARE_POLICY = "cache_aware"
 
 CHAT_BODY = json.dumps(
@@ -315,7 +317,7 @@ def start_replicas(fleet: Fleet, count: int, decode_us: float) -> tuple[list[tup
 
 
 def start_llmgw(fleet: Fleet, replicas: Sequence[tuple[str, int]], workers: int, default_gc: bool = False,
-                routing: str = "least-load", name: str = "llmgw") -> Proxy:
+                routing: str = LLMGW_POLICY, name: str = "llmgw") -> Proxy:
     """Start llmgw's gateway (router only) in its own process over ``replicas``, routing by the
     policy ``routing`` names (``default_gc``: with CPython's garbage-collector settings instead
     of the server's); the proxy is called ``name``."""
@@ -867,7 +869,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "nonstream_max_tokens": NONSTREAM_MAX_TOKENS, "stream_chunks": STREAM_CHUNKS,
                      "stream_concurrency": STREAM_CONCURRENCY, "nginx_workers": NGINX_WORKERS,
                      "llmgw_workers": args.workers, "llmgw_default_gc": args.default_gc, "rust_router_policy": RUST_ROUTER_POLICY,
-                     "llmgw_routing": "least-load", "cache_aware_pair": {
+                     "llmgw_routing": LLMGW_POLICY, "cache_aware_pair": {
                          "llmgw-kv": LLMGW_KV_POLICY, "sglang-router-ca": SGLANG_CACHE_AWARE_POLICY},
                      "engine": args.engine, "engine_requested": args.engine},
         "peers": {}, "results": {}, "rounds": {},
@@ -882,6 +884,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             proxies.append(start_llmgw(fleet, replicas, args.workers, args.default_gc))
             report["peers"]["llmgw"] = {"ok": True, "version": proxies[-1].version}
             slow: list[Proxy] = []
+            starters = {**PEER_STARTERS, "llmgw-kv": partial(  # llmgw again, with the routing it ships with
+                start_llmgw, workers=args.workers, default_gc=args.default_gc, routing=LLMGW_KV_POLICY, name="llmgw-kv")}
             for name in wanted:
                 status = peers.get(PEER_INSTALLS.get(name, name), {"ok": True})
                 if not status["ok"]:
@@ -890,10 +894,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 log(f"starting {name}")
                 try:
-                    if name == "llmgw-kv":  # llmgw again, with the routing it ships with
-                        proxy = start_llmgw(fleet, replicas, args.workers, args.default_gc, LLMGW_KV_POLICY, name)
-                    else:
-                        proxy = PEER_STARTERS[name](fleet, replicas)
+                    proxy = starters[name](fleet, replicas)
                 except Exception as error:  # any failure to start a peer is a result, not a crash
                     reason = f"failed to start: {error}; log: {fleet.log_tail(name)}"
                     report["peers"][name] = {"ok": False, "reason": reason}
@@ -933,7 +934,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve_llmgw(port: int, urls: Sequence[str], workers: int, default_gc: bool = False,
-                routing: str = "least-load") -> None:
+                routing: str = LLMGW_POLICY) -> None:
     """Run llmgw's router alone on 127.0.0.1:``port`` over the engines at ``urls`` (until SIGTERM),
     routing by the policy ``routing`` names, with the garbage-collector settings ``llmgw
     server`` uses unless ``default_gc``."""
@@ -991,7 +992,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--skip", action="append", default=[], help="a peer to leave out (repeatable)")
     p.add_argument("--setup", action="store_true", help="install missing peers first (package registries)")
     p.add_argument("--serve-llmgw", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    p.add_argument("--routing", default="least-load", help=argparse.SUPPRESS)  # with --serve-llmgw
+    p.add_argument("--routing", default=LLMGW_POLICY, help=argparse.SUPPRESS)  # with --serve-llmgw
     p.add_argument("urls", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_llmgw is not None:

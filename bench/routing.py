@@ -400,16 +400,13 @@ async def run_policy(name: str, make: Any, convs: list[list[dict[str, Any]]], w:
                     if first is None and chunk.get("choices"):
                         first = time.perf_counter()
                         lease.first_token()
-                    usage = chunk.get("usage")
-                    if usage:
+                    usage = usage_of(chunk.get("usage"))
+                    if usage is not None:
                         if route.on_usage is not None:  # as the gateway tells the policy (app.py)
-                            told = usage_of(usage)
-                            if told is not None:
-                                route.on_usage(told)
-                        hit = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                        prompt += usage["prompt_tokens"]
-                        cached += hit
-                        by_seq.append((seq, hit, usage["prompt_tokens"]))
+                            route.on_usage(usage)
+                        prompt += usage.prompt_tokens
+                        cached += usage.cached_tokens
+                        by_seq.append((seq, usage.cached_tokens, usage.prompt_tokens))
             ttfts.append((first or time.perf_counter()) - t0)
         finally:
             lease.release()

@@ -149,9 +149,7 @@ class PrefillLedger:
         """Return :meth:`predict` plus ``affinity`` x :meth:`rate` x ``uncached_tokens`` (the
         router's price of a candidate, in seconds), with one lookup of the replica's fit."""
         fit = self._fit(replica_id)
-        state = self._replicas.get(replica_id)
-        ahead = state.queued + RUNNING_TOKEN_EQUIV * state.decoding if state is not None else 0.0
-        return fit.rate * (ahead + uncached_tokens + OVERHEAD_TOKENS + affinity * uncached_tokens)
+        return fit.predict(self.work_ahead(replica_id) + uncached_tokens) + affinity * fit.rate * uncached_tokens
 
     def rate(self, replica_id: str) -> float:
         """Return ``replica_id``'s fitted seconds per prefill token (the fleet's if unknown)."""

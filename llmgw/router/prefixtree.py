@@ -128,7 +128,7 @@ class PrefixTree:
                 return  # claimed under a larger bound, already shrunk for
             nodes = self._nodes.get(replica_id)
             size = len(nodes) if nodes is not None else 0
-            self._bounds[replica_id] = max(MIN_NODES_PER_REPLICA, min(self.max_nodes, int(size * SHRINK_FACTOR)))
+            self._bounds[replica_id] = max(MIN_NODES_PER_REPLICA, int(size * SHRINK_FACTOR))  # size <= bound
             self._windows[replica_id] = window + 1
             if nodes is not None:
                 self._evict(nodes, self._bounds[replica_id])

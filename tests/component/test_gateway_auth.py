@@ -21,7 +21,7 @@ from llmgw.router.app import Gateway
 from llmgw.router.auth import AuthTable, KeyEntry, Tenant
 from llmgw.router.errors import MAX_ECHO_CHARS
 from llmgw.router.usage import Usage, UsageMeter
-from tests.component.test_hypercorn_patch import _read_response
+from tests.component.test_hypercorn_patch import read_response
 from tests.component.upstream_fixture import FakeUpstream, ReceivedRequest, expected_stream_text
 
 MODEL = "tiny-chat"
@@ -181,7 +181,7 @@ async def test_a_request_refused_before_its_body_arrived_says_the_connection_clo
             async with stream:
                 await stream.send_all(head)  # the head alone: the gateway answers it at once
                 buffer = bytearray()
-                answer, error = await _read_response(stream, buffer)
+                answer, error = await read_response(stream, buffer)
                 assert answer.startswith(b"HTTP/1.1 401 ") and json.loads(error)["error"]["code"] == "invalid_api_key"
                 assert b"\r\nconnection: close" in answer.lower(), answer
                 await stream.send_all(body)
@@ -192,7 +192,7 @@ async def test_a_request_refused_before_its_body_arrived_says_the_connection_clo
                 buffer = bytearray()
                 for _ in range(2):
                     await stream.send_all(head + body)
-                    answer, _ = await _read_response(stream, buffer)
+                    answer, _ = await read_response(stream, buffer)
                     assert answer.startswith(b"HTTP/1.1 401 ") and b"connection: close" not in answer.lower()
 
 

@@ -22,7 +22,7 @@ from llmgw.router.http import eagerio
 from llmgw.router.http.extensions import BODY_SINK_KEY, FAST_LANE_KEY, ON_CLOSE_KEY
 from llmgw.router.http.h1lane import FastLaneProtocol
 from llmgw.router.http.serve import serve_gateway
-from tests.component.test_hypercorn_patch import _eof, _read_response, serve_lifespan
+from tests.component.test_hypercorn_patch import expect_eof, read_response, serve_lifespan
 
 DEADLINE_S = 20
 
@@ -188,7 +188,7 @@ async def test_pipelined_requests_are_answered_in_order_by_the_lane() -> None:
         buffer = bytearray()
         bodies = []
         for _ in range(3):
-            head, body = await _read_response(stream, buffer)
+            head, body = await read_response(stream, buffer)
             assert head.startswith(b"HTTP/1.1 200 OK\r\n")
             bodies.append(body)
         assert bodies == [b"first", b"second", b"3"]
@@ -216,7 +216,7 @@ async def test_requests_left_to_h11_and_lane_requests_share_a_connection() -> No
                 assert head.startswith(b"HTTP/1.1 200 ")  # h11 answers HEAD without a body
                 assert FastLaneProtocol.served - before == 1
                 continue
-            head, body = await _read_response(stream, buffer)
+            head, body = await read_response(stream, buffer)
             assert body == expected
 
 
@@ -232,7 +232,7 @@ async def test_a_stream_is_chunked_and_204_has_no_body() -> None:
         head = await _read_until(stream, buffer, b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 204 No Content\r\n") and b"transfer-encoding" not in head
         await stream.send_all(_post("/echo", b"after"))  # the connection is still in step
-        assert (await _read_response(stream, buffer))[1] == b"after"
+        assert (await read_response(stream, buffer))[1] == b"after"
 
 
 def _all_on_the_lane(app: App, count: int) -> bool:
@@ -245,9 +245,9 @@ async def test_an_app_failing_before_its_response_gets_500_and_the_connection_cl
     async with served(app) as stream:
         await stream.send_all(_post("/fail"))
         buffer = bytearray()
-        head, body = await _read_response(stream, buffer)
+        head, body = await read_response(stream, buffer)
         assert head.startswith(b"HTTP/1.1 500 ") and b"\r\nconnection: close" in head and body == b""
-        await _eof(stream)
+        await expect_eof(stream)
     assert _all_on_the_lane(app, 1)
 
 
@@ -290,12 +290,12 @@ async def test_the_next_request_on_a_connection_runs_once_the_app_before_it_retu
     async with served(app) as stream:
         buffer = bytearray()
         await stream.send_all(_post("/tail"))
-        await _read_response(stream, buffer)
+        await read_response(stream, buffer)
         await stream.send_all(_post("/echo", b"next"))
         await trio.testing.wait_all_tasks_blocked()
         assert app.log == ["/tail"]
         app.tail_release.set()
-        _, body = await _read_response(stream, buffer)
+        _, body = await read_response(stream, buffer)
         assert body == b"next"
     assert app.log == ["/tail", "/tail returned", "/echo"]
     assert _all_on_the_lane(app, 2)
@@ -322,12 +322,12 @@ async def test_the_keep_alive_limit_closes_after_the_last_allowed_response(monke
     async with served(app) as stream:
         buffer = bytearray()
         await stream.send_all(_post("/echo", b"1"))
-        head, _ = await _read_response(stream, buffer)
+        head, _ = await read_response(stream, buffer)
         assert b"connection: close" not in head
         await stream.send_all(_post("/echo", b"2"))
-        head, body = await _read_response(stream, buffer)
+        head, body = await read_response(stream, buffer)
         assert b"\r\nconnection: close" in head and body == b"2"
-        await _eof(stream)
+        await expect_eof(stream)
     assert _all_on_the_lane(app, 2)
 
 
@@ -348,7 +348,7 @@ async def test_a_whole_response_through_the_sink_is_framed_and_kept_alive_to_the
     async with served(app) as stream:
         buffer = bytearray()
         await stream.send_all(_post("/respond", b"whole"))
-        head, body = await _read_response(stream, buffer)
+        head, body = await read_response(stream, buffer)
         assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"whole"
         for line in (b"content-type: text/plain", b"x-path: /respond", b"content-length: 5", b"date: "):
             assert b"\r\n" + line in head
@@ -357,9 +357,9 @@ async def test_a_whole_response_through_the_sink_is_framed_and_kept_alive_to_the
         head = await _read_until(stream, buffer, b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 204 No Content\r\n") and b"content-length" not in head
         await stream.send_all(_post("/respond", b"last"))
-        head, body = await _read_response(stream, buffer)
+        head, body = await read_response(stream, buffer)
         assert b"\r\nconnection: close" in head and body == b"last"
-        await _eof(stream)
+        await expect_eof(stream)
     assert _all_on_the_lane(app, 3)
 
 
@@ -393,11 +393,11 @@ async def test_the_reader_waits_for_the_next_request_instead_of_reading_for_it(
     async with served(app) as stream:
         buffer = bytearray()
         await stream.send_all(_post("/echo", b"first"))  # a new connection's first read may find nothing yet
-        await _read_response(stream, buffer)
+        await read_response(stream, buffer)
         monkeypatch.setattr(eagerio, "try_receive", counting_try_receive)
         for body in (b"2", b"3", b"4", b"5"):
             await stream.send_all(_post("/echo", body))
-            assert (await _read_response(stream, buffer))[1] == body
+            assert (await read_response(stream, buffer))[1] == body
     assert empty_reads == 0
     assert _all_on_the_lane(app, 5)
 
@@ -432,7 +432,7 @@ async def test_a_stream_started_through_the_sink_sends_its_head_with_the_first_p
         assert len(writes) == 3 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
         assert writes[0].endswith(b"3\r\none\r\n") and writes[2] == b"5\r\nthree\r\n0\r\n\r\n"
         await stream.send_all(_post("/echo", b"next"))  # the connection is kept alive
-        assert (await _read_response(stream, buffer))[1] == b"next"
+        assert (await read_response(stream, buffer))[1] == b"next"
     assert _all_on_the_lane(app, 2)
 
 

@@ -69,7 +69,7 @@ class App:
         await send({"type": "http.response.body", "body": body})
 
 
-async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> tuple[bytes, bytes]:
+async def read_response(stream: trio.SocketStream, buffer: bytearray) -> tuple[bytes, bytes]:
     """Return (head, body) of one content-length response from ``stream``."""
     while b"\r\n\r\n" not in buffer:
         data = await stream.receive_some(65536)
@@ -88,7 +88,7 @@ async def _read_response(stream: trio.SocketStream, buffer: bytearray) -> tuple[
     return head, body
 
 
-async def _eof(stream: trio.SocketStream) -> None:
+async def expect_eof(stream: trio.SocketStream) -> None:
     """Return when the server closes ``stream`` (anything it sends first is an error)."""
     while True:
         try:
@@ -187,11 +187,11 @@ async def test_keep_alive_serves_many_then_closes_when_idle_but_not_while_busy(
             buffer = bytearray()
             for path in ("/len", "/slow", "/len"):
                 await stream.send_all(_request(path))
-                head, body = await _read_response(stream, buffer)
+                head, body = await read_response(stream, buffer)
                 assert head.startswith(b"HTTP/1.1 200 ")
                 assert b"\r\ndate: " in head.lower()
                 assert body == b'{"ok": true}'
-            await _eof(stream)  # idle past the keep-alive: closed by the server
+            await expect_eof(stream)  # idle past the keep-alive: closed by the server
             await stream.aclose()
             nursery.cancel_scope.cancel()
 
@@ -209,9 +209,9 @@ async def test_shutdown_closes_an_idle_keep_alive_connection(monkeypatch: pytest
             port = await nursery.start(run)
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             await stream.send_all(_request("/len"))
-            await _read_response(stream, bytearray())
+            await read_response(stream, bytearray())
             server.cancel()
-            await _eof(stream)
+            await expect_eof(stream)
             await stream.aclose()
 
 
@@ -253,9 +253,9 @@ async def test_shutdown_ends_a_connection_whose_next_request_arrived_early(
             server.cancel()
             await trio.testing.wait_all_tasks_blocked()
             app.release.set()
-            head, body = await _read_response(stream, bytearray())
+            head, body = await read_response(stream, bytearray())
             assert head.startswith(b"HTTP/1.1 200 ") and body == b'{"ok": true}'
-            await _eof(stream)  # the early request is not served by a stopping gateway
+            await expect_eof(stream)  # the early request is not served by a stopping gateway
             await stream.aclose()
         with trio.move_on_after(DEADLINE_S):
             await stopped.wait()
@@ -324,14 +324,14 @@ async def test_a_response_that_leaves_the_body_unread_says_the_connection_closes
             assert received.startswith(b"HTTP/1.1 403 ") and b"refused" in received
             assert b"\r\nconnection: close\r\n" in received.lower(), received
             await stream.send_all(b"{}")
-            await _eof(stream)  # closed, as it said
+            await expect_eof(stream)  # closed, as it said
             await stream.aclose()
             # Bodiless requests on h11's path are read whole before the app answers: kept alive.
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             buffer = bytearray()
             for _ in range(2):
                 await stream.send_all(H11_GET)
-                head, body = await _read_response(stream, buffer)
+                head, body = await read_response(stream, buffer)
                 assert head.startswith(b"HTTP/1.1 200 ") and body == b'{"ok": true}'
                 assert b"connection: close" not in head.lower()
             await stream.aclose()
