@@ -14,8 +14,8 @@ wall-clock noise on a shared machine hides: Python function calls, socket reads 
 writes per stream and per event (exact counts, comparable between two versions of the
 gateway), and the functions with the most time of their own (``--profile-out FILE`` keeps
 the raw profile). ``--requests C`` counts non-streaming requests instead: ``wrk`` at
-concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request. ``--gateway-tree DIR`` runs the gateway from another checkout
-(its ``llmgw`` and ``bench.gateway``) under this harness: ``bench.ab`` compares two trees so.
+concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request. ``--routing POLICY`` picks the gateway's routing (``kv``: the
+cache-aware pair's). ``--gateway-tree DIR`` runs the gateway from another checkout (its ``llmgw`` and ``bench.gateway``) under this harness: ``bench.ab`` compares two trees so.
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ TOP_FUNCTIONS = 40
 
 
 def run(seconds: float, streams: int, profile: bool, requests: int = 0,
-        profile_out: Path | None = None, gateway_tree: Path | None = None) -> dict[str, Any]:
+        profile_out: Path | None = None, gateway_tree: Path | None = None,
+        routing: str = gw.LLMGW_POLICY) -> dict[str, Any]:
     """Runs the streams (or, with ``requests``, wrk at that concurrency) through a fresh gateway;
     returns the report (see the module docstring). With ``profile_out`` the raw cProfile file is
     copied there (for ``python -m pstats``); ``gateway_tree``: the checkout the gateway runs
-    from (default: this one)."""
+    from (default: this one); ``routing``: the gateway's routing policy (default: the cheapest
+    path, as ``bench.gateway`` runs ``llmgw``)."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-relaycost-"))
     fleet = gw.Fleet(work)
     stats_path = work / "gateway.prof"
@@ -55,7 +57,7 @@ def run(seconds: float, streams: int, profile: bool, requests: int = 0,
         # The engines alone under the same streams first: the baseline of added_ttft_p50_ms.
         direct = None if requests else gw.run_streams(replicas, streams, seconds)
         port = free_tcp_port()
-        serve = ["-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", "1",
+        serve = ["-m", "bench.gateway", "--serve-llmgw", str(port), "--workers", "1", "--routing", routing,
                  *[f"http://{host}:{p}" for host, p in replicas]]
         cmd = [sys.executable, *(["-m", "cProfile", "-o", str(stats_path)] if profile else []), *serve]
         tree = gateway_tree if gateway_tree is not None else Path(__file__).resolve().parent.parent
@@ -118,11 +120,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="with --profile: keep the raw cProfile file there")
     parser.add_argument("--gateway-tree", type=Path, metavar="DIR",
                         help="run the gateway from this checkout (its llmgw and bench.gateway; default: this one)")
+    parser.add_argument("--routing", default=gw.LLMGW_POLICY, metavar="POLICY",
+                        help=f"the gateway's routing policy (default {gw.LLMGW_POLICY}; {gw.LLMGW_KV_POLICY}: "
+                             "the policy llmgw ships with, as bench.gateway's llmgw-kv)")
     args = parser.parse_args(argv)
     if args.gateway_tree is not None and not (args.gateway_tree / "llmgw" / "__init__.py").is_file():
         parser.error(f"--gateway-tree {args.gateway_tree}: no llmgw package there")
     print(json.dumps(run(args.seconds, args.streams, args.profile, args.requests, args.profile_out,
-                         args.gateway_tree), indent=1))
+                         args.gateway_tree, args.routing), indent=1))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from .http.extensions import REQUEST_ID_KEY
 from .http.forward import BodySink, FastForward, ForwardCall, ForwardResult
 from .http.relayhub import RelayHub
 from .http.upstream import (
-    BodyReader, UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error,
+    BodyReader, UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error, release_or_close,
 )
 from .http.upstream_pool import H1Response
 from .kvindex import KvIndex
@@ -494,7 +494,7 @@ class Gateway:
             except httpx.HTTPError as error:
                 lease.release()
                 raise errors.upstream_failed(info.model, describe_error(error)) from error
-            releases.push_async_callback(close_quietly, response)
+            releases.push_async_callback(release_or_close, response)
             # LoRA: a 404 for an adapter the gateway loaded means the engine lost it (restart, or
             # another gateway worker unloaded it): load it again and retry once.
             if self.adapters.engine_answered(replica, target, response.status_code) and attempt + 1 < MAX_ATTEMPTS:
@@ -546,7 +546,9 @@ class Gateway:
             raise errors.upstream_failed(forwarded.info.model, describe_error(error)) from error
         finally:
             lease.release()
-            await close_quietly(upstream)
+            closing = release_or_close(upstream)
+            if closing is not None:
+                await closing
         forwarded.account(usage_from_body(content) if upstream.status_code == 200 else None)
         return upstream.status_code, headers, content
 

@@ -473,12 +473,17 @@ class KvAwarePolicy(RoutingPolicy):
         the engine's, else from the prefix tree. Prices within :data:`COST_TIE_S` are
         equal; then the longest match, then the least recently chosen replica wins.
         """
-        adapter = request.adapter
-        salt = cache_salt(request.body)
-        text = prompt_text(request.body)
-        path = path_hashes(text, salt=(adapter, salt))
         self.agreement.sweep()
-        precise = await self.precise_hashes(candidates, request, adapter)
+        precise = await self.precise_hashes(candidates, request, request.adapter)
+        return self._price(candidates, request, precise)
+
+    def _price(self, candidates: Sequence[Replica], request: RequestInfo,
+               precise: dict[str, tuple[int, ...]]) -> Decision:
+        """Return the cheapest of ``candidates`` for ``request`` (recorded), given the
+        request's block hashes per precise-capable candidate (:meth:`precise_hashes`)."""
+        adapter = request.adapter
+        text = prompt_text(request.body)
+        path = path_hashes(text, salt=(adapter, cache_salt(request.body)))
         prompt_tokens = _prompt_tokens(precise, self.index, text)
         price = self.load.prefill.price
         best: tuple[Any, ...] | None = None
@@ -515,16 +520,24 @@ class KvAwarePolicy(RoutingPolicy):
         return last
 
     def route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route | Awaitable[Route]:
-        """Return the only candidate's route at once, else an awaitable of the cheapest's
-        (with its uncached tokens, and the hash-agreement check told of its first token)."""
+        """Return the only candidate's route at once, else the cheapest's (with its uncached
+        tokens, and the hash-agreement check told of its first token): at once while no
+        replica reports KV events (nothing to tokenize), else an awaitable of it."""
         if not candidates:
             raise ValueError("route() needs at least one candidate replica")
         if len(candidates) == 1:
             return Route(candidates[0])
+        if not self.index.has_replicas():  # nothing to hash: all approximate, priced now
+            self.agreement.sweep()
+            return self._route_of(self._price(candidates, request, {}))
         return self._route(candidates, request)
 
     async def _route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route:
-        decision = await self.decide(candidates, request)
+        return self._route_of(await self.decide(candidates, request))
+
+    def _route_of(self, decision: Decision) -> Route:
+        """Return the route of ``decision``: its replica and uncached tokens, the hash-agreement
+        check told of its first token, and the prefix tree's claim checked against the usage."""
         replica_id, expectation = decision.replica.id, decision.expectation
         on_usage = self._tree_check(decision) if decision.by_tree else None
         if expectation is None:

@@ -14,7 +14,7 @@ from llmgw.router.kvindex import KvIndex
 from llmgw.router.prefixtree import SHRINK_FACTOR
 from llmgw.router.tokens import TokenHasher
 from llmgw.router.usage import Usage
-from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, RoutingObserver
+from llmgw.router.replicas import LeastOutstanding, LoadTracker, Replica, RequestInfo, Route, RoutingObserver
 from llmgw.spec import KvDelta
 
 A = Replica("a", "m", "http://127.0.0.1:1", engine="vllm")
@@ -205,6 +205,14 @@ async def test_approximate_for_engines_without_events() -> None:
     second = await p.decide([la, lb], chat(system + "question two"))
     assert second.replica is first.replica and second.kind == APPROXIMATE
     assert hasher.calls == 0
+    # While no replica reports KV events there is nothing to tokenize: route() prices the
+    # candidates at once and returns the route itself, no coroutine to await.
+    route = p.route([la, lb], chat(system + "question three"))
+    assert isinstance(route, Route) and route.replica is first.replica
+    live(p, A)
+    pending = p.route([A, B], chat())  # a replica reports events: it may tokenize
+    assert not isinstance(pending, Route)
+    assert (await pending).replica in (A, B)
 
 
 async def test_stale_events_fall_back_to_approximate() -> None:
@@ -301,10 +309,10 @@ async def test_approximate_routing_learns_the_replicas_cache_from_the_engines_us
     p = policy(Clock())
     la, lb = Replica("a", "m", "http://x:1", engine="llama.cpp"), Replica("b", "m", "http://x:2", engine="llama.cpp")
     for i in range(40):  # 40 conversations' prompts in the tree, 10 nodes each
-        await p.route([la, lb], chat(f"conversation {i:02d} " * 80))
+        p.route([la, lb], chat(f"conversation {i:02d} " * 80))  # no KV events: routed at once
     again = chat("conversation 00 " * 80)
-    route = await p.route([la, lb], again)  # the tree claims the whole prompt is held there
-    assert route.on_usage is not None
+    route = p.route([la, lb], again)  # the tree claims the whole prompt is held there
+    assert isinstance(route, Route) and route.on_usage is not None
     held_at = route.replica.id
     size = p.tree.size(held_at)
     route.on_usage(Usage(prompt_tokens=330, completion_tokens=5))  # an engine that never says what it held

@@ -37,8 +37,9 @@ class Releases:
         """Call ``function(*args)`` when the request ends."""
         self._callbacks.append((function, args, False))
 
-    def push_async_callback(self, function: Callable[..., Awaitable[object]], *args: Any) -> None:
-        """Await ``function(*args)`` when the request ends."""
+    def push_async_callback(self, function: Callable[..., Awaitable[object] | None], *args: Any) -> None:
+        """Call ``function(*args)`` when the request ends, and await what it returns unless
+        that is None (a release that needed no wait)."""
         self._callbacks.append((function, args, True))
 
     async def aclose(self) -> None:
@@ -54,7 +55,9 @@ class Releases:
         for function, args, is_async in reversed(callbacks):
             try:
                 if is_async:
-                    await function(*args)
+                    pending = function(*args)
+                    if pending is not None:
+                        await pending
                 else:
                     function(*args)
             except BaseException as raised:  # raised below, once the rest ran

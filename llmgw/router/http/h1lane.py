@@ -167,6 +167,7 @@ class FastLaneProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._lane_open = not self.config.server_names and self.config.log.access_logger is None
         self._scheme = "https" if self.ssl else "http"
+        self._root_path = self.config.root_path  # a property of Hypercorn's config: read once
         # The ASGI app inside Hypercorn's ASGIWrapper, which only drops the two arguments
         # Hypercorn adds: the lane calls it directly (None: call Hypercorn's app, e.g. WSGI).
         self._asgi: Any = self.app.app if type(self.app) is ASGIWrapper else None
@@ -243,7 +244,7 @@ class FastLaneProtocol(H11Protocol):
             "path": unquote(path) if "%" in path else path,
             "raw_path": raw_path,
             "query_string": query,
-            "root_path": self.config.root_path,
+            "root_path": self._root_path,
             "headers": request.headers,
             "client": self.client,
             "server": self.server,

@@ -470,6 +470,12 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
+def release_or_close(response: H1Response) -> Awaitable[None] | None:
+    """Release ``response`` now when that needs no wait (see :meth:`H1Response.release_if_reusable`):
+    None; else return :func:`close_quietly` of it, for the caller to await."""
+    return None if response.release_if_reusable() else close_quietly(response)
+
+
 async def close_quietly(response: H1Response) -> None:
     """Close ``response`` (returning or dropping its connection), even while cancelled.
 
