@@ -6,11 +6,13 @@ tokenizer (16k tokens, the kind Llama 3 and Qwen use, smaller) on generated text
 seconds and gives it ChatML special tokens and a Qwen-style chat template. Used by
 ``python -m bench.routing`` (router_cost section) and runnable alone::
 
-    python -m bench.localtokens            # JSON on stdout
+    python -m bench.localtokens                      # JSON on stdout
+    python -m bench.localtokens --reserved-tokens 250  # with Llama 3's 250 reserved added tokens
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -48,8 +50,14 @@ def _sentence(rng: random.Random, words: int) -> str:
     return " ".join(_word(rng) for _ in range(words)).capitalize() + rng.choice(".,;:!?")
 
 
-def bench_tokenizer_files(seed: int = 1) -> dict[str, bytes]:
-    """Return the files of a trained byte-level BPE tokenizer with a ChatML template."""
+#: Added tokens Llama 3's tokenizer reserves (``<|reserved_special_token_N|>``, about 250 of its 256): none
+#: of them appears in a prompt, but the gateway's splitter looks for every added token.
+LLAMA3_RESERVED_TOKENS = 250
+
+
+def bench_tokenizer_files(seed: int = 1, reserved: int = 0) -> dict[str, bytes]:
+    """Return the files of a trained byte-level BPE tokenizer with a ChatML template, and
+    ``reserved`` more added tokens named as Llama 3 names its reserved ones."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     rng = random.Random(seed)
@@ -57,7 +65,9 @@ def bench_tokenizer_files(seed: int = 1) -> dict[str, bytes]:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [
+        f"<|reserved_special_token_{i}|>" for i in range(reserved)]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus, trainer)
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}
@@ -82,9 +92,10 @@ def _run(coro: Any) -> Any:
     raise RuntimeError("the decision suspended: it went to the network")
 
 
-def measure(runs: int = 200, seed: int = 2) -> dict[str, Any]:
-    """Return the costs (microseconds, medians over ``runs``) of tokenizing and deciding locally."""
-    tokenizer = LocalTokenizer(bench_tokenizer_files())
+def measure(runs: int = 200, seed: int = 2, reserved: int = 0) -> dict[str, Any]:
+    """Return the costs (microseconds, medians over ``runs``) of tokenizing and deciding
+    locally, with a tokenizer of ``reserved`` more added tokens (:func:`bench_tokenizer_files`)."""
+    tokenizer = LocalTokenizer(bench_tokenizer_files(reserved=reserved))
     rng = random.Random(seed)
     history = [{"role": "system", "content": _sentence(rng, 60)}]
     while len(tokenizer.ids(tokenizer.chat_parts({"messages": history}) or _fail())) < HISTORY_TOKENS:
@@ -129,6 +140,7 @@ def measure(runs: int = 200, seed: int = 2) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "turns": len(history) // 2,
         "vocab": tokenizer.tokenizer.get_vocab_size(),
+        "added_tokens": len(tokenizer.tokenizer.get_added_tokens_decoder()),
         "render_template_us": _median_us(render_only, runs),
         "tokenize_whole_prompt_us": cold_us,
         "precise_decision_next_turn_us": round(statistics.median(decisions) * 1e6, 1),
@@ -143,4 +155,7 @@ def _fail() -> Any:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(), indent=1))
+    parser = argparse.ArgumentParser(prog="python -m bench.localtokens", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reserved-tokens", type=int, default=0, metavar="N",
+                        help=f"N more added tokens, as Llama 3 reserves them ({LLAMA3_RESERVED_TOKENS}; default 0)")
+    print(json.dumps(measure(reserved=parser.parse_args().reserved_tokens), indent=1))

@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import attrs
 import tokenizers
@@ -202,7 +202,7 @@ class LocalTokenizer:
 
         Tokens matched after normalization, or that swallow whitespace on their left, are
         left out: cutting before them could change the ids. Longest first, as the
-        tokenizer matches them.
+        tokenizer matches them (:func:`longest_first_pattern`).
         """
         contents = {
             token.content for token in self.tokenizer.get_added_tokens_decoder().values()
@@ -210,7 +210,7 @@ class LocalTokenizer:
         }
         if not contents:
             return None
-        return re.compile("|".join(re.escape(c) for c in sorted(contents, key=len, reverse=True)))
+        return re.compile(longest_first_pattern(contents))
 
     def _post_processor_parts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Return the ids the post-processor puts before and after a single sequence.
@@ -225,3 +225,39 @@ class LocalTokenizer:
             if full[start:start + len(plain)] == plain:
                 return tuple(full[:start]), tuple(full[start + len(plain):])
         raise TokenizerFilesError("the post-processor changes a prompt's own tokens; cannot add special tokens locally")
+
+
+def longest_first_pattern(words: Iterable[str]) -> str:
+    """Return a regular expression matching any of ``words`` (non-empty), the longest one
+    where several match at a position: what an alternation of the words sorted longest
+    first matches, with their common prefixes factored out (a trie).
+
+    The splitter searches every prompt for the added tokens, and tokenizers have many that
+    share a prefix (Llama 3: 256, ``<|reserved_special_token_N|>`` and the like). Searched
+    for as one flat alternation, they took 86 us in a 4k-token Llama 3 prompt here; as a
+    trie, 15 us (bench/README.md). Greedy optional groups keep the longest match first
+    where one word is a prefix of another.
+    """
+    trie: dict[str, dict] = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a word ends here
+    return _trie_pattern(trie)
+
+
+def _trie_pattern(node: dict[str, dict]) -> str:
+    """Return the pattern of what follows ``node`` in the trie of :func:`longest_first_pattern`."""
+    branches = []
+    for char in sorted(key for key in node if key):
+        child, run = node[char], char
+        while len(child) == 1 and "" not in child:  # a chain of single children: one literal
+            ((next_char, child),) = child.items()
+            run += next_char
+        branches.append(re.escape(run) + _trie_pattern(child))
+    if not branches:
+        return ""
+    if "" in node:  # a word ends here: the longer ones first, then none of them
+        return "(?:" + "|".join(branches) + ")?"
+    return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ from hypothesis import given, settings, strategies as st
 
 from llmgw import kvhash
 from llmgw.chattemplate import OPENAI, STRING, ChatTemplate
-from llmgw.hftokenizer import TOKENIZER_FILES, LocalTokenizer, TokenizerFilesError, read_tokenizer_files
+from llmgw.hftokenizer import (
+    TOKENIZER_FILES, LocalTokenizer, TokenizerFilesError, longest_first_pattern, read_tokenizer_files,
+)
 from llmgw.node.engines.engine_path import llmgw_vllm_guard
 from llmgw.router.replicas import Replica, RequestInfo
 from llmgw.router.tokens import TokenHasher
@@ -144,6 +147,17 @@ def test_segments_tokenize_as_the_whole(chatml: LocalTokenizer, pieces: list[str
     segments = chatml.split(text)
     assert "".join(segments) == text
     assert chatml.ids(chatml.completion_parts(text)) == chatml.tokenizer.encode(text).ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.text(alphabet="ab<|>", min_size=1, max_size=5), min_size=1, max_size=8),
+       st.text(alphabet="ab<|>xy", max_size=60))
+def test_the_added_token_pattern_matches_as_a_longest_first_alternation(words: set[str], text: str) -> None:
+    # Words that are prefixes of others, share prefixes, or overlap in the text: the trie
+    # must cut where the tokenizer does (the longest added token at the leftmost place).
+    alternation = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+    trie = re.compile(longest_first_pattern(words))
+    assert [m.span() for m in trie.finditer(text)] == [m.span() for m in alternation.finditer(text)]
 
 
 def conversation(turns: int, rng: random.Random) -> list[dict]:
