@@ -50,8 +50,8 @@ def _sentence(rng: random.Random, words: int) -> str:
     return " ".join(_word(rng) for _ in range(words)).capitalize() + rng.choice(".,;:!?")
 
 
-#: Added tokens Llama 3's tokenizer reserves (``<|reserved_special_token_N|>``, about 250 of its 256): none
-#: of them appears in a prompt, but the gateway's splitter looks for every added token.
+#: Added tokens Llama 3's tokenizer reserves (``<|reserved_special_token_N|>``, about 250 of
+#: its 256): none appears in a prompt, but the gateway's splitter looks for every added token.
 LLAMA3_RESERVED_TOKENS = 250
 
 

@@ -14,8 +14,10 @@ wall-clock noise on a shared machine hides: Python function calls, socket reads 
 writes per stream and per event (exact counts, comparable between two versions of the
 gateway), and the functions with the most time of their own (``--profile-out FILE`` keeps
 the raw profile). ``--requests C`` counts non-streaming requests instead: ``wrk`` at
-concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request. ``--routing POLICY`` picks the gateway's routing (``kv``: the
-cache-aware pair's). ``--gateway-tree DIR`` runs the gateway from another checkout (its ``llmgw`` and ``bench.gateway``) under this harness: ``bench.ab`` compares two trees so.
+concurrency ``C`` (as ``bench.gateway`` runs it), the figures per request. ``--routing
+POLICY`` picks the gateway's routing (``kv``: the cache-aware pair's). ``--gateway-tree DIR``
+runs the gateway from another checkout (its ``llmgw`` and ``bench.gateway``) under this
+harness: ``bench.ab`` compares two trees so.
 """
 
 from __future__ import annotations

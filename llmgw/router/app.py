@@ -48,7 +48,8 @@ from .http.extensions import REQUEST_ID_KEY
 from .http.forward import BodySink, FastForward, ForwardCall, ForwardResult
 from .http.relayhub import RelayHub
 from .http.upstream import (
-    BodyReader, UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error, release_or_close,
+    BodyReader, UpstreamClient, UpstreamConnectError, UpstreamTimeouts, close_quietly, describe_error,
+    release_or_close,
 )
 from .http.upstream_pool import H1Response
 from .kvindex import KvIndex

@@ -475,9 +475,9 @@ class KvAwarePolicy(RoutingPolicy):
         """
         self.agreement.sweep()
         precise = await self.precise_hashes(candidates, request, request.adapter)
-        return self._price(candidates, request, precise)
+        return self._cheapest(candidates, request, precise)
 
-    def _price(self, candidates: Sequence[Replica], request: RequestInfo,
+    def _cheapest(self, candidates: Sequence[Replica], request: RequestInfo,
                precise: dict[str, tuple[int, ...]]) -> Decision:
         """Return the cheapest of ``candidates`` for ``request`` (recorded), given the
         request's block hashes per precise-capable candidate (:meth:`precise_hashes`)."""
@@ -529,7 +529,7 @@ class KvAwarePolicy(RoutingPolicy):
             return Route(candidates[0])
         if not self.index.has_replicas():  # nothing to hash: all approximate, priced now
             self.agreement.sweep()
-            return self._route_of(self._price(candidates, request, {}))
+            return self._route_of(self._cheapest(candidates, request, {}))
         return self._route(candidates, request)
 
     async def _route(self, candidates: Sequence[Replica], request: RequestInfo) -> Route:
