@@ -79,9 +79,33 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+#: Every attribute a plain ``dict`` has (its methods and ``object``'s): any other name read
+#: as an attribute of a dict is none, and the sandbox then reads it as a key.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with ``message.role`` on a plain dict read as the key at once.
+
+    Jinja reads ``x.name`` by trying the attribute first and the key after it. A message is
+    a dict, which has no such attribute: every ``message.role`` or ``message.content``
+    raised and caught an ``AttributeError`` first, and that was half of a template's
+    rendering (41 against 21 us for a 36-message conversation, bench/README.md). A name a
+    dict does have (``items``, ``__class__``) goes the sandbox's way, so what a template
+    sees, and what the sandbox refuses, are unchanged.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

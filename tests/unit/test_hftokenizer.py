@@ -12,6 +12,8 @@ import random
 import re
 from pathlib import Path
 
+import jinja2
+import jinja2.sandbox
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -115,6 +117,29 @@ def test_template_globals_and_filters_are_transformers_ones() -> None:
                             "{{ strftime_now('%Y') | length }}", {"bos_token": "<s>"})
     out = template.render([{"role": "user", "content": "é<>"}], False)
     assert out == '<s>[{"role": "user", "content": "é<>"}]g4'  # no HTML escaping, no ASCII escaping
+
+
+@pytest.mark.parametrize("name", ["role", "content", "absent", "_private", "items", "get", "keys", "pop",
+                                  "__class__", "__dict__", "__name__", "mro"])
+def test_a_dicts_attributes_read_in_a_template_are_what_jinjas_sandbox_reads(name: str) -> None:
+    # The gateway's sandbox reads a message's keys without Jinja's attribute attempt first:
+    # keys, missing keys, dict methods and unsafe names must come out as the sandbox gives them.
+    message = {"role": "user", "content": "q", "_private": 1, "items": "shadowed", "pop": 2}
+    template = ChatTemplate("", {})
+    ours = template._template.environment
+    theirs = jinja2.sandbox.ImmutableSandboxedEnvironment()
+    got, expected = ours.getattr(message, name), theirs.getattr(message, name)
+    assert type(got) is type(expected)
+    if isinstance(expected, jinja2.Undefined):
+        assert (got._undefined_name, got._undefined_obj) == (expected._undefined_name, expected._undefined_obj)
+    elif callable(expected):
+        assert got == expected  # the same bound method
+    else:
+        assert got is expected
+    rendered = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }}{{ m.absent }}|{% endfor %}", {})
+    assert rendered.render([message, {"role": "assistant", "content": "a"}], False) == "user:q|assistant:a|"
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        ChatTemplate("{{ m.pop('role') }}", {})._template.render(m=message)  # still immutable
 
 
 def test_files_that_make_no_tokenizer_are_refused_with_the_reason(tmp_path: Path) -> None:
