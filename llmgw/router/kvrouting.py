@@ -478,7 +478,7 @@ class KvAwarePolicy(RoutingPolicy):
         return self._cheapest(candidates, request, precise)
 
     def _cheapest(self, candidates: Sequence[Replica], request: RequestInfo,
-               precise: dict[str, tuple[int, ...]]) -> Decision:
+                  precise: dict[str, tuple[int, ...]]) -> Decision:
         """Return the cheapest of ``candidates`` for ``request`` (recorded), given the
         request's block hashes per precise-capable candidate (:meth:`precise_hashes`)."""
         adapter = request.adapter

@@ -56,6 +56,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llmgw.config.sections import ROUTING_POLICIES
+from llmgw.router.prefixtree import CHUNK_CHARS
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
@@ -91,6 +92,8 @@ UNKNOWN = "unknown"
 PREFIX = "llmgw_gateway"
 #: The hash-agreement alarm gauge (1 while raised, by model and replica).
 KV_HASH_ALARM = f"{PREFIX}_kv_hash_alarm"
+#: The prefix tree's learnt bound per replica: the same replica's in every worker (SHARED_FAMILIES).
+PREFIX_TREE_BOUND = f"{PREFIX}_prefix_tree_bound_nodes"
 
 
 class GatewayMetrics:
@@ -451,9 +454,9 @@ class _PrefixTreeCollector(Collector):
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (
-            GaugeMetricFamily(f"{PREFIX}_prefix_tree_nodes", "Nodes (128 characters of prompt text) the "
-                              "approximate router believes each replica holds.", labels=["replica"]),
-            GaugeMetricFamily(f"{PREFIX}_prefix_tree_bound_nodes", "The most nodes the approximate router keeps "
+            GaugeMetricFamily(f"{PREFIX}_prefix_tree_nodes", f"Nodes ({CHUNK_CHARS} characters of prompt text) "
+                              "the approximate router believes each replica holds.", labels=["replica"]),
+            GaugeMetricFamily(PREFIX_TREE_BOUND, "The most nodes the approximate router keeps "
                               "for each replica, learnt from the cached tokens its engine reports.", labels=["replica"]),
         )
 
@@ -499,8 +502,8 @@ class _KvIndexCollector(Collector):
 #: plane feeds them all), that any worker may raise (the hash alarm) or that each learns
 #: for the same replica (the prefix tree's bound): merged across workers by the largest
 #: value, not the sum (llmgw/router/workers/protocol.py).
-SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()} | {KV_HASH_ALARM}
-                            | {_PrefixTreeCollector._families()[1].name})
+SHARED_FAMILIES = frozenset({family.name for family in _KvIndexCollector._families()}
+                            | {KV_HASH_ALARM, PREFIX_TREE_BOUND})
 
 
 class ChunkGaps:
